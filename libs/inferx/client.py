@@ -1,0 +1,78 @@
+"""Python SDK: a thin async client of inferx.v1.Router whose failures are typed
+InferxError exceptions (one mapping, in inferx.errors) instead of raw gRPC errors."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from inferx.discovery import CHANNEL_OPTIONS
+from inferx.errors import from_rpc_error
+from inferx.v1 import router_pb2, router_pb2_grpc
+
+DEFAULT_ROUTER = "127.0.0.1:50051"
+
+
+class InferxClient:
+    def __init__(self, address: str = DEFAULT_ROUTER, *, timeout_s: float | None = None) -> None:
+        self.address = address
+        self._timeout_s = timeout_s
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = router_pb2_grpc.RouterStub(self._channel)
+
+    async def __aenter__(self) -> InferxClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def _unary(self, method, request, timeout_s: float | None = 30.0):
+        try:
+            return await method(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, target=f"the router at {self.address}") from None
+
+    async def run_chain(
+        self,
+        chain: str,
+        inputs: dict[str, str] | None = None,
+        *,
+        version: int = 0,
+        label: str = "",
+        session_id: str = "",
+        tier: int = 0,
+    ) -> AsyncIterator[router_pb2.RunEvent]:
+        request = router_pb2.RunChainRequest(
+            chain=chain, inputs=inputs or {}, version=version, label=label, session_id=session_id, tier=tier
+        )
+        try:
+            async for event in self._stub.RunChain(request, timeout=self._timeout_s):
+                yield event
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, target=f"the router at {self.address}") from None
+
+    async def put_chain(
+        self, config: str, *, message: str = "", expect_version: int = 0, activate: bool = True, author: str = ""
+    ) -> router_pb2.PutChainResponse:
+        return await self._unary(
+            self._stub.PutChain,
+            router_pb2.PutChainRequest(
+                config=config, message=message, expect_version=expect_version, no_activate=not activate, author=author
+            ),
+        )
+
+    async def get_chain(self, name: str, *, version: int = 0, label: str = "") -> router_pb2.ChainVersion:
+        return await self._unary(self._stub.GetChain, router_pb2.GetChainRequest(name=name, version=version, label=label))
+
+    async def list_chains(self) -> router_pb2.ListChainsResponse:
+        return await self._unary(self._stub.ListChains, router_pb2.ListChainsRequest())
+
+    async def validate_chain(self, config: str) -> router_pb2.ValidateChainResponse:
+        return await self._unary(self._stub.ValidateChain, router_pb2.ValidateChainRequest(config=config))
+
+    async def status(self) -> router_pb2.SystemStatus:
+        return await self._unary(self._stub.GetStatus, router_pb2.GetStatusRequest(), timeout_s=10.0)

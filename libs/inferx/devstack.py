@@ -1,0 +1,413 @@
+"""Run a whole local InferX (etcd + the five services) as child processes.
+
+`inferx up` / `make run` use it in the foreground; the integration tests use the same
+code with free ports and a temporary directory, so what the tests start is what
+users start. Every child gets its own process group, so stopping it stops anything
+it spawned too (vLLM's engine-core subprocess included).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+SERVICE_KINDS = ("router", "scheduler", "memory-pool", "cache")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+class StackError(Exception):
+    """Something the user can fix; the message says what."""
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    argv: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    address: str = ""
+    metrics_port: int = 0
+    popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        self.popen = subprocess.Popen(
+            self.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **self.env},
+            start_new_session=True,  # own process group: we can stop it and its children
+        )
+        log.close()
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        if self.popen is None:
+            return
+        self.signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+            self.popen.wait(5)
+        # Children of the group (e.g. vLLM's engine core) must not outlive it.
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def wait_serving(proc: ManagedProcess, timeout_s: float, service: str = "") -> float:
+    """Poll gRPC health until SERVING; fail early (with the log) if the process exits."""
+    started = time.monotonic()
+    deadline = started + timeout_s
+    with grpc.insecure_channel(proc.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if not proc.alive():
+                raise StackError(f"{proc.name} exited during start-up; its log ends with:\n{proc.log_tail()}")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return time.monotonic() - started
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise StackError(f"{proc.name} not serving after {timeout_s:.0f}s; its log ends with:\n{proc.log_tail()}")
+
+
+def find_etcd() -> str:
+    path = shutil.which("etcd")
+    if path is None:
+        raise StackError("etcd is not installed: run `make setup` (or install etcd >= 3.4)")
+    return path
+
+
+@dataclass
+class StackPorts:
+    etcd: int = 2379
+    etcd_peer: int = 2380
+    router: int = 50051
+    scheduler: int = 50052
+    memory_pool: int = 50053
+    cache: int = 50054
+    worker_base: int = 50061
+    metrics_base: int = 9100
+
+    @classmethod
+    def free(cls) -> StackPorts:
+        return cls(
+            etcd=free_port(), etcd_peer=free_port(), router=free_port(), scheduler=free_port(),
+            memory_pool=free_port(), cache=free_port(), worker_base=0, metrics_base=0,
+        )
+
+    def service_port(self, kind: str) -> int:
+        return {"router": self.router, "scheduler": self.scheduler, "memory-pool": self.memory_pool, "cache": self.cache}[kind]
+
+
+class LocalStack:
+    def __init__(
+        self,
+        state_dir: Path,
+        ports: StackPorts | None = None,
+        *,
+        lease_ttl_s: int = 10,
+        fresh_etcd: bool = False,
+        python: str = sys.executable,
+        knowledge_base: Path | None = None,
+    ) -> None:
+        self.state_dir = state_dir
+        self.ports = ports or StackPorts()
+        self.lease_ttl_s = lease_ttl_s
+        self.fresh_etcd = fresh_etcd
+        self.python = python
+        self.knowledge_base = knowledge_base
+        self.etcd: ManagedProcess | None = None
+        self.services: dict[str, ManagedProcess] = {}
+        self.workers: list[ManagedProcess] = []
+        self._metrics_next = self.ports.metrics_base
+
+    @property
+    def etcd_endpoint(self) -> str:
+        return f"127.0.0.1:{self.ports.etcd}"
+
+    @property
+    def router_address(self) -> str:
+        return f"127.0.0.1:{self.ports.router}"
+
+    def _metrics_port(self) -> int:
+        if not self.ports.metrics_base:
+            return 0
+        port, self._metrics_next = self._metrics_next, self._metrics_next + 1
+        return port
+
+    # ----- etcd ---------------------------------------------------------------------
+
+    def start_etcd(self, timeout_s: float = 20.0) -> ManagedProcess:
+        for port in (self.ports.etcd, self.ports.etcd_peer):
+            if port_in_use(port):
+                raise StackError(f"port {port} is in use: is another etcd or `make run` running?")
+        data_dir = self.state_dir / "etcd"
+        if self.fresh_etcd and data_dir.exists():
+            shutil.rmtree(data_dir)
+        client = f"http://127.0.0.1:{self.ports.etcd}"
+        peer = f"http://127.0.0.1:{self.ports.etcd_peer}"
+        proc = ManagedProcess(
+            "etcd",
+            [
+                find_etcd(), "--name", "inferx", "--data-dir", str(data_dir),
+                "--listen-client-urls", client, "--advertise-client-urls", client,
+                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", f"inferx={peer}",
+            ],
+            self.state_dir / "logs" / "etcd.log",
+            address=f"127.0.0.1:{self.ports.etcd}",
+        )
+        proc.start()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not proc.alive():
+                raise StackError(f"etcd exited during start-up:\n{proc.log_tail()}")
+            if port_in_use(self.ports.etcd):
+                break
+            time.sleep(0.1)
+        else:
+            proc.stop()
+            raise StackError(f"etcd did not listen on {self.ports.etcd} within {timeout_s:.0f}s")
+        self.etcd = proc
+        return proc
+
+    # ----- services -----------------------------------------------------------------
+
+    def _service_argv(self, kind: str, port: int, metrics_port: int, extra: Sequence[str]) -> list[str]:
+        module = "inferx_" + kind.replace("-", "_")
+        return [
+            self.python, "-m", module,
+            "--etcd", self.etcd_endpoint, "--port", str(port), "--metrics-port", str(metrics_port),
+            "--lease-ttl-s", str(self.lease_ttl_s), *extra,
+        ]
+
+    def start_service(self, kind: str, extra: Sequence[str] = ()) -> ManagedProcess:
+        port = self.ports.service_port(kind)
+        metrics_port = self._metrics_port()
+        extra = list(extra)
+        if kind == "router" and self.knowledge_base is not None:
+            extra += ["--knowledge-base", str(self.knowledge_base)]
+        proc = ManagedProcess(
+            kind, self._service_argv(kind, port, metrics_port, extra), self.state_dir / "logs" / f"{kind}.log",
+            address=f"127.0.0.1:{port}", metrics_port=metrics_port,
+        )
+        proc.start()
+        self.services[kind] = proc
+        return proc
+
+    def start_worker(self, pool: str, engine: str, extra: Sequence[str] = (), port: int = 0) -> ManagedProcess:
+        index = len(self.workers)
+        if not port:
+            port = self.ports.worker_base + index if self.ports.worker_base else free_port()
+        metrics_port = self._metrics_port()
+        argv = self._service_argv("worker", port, metrics_port, ["--model", pool, "--engine", engine, *extra])
+        proc = ManagedProcess(
+            f"worker-{index}", argv, self.state_dir / "logs" / f"worker-{index}.log",
+            address=f"127.0.0.1:{port}", metrics_port=metrics_port,
+        )
+        proc.start()
+        self.workers.append(proc)
+        return proc
+
+    def start_core(self, timeout_s: float = 60.0) -> None:
+        """etcd, then router, scheduler, memory-pool and cache, all SERVING."""
+        if self.etcd is None:
+            self.start_etcd()
+        for kind in SERVICE_KINDS:
+            if kind not in self.services:
+                self.start_service(kind)
+        for kind in SERVICE_KINDS:
+            wait_serving(self.services[kind], timeout_s)
+
+    # ----- configuration ------------------------------------------------------------
+
+    def load_models(self, mapping: dict[str, str]) -> None:
+        """Write model -> pool mappings to etcd (/inferx/v1/models/<model>)."""
+        import json
+
+        from inferx import etcd
+
+        async def put() -> None:
+            client = etcd.make_client(self.etcd_endpoint)
+            async with client:
+                for model, pool in mapping.items():
+                    await client.put(etcd.model_key(model).encode(), json.dumps({"pool": pool}).encode())
+
+        asyncio.run(put())
+
+    def put_chains(self, files: Sequence[Path], message: str = "loaded by inferx up") -> list[str]:
+        """Store each chain file unless its active version already has that content."""
+        from inferx.chain.validate import load_chain_text
+        from inferx.client import InferxClient
+        from inferx.errors import NotFound
+
+        async def put() -> list[str]:
+            done = []
+            async with InferxClient(self.router_address) as client:
+                for path in files:
+                    text = path.read_text()
+                    wanted = yaml.safe_dump(load_chain_text(text, source=str(path)).config.to_document(), sort_keys=False)
+                    name = load_chain_text(text, source=str(path)).config.name
+                    try:
+                        current = await client.get_chain(name)
+                        if current.config_yaml == wanted:
+                            done.append(f"{name} v{current.version} (unchanged)")
+                            continue
+                    except NotFound:
+                        pass
+                    reply = await client.put_chain(text, message=message, author="inferx-up")
+                    done.append(f"{reply.name} v{reply.version}")
+            return done
+
+        return asyncio.run(put())
+
+    # ----- teardown -----------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Workers first (they drain), then the services, etcd last."""
+        for proc in reversed(self.workers):
+            proc.stop()
+        for kind in reversed(SERVICE_KINDS):
+            if kind in self.services:
+                self.services[kind].stop()
+        if self.etcd is not None:
+            self.etcd.stop()
+
+
+def read_models_file(path: Path) -> dict[str, str]:
+    data = yaml.safe_load(path.read_text()) or {}
+    models = data.get("models") if isinstance(data, dict) else None
+    if not isinstance(models, dict):
+        raise StackError(f"{path}: expected a top-level 'models:' mapping of model -> {{pool: NAME}}")
+    mapping = {}
+    for model, spec in models.items():
+        if not isinstance(spec, dict) or not isinstance(spec.get("pool"), str):
+            raise StackError(f"{path}: model '{model}': expected {{pool: NAME}}")
+        mapping[str(model)] = spec["pool"]
+    return mapping
+
+
+def run_foreground(engine: str = "vllm", workers: int = 1) -> int:
+    """`inferx up`: start everything, load the examples, wait for Ctrl-C, stop everything."""
+    root = Path.cwd()
+    examples = root / "examples"
+    if not (examples / "models.yaml").exists():
+        print("inferx up: error: run it from the InferX checkout (examples/models.yaml not found)", file=sys.stderr)
+        return 2
+    stack = LocalStack(root / ".inferx", knowledge_base=examples / "knowledge_base.jsonl")
+    stop_requested = False
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        nonlocal stop_requested
+        stop_requested = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        mapping = read_models_file(examples / "models.yaml")
+        pool = sorted(set(mapping.values()))[0]
+        step("etcd", lambda: stack.start_etcd())
+        step("router, scheduler, memory-pool, cache", lambda: stack.start_core())
+        stack.load_models(mapping)
+        worker_extra = ["--model-path", str(root / ".inferx" / "models" / "tiny-llama")] if engine == "vllm" else []
+        for _ in range(workers):
+            stack.start_worker(pool, engine, worker_extra)
+        note = " (vLLM loads the model: about 40 s on a CPU)" if engine == "vllm" else " (SIMULATED engine)"
+        for worker in stack.workers:
+            step(f"{worker.name} [{engine}, pool {pool}]{note}", lambda w=worker: wait_serving(w, 600))
+        loaded = stack.put_chains(sorted((examples / "chains").glob("*.yaml")))
+        print_addresses(stack, mapping, loaded)
+        print('\nTry:  inferx run customer_service_agent --input query="Where is my order?"')
+        print("Logs: .inferx/logs/   Ctrl-C stops everything.", flush=True)
+        while True:
+            for proc in [stack.etcd, *stack.services.values(), *stack.workers]:
+                if proc is not None and not proc.alive():
+                    print(f"\n{proc.name} exited unexpectedly; its log ends with:\n{proc.log_tail()}", file=sys.stderr)
+                    return 1
+            time.sleep(1)
+    except StackError as exc:
+        print(f"\ninferx up: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nstopping...", flush=True)
+        return 0
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip the cleanup
+        stack.stop()
+        print("all InferX processes stopped", flush=True)
+
+
+def step(what: str, action) -> None:
+    print(f"starting {what} ...", end="", flush=True)
+    started = time.monotonic()
+    action()
+    print(f" ok ({time.monotonic() - started:.1f}s)", flush=True)
+
+
+def print_addresses(stack: LocalStack, mapping: dict[str, str], loaded: list[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="InferX is running", title_justify="left")
+    for column in ("process", "gRPC", "metrics", "log"):
+        table.add_column(column)
+    rows = [("etcd", stack.etcd)] + list(stack.services.items()) + [(w.name, w) for w in stack.workers]
+    for name, proc in rows:
+        if proc is None:
+            continue
+        metrics = f"http://127.0.0.1:{proc.metrics_port}/metrics" if proc.metrics_port else "-"
+        table.add_row(name, proc.address, metrics, str(proc.log_path.relative_to(Path.cwd())))
+    console = Console(highlight=False)
+    console.print(table)
+    console.print("models: " + ", ".join(f"{m} -> pool {p}" for m, p in sorted(mapping.items())))
+    console.print("chains: " + ", ".join(loaded))

@@ -1,0 +1,86 @@
+"""Finding other services through etcd, and reusing one gRPC channel per address."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import aetcd
+import grpc
+from google.protobuf import json_format
+
+from inferx import etcd
+from inferx.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+# Keep idle channels healthy, and let big prompts through.
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.enable_retries", 0),
+]
+
+
+class ChannelPool:
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels[address] = channel
+        return channel
+
+    async def forget(self, address: str) -> None:
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            await channel.close()
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+
+class ServiceLocator:
+    """Live instances of every service kind, from `/inferx/v1/services/`."""
+
+    def __init__(self, client: aetcd.Client) -> None:
+        self.mirror = etcd.PrefixMirror(client, etcd.SERVICES, self._update)
+        self._by_kind: dict[str, list[common_pb2.ServiceInfo]] = {}
+        self._round_robin = itertools.count()
+
+    def start(self) -> None:
+        self.mirror.start()
+
+    async def close(self) -> None:
+        await self.mirror.close()
+
+    def _update(self, items: dict[str, bytes]) -> None:
+        by_kind: dict[str, list[common_pb2.ServiceInfo]] = {}
+        for key, value in items.items():
+            try:
+                info = json_format.Parse(value, common_pb2.ServiceInfo(), ignore_unknown_fields=True)
+            except json_format.ParseError:
+                log.warning("ignoring malformed service registration at %s", key)
+                continue
+            by_kind.setdefault(info.kind, []).append(info)
+        for infos in by_kind.values():
+            infos.sort(key=lambda i: i.instance_id)
+        self._by_kind = by_kind
+
+    def instances(self, kind: str) -> list[common_pb2.ServiceInfo]:
+        return list(self._by_kind.get(kind, ()))
+
+    def all(self) -> list[common_pb2.ServiceInfo]:
+        return [info for infos in self._by_kind.values() for info in infos]
+
+    def pick(self, kind: str) -> str | None:
+        """Address of one live instance of `kind` (round-robin), or None."""
+        infos = self._by_kind.get(kind)
+        if not infos:
+            return None
+        return infos[next(self._round_robin) % len(infos)].address

@@ -1,0 +1,96 @@
+"""One place that maps errors to gRPC status codes, in both directions.
+
+Domain code raises an `InferxError` subclass; the server bootstrap turns it into
+the matching status (`grpc_status_for`). Clients turn an `AioRpcError` back into the
+same typed exception (`from_rpc_error`), so the CLI and SDK never show a traceback.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class InferxError(Exception):
+    """Base of every error InferX reports to callers."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+class InvalidArgument(InferxError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(InferxError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class FailedPrecondition(InferxError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Aborted(InferxError):
+    code = grpc.StatusCode.ABORTED
+
+
+class ResourceExhausted(InferxError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class DeadlineExceeded(InferxError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Unavailable(InferxError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Internal(InferxError):
+    code = grpc.StatusCode.INTERNAL
+
+
+_BY_CODE: dict[grpc.StatusCode, type[InferxError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        FailedPrecondition,
+        Aborted,
+        ResourceExhausted,
+        DeadlineExceeded,
+        Unavailable,
+        Internal,
+    )
+}
+
+# Trailing metadata key carrying a retry hint for RESOURCE_EXHAUSTED / UNAVAILABLE.
+RETRY_AFTER_KEY = "inferx-retry-after-s"
+
+
+def from_rpc_error(error: grpc.aio.AioRpcError | grpc.RpcError, *, target: str = "") -> InferxError:
+    """Convert a failed call into the typed exception for its status code."""
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    details = (error.details() if hasattr(error, "details") else None) or str(code)
+    retry_after = None
+    trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    for key, value in trailing or ():
+        if key == RETRY_AFTER_KEY:
+            try:
+                retry_after = float(value)
+            except ValueError:
+                retry_after = None
+    if code == grpc.StatusCode.UNAVAILABLE and target and "failed to connect" in details.lower():
+        details = f"cannot reach {target}: is it running? ({details})"
+    cls = _BY_CODE.get(code, Internal)
+    return cls(details, retry_after_s=retry_after)
+
+
+async def abort_with(context: grpc.aio.ServicerContext, error: InferxError) -> None:
+    """Abort the current RPC with the status that matches `error`."""
+    if error.retry_after_s is not None:
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{error.retry_after_s:g}"),))
+    await context.abort(error.code, error.message)

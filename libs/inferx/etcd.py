@@ -1,0 +1,256 @@
+"""etcd access shared by every service: the key layout, a lease keeper that survives
+outages, and a prefix mirror that lists then watches and re-lists after any error.
+
+The client is `aetcd` (asyncio, maintained); `etcd3` 0.12 cannot be imported with
+protobuf >= 4.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import aetcd
+import aetcd.exceptions
+
+log = logging.getLogger(__name__)
+
+ROOT = "/inferx/v1"
+
+# One flat description of the key layout (DESIGN.md); every key is built here.
+SERVICES = f"{ROOT}/services/"
+WORKERS = f"{ROOT}/workers/"
+TOOLS = f"{ROOT}/tools/"
+CHAINS = f"{ROOT}/chains/"
+MODELS = f"{ROOT}/models/"
+
+
+def service_key(kind: str, instance_id: str) -> str:
+    return f"{SERVICES}{kind}/{instance_id}"
+
+
+def worker_key(pool: str, worker_id: str) -> str:
+    return f"{WORKERS}{pool}/{worker_id}"
+
+
+def tool_key(tool: str, instance_id: str) -> str:
+    return f"{TOOLS}{tool}/{instance_id}"
+
+
+def model_key(model: str) -> str:
+    return f"{MODELS}{model}"
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """'host:port' -> (host, port); a bad value raises ValueError naming it."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"etcd endpoint must be HOST:PORT, got {endpoint!r}")
+    return host, int(port)
+
+
+def make_client(endpoint: str, *, timeout_s: int = 5) -> aetcd.Client:
+    host, port = parse_endpoint(endpoint)
+    # Per-call timeout so a call made while etcd is down fails instead of hanging.
+    return aetcd.Client(host=host, port=port, timeout=timeout_s)
+
+
+# Errors that mean "etcd is not reachable right now" rather than a bug of ours.
+ETCD_DOWN_ERRORS: tuple[type[BaseException], ...] = (
+    aetcd.exceptions.ClientError,
+    ConnectionError,
+    asyncio.TimeoutError,
+    OSError,
+)
+
+
+class LeaseKeeper:
+    """Keeps a set of keys alive under one lease.
+
+    Keep-alive runs every TTL/3. If the lease is lost (etcd was unreachable longer
+    than the TTL, or etcd restarted), a new lease is granted and every key re-put as
+    soon as etcd answers again: never a crash loop, never a restart.
+    """
+
+    def __init__(self, client: aetcd.Client, ttl_s: int = 10) -> None:
+        self._client = client
+        self._ttl_s = ttl_s
+        self._keys: dict[str, bytes] = {}
+        self._lease: aetcd.leases.Lease | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._registered = asyncio.Event()
+        self.regrants = 0  # how many times the lease had to be granted again
+
+    @property
+    def ttl_s(self) -> int:
+        return self._ttl_s
+
+    @property
+    def lease_id(self) -> int | None:
+        return self._lease.id if self._lease else None
+
+    async def put(self, key: str, value: bytes) -> None:
+        """Keep `key` = `value` under the lease (now, if the lease is held)."""
+        self._keys[key] = value
+        if self._lease is not None:
+            try:
+                await self._client.put(key.encode(), value, lease=self._lease.id)
+            except ETCD_DOWN_ERRORS as exc:
+                log.warning("etcd put of %s failed (%s); will retry with the lease", key, exc)
+                self._lease = None  # forces a re-grant and re-put of everything
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="lease-keeper")
+
+    async def wait_registered(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self._registered.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+    async def close(self, *, revoke: bool = True) -> None:
+        """Stop keep-alive; revoke the lease so the keys vanish at once."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        if revoke and self._lease is not None:
+            try:
+                await self._client.revoke_lease(self._lease.id)
+            except ETCD_DOWN_ERRORS as exc:
+                log.warning("could not revoke lease (%s); keys expire within %ss", exc, self._ttl_s)
+        self._lease = None
+
+    async def _grant_and_put(self) -> None:
+        lease = await self._client.lease(self._ttl_s)
+        for key, value in self._keys.items():
+            await self._client.put(key.encode(), value, lease=lease.id)
+        self._lease = lease
+
+    async def _run(self) -> None:
+        interval = max(self._ttl_s / 3, 0.2)
+        failing = False
+        while True:
+            try:
+                if self._lease is None:
+                    await self._grant_and_put()
+                    if self._registered.is_set():
+                        self.regrants += 1
+                        log.warning("etcd lease re-granted; %d keys re-put", len(self._keys))
+                    self._registered.set()
+                else:
+                    reply = await self._client.refresh_lease(self._lease.id)
+                    if reply is None or reply.TTL <= 0:
+                        log.warning("etcd lease %x expired; granting a new one", self._lease.id)
+                        self._lease = None
+                        continue
+                if failing:
+                    log.info("etcd reachable again")
+                    failing = False
+                await asyncio.sleep(interval)
+            except asyncio.CancelledError:
+                raise
+            except ETCD_DOWN_ERRORS as exc:
+                if not failing:
+                    log.warning("etcd unreachable (%s); keeping local state and retrying", exc)
+                    failing = True
+                await asyncio.sleep(min(1.0, interval))
+
+
+class PrefixMirror:
+    """A local copy of every key under a prefix, kept current by a watch.
+
+    Lists the prefix, then watches from the next revision. On any watch error
+    (etcd down, revision compacted) it keeps the last known items -- so services go
+    on serving with what they hold -- and re-lists when etcd is back.
+    """
+
+    def __init__(
+        self,
+        client: aetcd.Client,
+        prefix: str,
+        on_change: Callable[[dict[str, bytes]], None] | None = None,
+    ) -> None:
+        self._client = client
+        self.prefix = prefix
+        self.items: dict[str, bytes] = {}
+        self._on_change = on_change
+        self._task: asyncio.Task[None] | None = None
+        self._synced = asyncio.Event()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"mirror:{self.prefix}")
+
+    async def wait_synced(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self._synced.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            try:
+                self._on_change(dict(self.items))
+            except Exception:  # a bad listener must not kill the watch
+                log.exception("listener of %s failed", self.prefix)
+
+    async def _run(self) -> None:
+        failing = False
+        while True:
+            watch = None
+            try:
+                listing = await self._client.get_prefix(self.prefix.encode())
+                self.items = {kv.key.decode(): kv.value for kv in listing}
+                revision = listing.header.revision if listing.header else 0
+                self._changed()
+                self._synced.set()
+                if failing:
+                    log.info("watch of %s restored (%d keys)", self.prefix, len(self.items))
+                    failing = False
+                watch = await self._client.watch_prefix(
+                    self.prefix.encode(), start_revision=revision + 1
+                )
+                async for event in watch:
+                    key = event.kv.key.decode()
+                    if event.kind == "PUT":
+                        self.items[key] = event.kv.value
+                    else:
+                        self.items.pop(key, None)
+                    self._changed()
+                # The iterator ends only when cancelled; loop to re-list.
+            except asyncio.CancelledError:
+                if watch is not None:
+                    await _quiet_cancel(watch)
+                raise
+            except ETCD_DOWN_ERRORS as exc:
+                if not failing:
+                    log.warning("watch of %s lost (%s); serving the last known state", self.prefix, exc)
+                    failing = True
+                await asyncio.sleep(0.5)
+            except Exception:
+                log.exception("watch of %s failed; re-listing", self.prefix)
+                await asyncio.sleep(0.5)
+
+
+async def _quiet_cancel(watch: object) -> None:
+    try:
+        await watch.cancel()  # type: ignore[attr-defined]
+    except Exception:  # the stream may already be gone
+        pass

@@ -1,0 +1,280 @@
+"""The one service bootstrap all five InferX services share.
+
+Start-up: flags/env -> gRPC server with health (NOT_SERVING) and reflection ->
+component servicers -> etcd lease registration -> component warm-up -> SERVING.
+
+Shutdown on SIGTERM/SIGINT, in this order and for these reasons:
+  1. health NOT_SERVING   -- load balancers and health-checking callers stop sending;
+  2. revoke the lease     -- the registration vanishes at once, so the scheduler stops
+                             dispatching here without waiting for the TTL;
+  3. drain in-flight RPCs -- bounded by --drain-timeout-s, so a hop already running
+                             finishes instead of failing;
+  4. component cleanup, close etcd, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import aetcd
+import grpc
+from google.protobuf import json_format
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from inferx import __version__
+from inferx.errors import InferxError, Internal, abort_with
+from inferx.etcd import LeaseKeeper, make_client, service_key
+from inferx.settings import ServiceSettings, load_settings
+from inferx.v1 import common_pb2
+
+log = logging.getLogger("inferx.server")
+
+S = TypeVar("S", bound=ServiceSettings)
+
+OUR_METHOD_PREFIX = "/inferx.v1."
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Turns domain errors raised by our handlers into gRPC status codes.
+
+    Handlers raise `InferxError`; anything else is a bug, logged with its traceback
+    and reported as INTERNAL without leaking internals to the caller.
+    """
+
+    async def intercept_service(self, continuation, handler_call_details):  # type: ignore[override]
+        handler = await continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.startswith(OUR_METHOD_PREFIX):
+            return handler
+        method = handler_call_details.method
+        if handler.unary_unary is not None:
+            inner_uu = handler.unary_unary
+
+            async def unary_unary(request, context):
+                try:
+                    return await inner_uu(request, context)
+                except InferxError as exc:
+                    await abort_with(context, exc)
+                except (asyncio.CancelledError, grpc.aio.AbortError):
+                    raise
+                except Exception as exc:
+                    log.exception("unhandled error in %s", method)
+                    await abort_with(context, Internal(f"internal error in {method}: {exc}"))
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            inner_us = handler.unary_stream
+
+            async def unary_stream(request, context):
+                try:
+                    async for item in inner_us(request, context):
+                        yield item
+                except InferxError as exc:
+                    await abort_with(context, exc)
+                except (asyncio.CancelledError, grpc.aio.AbortError):
+                    raise
+                except Exception as exc:
+                    log.exception("unhandled error in %s", method)
+                    await abort_with(context, Internal(f"internal error in {method}: {exc}"))
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+
+class ServiceComponent:
+    """What a service plugs into the bootstrap. Override what you need."""
+
+    #: fully-qualified gRPC service names, for health and reflection
+    service_names: Sequence[str] = ()
+
+    async def ready(self) -> None:
+        """Warm up (load a model, sync from etcd). Health is NOT_SERVING until done."""
+
+    async def stop(self) -> None:
+        """Release resources after in-flight RPCs have drained."""
+
+
+@dataclass
+class ServiceRuntime:
+    """What a component gets from the bootstrap."""
+
+    kind: str
+    settings: ServiceSettings
+    server: grpc.aio.Server
+    etcd: aetcd.Client
+    leases: LeaseKeeper
+    instance_id: str
+    address: str
+    metrics_address: str
+    started_unix_ms: int = field(default_factory=lambda: int(time.time() * 1000))
+
+
+BuildComponent = Callable[[ServiceRuntime], Awaitable[ServiceComponent]]
+
+
+def run_service(
+    kind: str,
+    settings_cls: type[S],
+    build: Callable[[ServiceRuntime, S], Awaitable[ServiceComponent]],
+    argv: list[str] | None = None,
+) -> None:
+    """Entry point body shared by `inferx-<kind>` console scripts."""
+    prog = f"inferx-{kind}"
+    settings = load_settings(settings_cls, prog, argv)
+    logging.basicConfig(
+        level=settings.log_level,
+        format=f"%(asctime)s {kind} %(levelname)s %(name)s: %(message)s",
+    )
+    # grpc/aetcd are chatty at INFO about reconnects we already report ourselves.
+    logging.getLogger("aetcd").setLevel(logging.WARNING)
+    try:
+        asyncio.run(_serve(kind, settings, build))
+    except StartupError as exc:
+        print(f"{prog}: error: {exc}", flush=True)
+        raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        pass
+
+
+class StartupError(Exception):
+    """A clear, user-facing reason why a service could not start."""
+
+
+def _start_metrics(host: str, port: int) -> str:
+    from prometheus_client import start_http_server
+
+    try:
+        httpd, _thread = start_http_server(port, addr=host)
+    except OSError as exc:
+        raise StartupError(f"cannot serve metrics on {host}:{port}: {exc.strerror}") from None
+    return f"{host}:{httpd.server_port}"
+
+
+async def _serve(kind: str, settings: S, build: Callable[[ServiceRuntime, S], Awaitable[ServiceComponent]]) -> None:
+    instance_id = settings.instance_id or f"{kind}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    log.info("starting %s %s with %s", kind, instance_id, settings.model_dump_json())
+
+    server = grpc.aio.server(
+        interceptors=[ErrorMappingInterceptor()],
+        options=[("grpc.so_reuseport", 0)],
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+
+    try:
+        port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    except RuntimeError as exc:
+        raise StartupError(f"cannot listen on {settings.host}:{settings.port}: {exc}") from None
+    if port == 0:
+        raise StartupError(f"cannot listen on {settings.host}:{settings.port} (port in use?)")
+    address = f"{settings.public_host}:{port}"
+    metrics_address = _start_metrics(settings.host, settings.metrics_port)
+
+    etcd = make_client(settings.etcd)
+    leases = LeaseKeeper(etcd, ttl_s=settings.lease_ttl_s)
+    runtime = ServiceRuntime(
+        kind=kind,
+        settings=settings,
+        server=server,
+        etcd=etcd,
+        leases=leases,
+        instance_id=instance_id,
+        address=address,
+        metrics_address=metrics_address,
+    )
+    component = await build(runtime, settings)
+    names = list(component.service_names)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    for name in ["", *names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    print(f"inferx-{kind} listening on {address} (metrics http://{metrics_address}/metrics)", flush=True)
+    warm_up = asyncio.create_task(component.ready(), name="warm-up")
+    waiter = asyncio.create_task(stop.wait())
+    await asyncio.wait({warm_up, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    if warm_up.done() and warm_up.exception() is not None:
+        exc = warm_up.exception()
+        await _shutdown(kind, server, health_servicer, leases, component, etcd, 0.0)
+        raise StartupError(f"warm-up failed: {exc}")
+
+    if not stop.is_set():
+        info = common_pb2.ServiceInfo(
+            kind=kind,
+            instance_id=instance_id,
+            address=address,
+            metrics_address=metrics_address,
+            version=__version__,
+            started_unix_ms=runtime.started_unix_ms,
+        )
+        await leases.put(service_key(kind, instance_id), to_json_bytes(info))
+        leases.start()
+        if not await leases.wait_registered(5.0):
+            log.warning("etcd at %s not reachable yet; will register when it is", settings.etcd)
+        for name in ["", *names]:
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        print(f"inferx-{kind} ready ({instance_id})", flush=True)
+        await stop.wait()
+    else:
+        warm_up.cancel()
+
+    log.info("%s shutting down: draining for up to %.1fs", kind, settings.drain_timeout_s)
+    await _shutdown(kind, server, health_servicer, leases, component, etcd, settings.drain_timeout_s)
+
+
+async def _shutdown(
+    kind: str,
+    server: grpc.aio.Server,
+    health_servicer: health.aio.HealthServicer,
+    leases: LeaseKeeper,
+    component: ServiceComponent,
+    etcd: aetcd.Client,
+    grace_s: float,
+) -> None:
+    await health_servicer.enter_graceful_shutdown()
+    await leases.close(revoke=True)
+    await server.stop(grace_s)
+    try:
+        await component.stop()
+    except Exception:
+        log.exception("%s cleanup failed", kind)
+    try:
+        await etcd.close()
+    except Exception:  # closing a dead channel is not worth reporting
+        pass
+    print(f"inferx-{kind} stopped", flush=True)
+
+
+def to_json_bytes(message: Any) -> bytes:
+    return json_format.MessageToJson(message, indent=None).encode()
+
+
+def from_json_bytes(data: bytes, message_cls: type[Any]) -> Any:
+    return json_format.Parse(data, message_cls(), ignore_unknown_fields=True)
+
+
+def json_dumps(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))

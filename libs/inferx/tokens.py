@@ -1,0 +1,14 @@
+"""Token estimates for admission and KV reservations, before the engine has tokenized.
+
+The worker reports the exact counts afterwards; this only has to err on the large
+side so reservations are not too small. Byte-level BPE on English averages about
+4 characters per token; small vocabularies produce more tokens, so we assume 3.
+"""
+
+import math
+
+CHARS_PER_TOKEN = 3.0
+
+
+def estimate_tokens(text: str) -> int:
+    return max(1, math.ceil(len(text) / CHARS_PER_TOKEN))

@@ -1,0 +1,79 @@
+"""`inferx-router`: the public entry point (inferx.v1.Router)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from pydantic import Field
+
+from inferx import etcd
+from inferx.discovery import ChannelPool, ServiceLocator
+from inferx.pools import PoolDirectory
+from inferx.server import ServiceComponent, ServiceRuntime, run_service
+from inferx.settings import ServiceSettings
+from inferx.v1 import router_pb2, router_pb2_grpc
+from inferx_router.chain_store import ChainStore
+from inferx_router.knowledge import KnowledgeBase
+from inferx_router.servicer import RouterServicer
+from inferx_router.tools import ToolRouter
+
+log = logging.getLogger("inferx.router")
+
+
+class RouterSettings(ServiceSettings):
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port of inferx.v1.Router")
+    knowledge_base: str = Field(
+        "examples/knowledge_base.jsonl", description="documents for the built-in vector_search tool"
+    )
+
+
+class RouterComponent(ServiceComponent):
+    service_names = (router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,)
+
+    def __init__(self, runtime: ServiceRuntime, settings: RouterSettings) -> None:
+        self.store = ChainStore(runtime.etcd)
+        self.directory = PoolDirectory()
+        self.services = ServiceLocator(runtime.etcd)
+        self.channels = ChannelPool()
+        knowledge, error = None, ""
+        try:
+            knowledge = KnowledgeBase.load(Path(settings.knowledge_base))
+        except (OSError, ValueError) as exc:
+            error = str(exc)
+            log.warning("vector_search disabled: %s", exc)
+        self.tools = ToolRouter(runtime.etcd, self.services, self.channels, knowledge, error)
+        self.mirrors = [
+            self.store.mirror,
+            self.services.mirror,
+            self.tools.remote,
+            etcd.PrefixMirror(runtime.etcd, etcd.WORKERS, self.directory.update_workers),
+            etcd.PrefixMirror(runtime.etcd, etcd.MODELS, self.directory.update_models),
+        ]
+        router_pb2_grpc.add_RouterServicer_to_server(
+            RouterServicer(self.store, self.directory, self.services, self.channels, self.tools),
+            runtime.server,
+        )
+
+    async def ready(self) -> None:
+        for mirror in self.mirrors:
+            mirror.start()
+        for mirror in self.mirrors:
+            await mirror.wait_synced(timeout_s=30)
+
+    async def stop(self) -> None:
+        for mirror in self.mirrors:
+            await mirror.close()
+        await self.channels.close()
+
+
+async def build(runtime: ServiceRuntime, settings: RouterSettings) -> RouterComponent:
+    return RouterComponent(runtime, settings)
+
+
+def main() -> None:
+    run_service("router", RouterSettings, build)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Chain configs as immutable, numbered versions in etcd.
+
+  /inferx/v1/chains/<name>/versions/<n>  -> {"config": <normalised document>, "author", "message", "created_unix_ms"}
+  /inferx/v1/chains/<name>/latest        -> n   (only moved by a compare-and-swap txn)
+  /inferx/v1/chains/<name>/active        -> n
+  /inferx/v1/chains/<name>/labels/<l>    -> n
+
+Reads come from a watched local mirror, so a new active version reaches new runs
+as soon as etcd reports it, and the router keeps serving the versions it holds
+while etcd is unreachable. Parsed configs are cached: a version never changes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import aetcd
+import yaml
+
+from inferx import etcd
+from inferx.chain.schema import ChainConfig
+from inferx.chain.validate import ValidatedChain, load_chain_text
+from inferx.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+
+log = logging.getLogger("inferx.router.chains")
+
+MAX_PUT_ATTEMPTS = 20
+
+
+def _key(name: str, *parts: str) -> str:
+    return "/".join([f"{etcd.CHAINS}{name}", *parts])
+
+
+@dataclass(frozen=True)
+class StoredVersion:
+    name: str
+    version: int
+    config: ChainConfig
+    author: str
+    message: str
+    created_unix_ms: int
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.config.to_document(), sort_keys=False)
+
+
+class ChainStore:
+    def __init__(self, client: aetcd.Client) -> None:
+        self._client = client
+        self.mirror = etcd.PrefixMirror(client, etcd.CHAINS)
+        self._parsed: dict[tuple[str, int], StoredVersion] = {}
+
+    # ----- writes -------------------------------------------------------------------
+
+    async def put(
+        self,
+        text: str,
+        *,
+        message: str = "",
+        author: str = "",
+        expect_version: int = 0,
+        activate: bool = True,
+    ) -> tuple[StoredVersion, bool]:
+        """Validate and store `text` as version latest+1. Returns (version, activated)."""
+        validated = load_chain_text(text, source="config")
+        config = validated.config
+        record = {
+            "config": config.to_document(),
+            "author": author,
+            "message": message,
+            "created_unix_ms": int(time.time() * 1000),
+        }
+        latest_key = _key(config.name, "latest")
+        tx = self._client.transactions
+        for _ in range(MAX_PUT_ATTEMPTS):
+            current = await self._etcd(self._client.get(latest_key.encode()))
+            latest = int(current.value) if current is not None else 0
+            if expect_version and expect_version != latest:
+                raise FailedPrecondition(
+                    f"chain '{config.name}' is at version {latest}, not {expect_version}; "
+                    "nothing was written"
+                )
+            version = latest + 1
+            guard = (
+                tx.mod(latest_key.encode()) == current.mod_revision
+                if current is not None
+                else tx.version(latest_key.encode()) == 0
+            )
+            ops = [
+                tx.put(_key(config.name, "versions", str(version)).encode(), json.dumps(record).encode()),
+                tx.put(latest_key.encode(), str(version).encode()),
+            ]
+            if activate:
+                ops.append(tx.put(_key(config.name, "active").encode(), str(version).encode()))
+            succeeded, _ = await self._etcd(self._client.transaction(compare=[guard], success=ops, failure=[]))
+            if succeeded:
+                stored = StoredVersion(config.name, version, config, author, message, record["created_unix_ms"])
+                self._parsed[(config.name, version)] = stored
+                return stored, activate
+            # Someone else stored a version between our read and our write: try n+2.
+        raise FailedPrecondition(f"chain '{config.name}': too many concurrent writers, try again")
+
+    # ----- reads --------------------------------------------------------------------
+
+    async def resolve(self, name: str, version: int = 0, label: str = "") -> StoredVersion:
+        """The version asked for: explicit number, else a label, else the active one."""
+        if not name:
+            raise InvalidArgument("chain: must not be empty")
+        if version and label:
+            raise InvalidArgument("give either version or label, not both")
+        if not version:
+            pointer = _key(name, "labels", label) if label else _key(name, "active")
+            raw = await self._read(pointer)
+            if raw is None:
+                if label:
+                    raise NotFound(f"chain '{name}' has no label '{label}'")
+                raise NotFound(f"unknown chain '{name}' (see `inferx chain list`)")
+            version = int(raw)
+        cached = self._parsed.get((name, version))
+        if cached is not None:
+            return cached
+        raw = await self._read(_key(name, "versions", str(version)))
+        if raw is None:
+            if await self._read(_key(name, "latest")) is None:
+                raise NotFound(f"unknown chain '{name}' (see `inferx chain list`)")
+            raise NotFound(f"chain '{name}' has no version {version}")
+        record = json.loads(raw)
+        validated: ValidatedChain = load_chain_text(json.dumps(record["config"]), source=f"{name} v{version}")
+        stored = StoredVersion(
+            name, version, validated.config, record.get("author", ""), record.get("message", ""),
+            int(record.get("created_unix_ms", 0)),
+        )
+        self._parsed[(name, version)] = stored
+        return stored
+
+    def names(self) -> list[str]:
+        names = set()
+        for key in self.mirror.items:
+            rest = key.removeprefix(etcd.CHAINS)
+            names.add(rest.split("/", 1)[0])
+        return sorted(names)
+
+    def pointer(self, name: str, which: str) -> int:
+        raw = self.mirror.items.get(_key(name, which))
+        return int(raw) if raw else 0
+
+    async def _read(self, key: str) -> bytes | None:
+        """From the mirror; a miss (e.g. written a moment ago) reads etcd directly."""
+        value = self.mirror.items.get(key)
+        if value is not None:
+            return value
+        try:
+            got = await self._client.get(key.encode())
+        except etcd.ETCD_DOWN_ERRORS:
+            return None  # etcd down: serve only what the mirror holds
+        return got.value if got is not None else None
+
+    @staticmethod
+    async def _etcd(awaitable):
+        try:
+            return await awaitable
+        except etcd.ETCD_DOWN_ERRORS as exc:
+            raise Unavailable(f"etcd is unreachable ({exc}); chain configs cannot be changed now") from None

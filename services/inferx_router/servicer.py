@@ -1,0 +1,178 @@
+"""Router gRPC servicer: the public API. Thin: validate -> domain code -> protobuf."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+
+from inferx.chain.validate import load_chain_text, required_inputs
+from inferx.discovery import ChannelPool, ServiceLocator
+from inferx.errors import InvalidArgument, Unavailable
+from inferx.pools import PoolDirectory, no_worker_message
+from inferx.v1 import (
+    memory_pool_pb2,
+    memory_pool_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
+from inferx_router.chain_store import ChainStore, StoredVersion
+from inferx_router.runner import ChainRun
+from inferx_router.tools import ToolRouter
+
+log = logging.getLogger("inferx.router")
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    def __init__(
+        self,
+        store: ChainStore,
+        directory: PoolDirectory,
+        services: ServiceLocator,
+        channels: ChannelPool,
+        tools: ToolRouter,
+    ) -> None:
+        self._store = store
+        self._directory = directory
+        self._services = services
+        self._channels = channels
+        self._tools = tools
+
+    # ----- running chains -----------------------------------------------------------
+
+    def _check_inputs(self, chain: StoredVersion, given: dict[str, str]) -> dict[str, str]:
+        config = chain.config
+        inputs = dict(given)
+        for name in inputs:
+            if not name.isidentifier():
+                raise InvalidArgument(f"input '{name}': names are letters, digits and '_'")
+        if config.inputs:
+            unknown = sorted(set(inputs) - set(config.inputs))
+            if unknown:
+                raise InvalidArgument(
+                    f"input '{unknown[0]}': chain '{config.name}' takes {', '.join(sorted(config.inputs))}"
+                )
+            for name, spec in config.inputs.items():
+                if name not in inputs and spec.default is not None:
+                    inputs[name] = spec.default
+        for name in required_inputs(config):
+            if name not in inputs:
+                raise InvalidArgument(
+                    f"input '{name}': required by chain '{config.name}' (pass --input {name}=...)"
+                )
+        return inputs
+
+    def _check_workers(self, chain: StoredVersion) -> None:
+        for node in chain.config.nodes:
+            if node.type == "model_inference" and not self._directory.workers_for(node.model or ""):
+                raise Unavailable(no_worker_message(node.model or "", self._directory.pool_of(node.model or "")))
+
+    async def RunChain(self, request: router_pb2.RunChainRequest, context: grpc.aio.ServicerContext):
+        chain = await self._store.resolve(request.chain, request.version, request.label)
+        inputs = self._check_inputs(chain, dict(request.inputs))
+        self._check_workers(chain)
+        if request.tier not in (0, 1, 2, 3):
+            raise InvalidArgument(f"tier: unknown value {request.tier}")
+        run = ChainRun(
+            chain,
+            inputs,
+            session_id=request.session_id,
+            tier=request.tier,
+            services=self._services,
+            channels=self._channels,
+            tools=self._tools,
+        )
+        task = asyncio.create_task(run.run(), name=f"run:{run.run_id}")
+        try:
+            while (event := await run.events.get()) is not None:
+                yield event
+            await task
+        finally:
+            if not task.done():  # the caller went away: stop the run's hops too
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    # ----- chain configs ------------------------------------------------------------
+
+    async def ValidateChain(self, request, context):
+        validated = load_chain_text(request.config, source="config")
+        return router_pb2.ValidateChainResponse(name=validated.config.name, warnings=validated.warnings)
+
+    async def PutChain(self, request, context):
+        if not request.config.strip():
+            raise InvalidArgument("config: must not be empty")
+        stored, active = await self._store.put(
+            request.config,
+            message=request.message,
+            author=request.author,
+            expect_version=request.expect_version,
+            activate=not request.no_activate,
+        )
+        return router_pb2.PutChainResponse(name=stored.name, version=stored.version, active=active)
+
+    async def GetChain(self, request, context):
+        stored = await self._store.resolve(request.name, request.version, request.label)
+        return router_pb2.ChainVersion(
+            name=stored.name,
+            version=stored.version,
+            config_yaml=stored.to_yaml(),
+            author=stored.author,
+            message=stored.message,
+            created_unix_ms=stored.created_unix_ms,
+            active=self._store.pointer(stored.name, "active") == stored.version,
+        )
+
+    async def ListChains(self, request, context):
+        reply = router_pb2.ListChainsResponse()
+        for name in self._store.names():
+            active = self._store.pointer(name, "active")
+            summary = reply.chains.add(name=name, active_version=active, latest_version=self._store.pointer(name, "latest"))
+            if active:
+                stored = await self._store.resolve(name, active)
+                summary.nodes = len(stored.config.nodes)
+                summary.slo_ms = stored.config.slo.latency_p99_ms
+        return reply
+
+    # ----- status -------------------------------------------------------------------
+
+    async def GetStatus(self, request, context):
+        reply = router_pb2.SystemStatus(services=self._services.all(), workers=self._directory.all_workers())
+        address = self._services.pick("scheduler")
+        if address is None:
+            reply.problems.append("no scheduler registered")
+        else:
+            try:
+                sched = await scheduler_pb2_grpc.SchedulerStub(self._channels.get(address)).GetSchedulerStatus(
+                    scheduler_pb2.SchedulerStatusRequest(), timeout=2.0
+                )
+                reply.scheduler_policy = sched.policy
+                for pool in sched.pools:
+                    reply.queues.add(pool=pool.pool, queued=pool.queued, running=pool.running)
+            except grpc.aio.AioRpcError as exc:
+                reply.problems.append(f"scheduler at {address}: {exc.code().name}")
+        address = self._services.pick("memory-pool")
+        if address is None:
+            reply.problems.append("no memory-pool registered")
+        else:
+            try:
+                usage = await memory_pool_pb2_grpc.MemoryPoolStub(self._channels.get(address)).GetUsage(
+                    memory_pool_pb2.GetUsageRequest(), timeout=2.0
+                )
+                reply.kv_headroom_ratio = usage.headroom_ratio
+                for row in usage.workers:
+                    reply.memory.add(
+                        worker_id=row.worker_id,
+                        pool=row.pool,
+                        capacity_tokens=row.capacity_tokens,
+                        reserved_tokens=row.reserved_tokens,
+                    )
+            except grpc.aio.AioRpcError as exc:
+                reply.problems.append(f"memory-pool at {address}: {exc.code().name}")
+        if not self._services.instances("cache"):
+            reply.problems.append("no cache registered (tool results are not cached)")
+        return reply

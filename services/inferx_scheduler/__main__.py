@@ -1,0 +1,55 @@
+"""`inferx-scheduler`: owns the per-pool hop queues and dispatches to live workers."""
+
+from __future__ import annotations
+
+from inferx import etcd
+from inferx.discovery import ChannelPool, ServiceLocator
+from inferx.pools import PoolDirectory
+from inferx.server import ServiceComponent, ServiceRuntime, run_service
+from inferx.v1 import scheduler_pb2, scheduler_pb2_grpc
+from inferx_scheduler.config import SchedulerSettings
+from inferx_scheduler.servicer import HopDispatcher, SchedulerServicer
+
+
+class SchedulerComponent(ServiceComponent):
+    service_names = (scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name,)
+
+    def __init__(self, runtime: ServiceRuntime, settings: SchedulerSettings) -> None:
+        self.directory = PoolDirectory()
+        self.dispatcher = HopDispatcher(self.directory, settings.max_queued_per_pool)
+        self.services = ServiceLocator(runtime.etcd)
+        self.channels = ChannelPool()
+
+        def on_workers(items: dict[str, bytes]) -> None:
+            self.directory.update_workers(items)
+            self.dispatcher.dispatch()  # new workers take queued hops; gone ones fail theirs
+
+        self.workers = etcd.PrefixMirror(runtime.etcd, etcd.WORKERS, on_workers)
+        self.models = etcd.PrefixMirror(runtime.etcd, etcd.MODELS, self.directory.update_models)
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(
+            SchedulerServicer(self.dispatcher, self.services, self.channels, settings.reserve_kv),
+            runtime.server,
+        )
+
+    async def ready(self) -> None:
+        for mirror in (self.workers, self.models, self.services.mirror):
+            mirror.start()
+        for mirror in (self.workers, self.models, self.services.mirror):
+            await mirror.wait_synced(timeout_s=30)
+
+    async def stop(self) -> None:
+        for mirror in (self.workers, self.models, self.services.mirror):
+            await mirror.close()
+        await self.channels.close()
+
+
+async def build(runtime: ServiceRuntime, settings: SchedulerSettings) -> SchedulerComponent:
+    return SchedulerComponent(runtime, settings)
+
+
+def main() -> None:
+    run_service("scheduler", SchedulerSettings, build)
+
+
+if __name__ == "__main__":
+    main()

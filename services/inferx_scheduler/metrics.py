@@ -1,0 +1,14 @@
+"""Prometheus metrics of the scheduler (labels: pool and worker, both bounded)."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+QUEUE_DEPTH = Gauge("inferx_scheduler_queue_depth", "Hops waiting for a worker", ["pool"])
+QUEUE_WAIT_SECONDS = Histogram(
+    "inferx_scheduler_queue_wait_seconds",
+    "Time a hop waited for a worker",
+    ["pool"],
+    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+DISPATCHES = Counter("inferx_scheduler_dispatches_total", "Hops dispatched", ["pool", "worker"])
+HOP_ERRORS = Counter("inferx_scheduler_hop_errors_total", "Hops that failed", ["pool", "code"])
+SHED = Counter("inferx_scheduler_shed_total", "Hops refused because a queue was full", ["pool"])

@@ -1,0 +1,204 @@
+"""Scheduler gRPC servicer: queue a hop, wait for a worker slot, reserve KV, stream
+the worker's output back, release everything on the way out (also on failure)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from inferx.discovery import ChannelPool, ServiceLocator
+from inferx.errors import InvalidArgument, ResourceExhausted, Unavailable, from_rpc_error
+from inferx.pools import PoolDirectory, no_worker_message
+from inferx.scheduling.queue import DispatchQueue, QueuedHop, QueueFull, WorkerSlots
+from inferx.tokens import estimate_tokens
+from inferx.v1 import (
+    memory_pool_pb2,
+    memory_pool_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from inferx_scheduler import metrics
+
+log = logging.getLogger("inferx.scheduler")
+
+Event = scheduler_pb2.HopEvent
+
+
+class HopDispatcher:
+    """Glue between the pure DispatchQueue and the live world (futures, etcd view)."""
+
+    def __init__(self, directory: PoolDirectory, max_queued_per_pool: int) -> None:
+        self.directory = directory
+        self.queue = DispatchQueue(max_queued_per_pool)
+        self._waiters: dict[int, asyncio.Future[str]] = {}
+
+    def submit(self, pool: str, run_id: str, hop_id: str) -> tuple[QueuedHop, asyncio.Future[str]]:
+        hop = self.queue.submit(pool, run_id, hop_id, time.monotonic())
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._waiters[hop.seq] = future
+        metrics.QUEUE_DEPTH.labels(pool).set(self.queue.queued(pool))
+        self.dispatch()
+        return hop, future
+
+    def cancel(self, hop: QueuedHop) -> None:
+        self._waiters.pop(hop.seq, None)
+        if self.queue.cancel(hop):
+            metrics.QUEUE_DEPTH.labels(hop.pool).set(self.queue.queued(hop.pool))
+
+    def finished(self, hop: QueuedHop) -> None:
+        self.queue.finished(hop)
+        self.dispatch()
+
+    def dispatch(self) -> None:
+        slots = {
+            pool: [WorkerSlots(w.worker_id, w.max_concurrency or 1) for w in workers.values()]
+            for pool, workers in self.directory.workers_by_pool.items()
+        }
+        for hop in self.queue.assign(slots):
+            future = self._waiters.pop(hop.seq, None)
+            if future is None or future.done():
+                self.queue.finished(hop)  # its caller left meanwhile
+                continue
+            future.set_result(hop.worker_id or "")
+        for pool in self.queue.pools():
+            metrics.QUEUE_DEPTH.labels(pool).set(self.queue.queued(pool))
+            if not slots.get(pool):
+                # The pool's last worker left: fail its queued hops now, not at their deadline.
+                for hop in self.queue.drain_pool(pool):
+                    future = self._waiters.pop(hop.seq, None)
+                    if future is not None and not future.done():
+                        future.set_exception(Unavailable(f"all workers of pool '{pool}' left"))
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(
+        self,
+        dispatcher: HopDispatcher,
+        services: ServiceLocator,
+        channels: ChannelPool,
+        reserve_kv: bool,
+    ) -> None:
+        self._dispatcher = dispatcher
+        self._directory = dispatcher.directory
+        self._services = services
+        self._channels = channels
+        self._reserve_kv = reserve_kv
+
+    async def SubmitHop(self, request: scheduler_pb2.HopRequest, context: grpc.aio.ServicerContext):
+        if not request.model:
+            raise InvalidArgument("model: must not be empty")
+        if not request.prompt:
+            raise InvalidArgument("prompt: must not be empty")
+        pool = self._directory.pool_of(request.model)
+        if not self._directory.workers_for(request.model):
+            raise Unavailable(no_worker_message(request.model, pool))
+        try:
+            hop, assigned = self._dispatcher.submit(pool, request.context.run_id, request.context.hop_id)
+        except QueueFull as exc:
+            metrics.SHED.labels(pool).inc()
+            raise ResourceExhausted(str(exc), retry_after_s=1.0) from None
+        try:
+            try:
+                worker_id = await assigned
+            except asyncio.CancelledError:
+                self._dispatcher.cancel(hop)
+                raise
+            queue_ms = (time.monotonic() - hop.enqueued_at) * 1000
+            metrics.QUEUE_WAIT_SECONDS.labels(pool).observe(queue_ms / 1000)
+            metrics.DISPATCHES.labels(pool, worker_id).inc()
+            worker = self._directory.workers_by_pool.get(pool, {}).get(worker_id)
+            if worker is None:
+                raise Unavailable(f"worker {worker_id} of pool '{pool}' left before the hop started")
+            yield Event(kind=Event.KIND_DISPATCHED, worker_id=worker_id, queue_ms=queue_ms, pool=pool)
+            async for event in self._run_on_worker(request, worker.address, worker_id, pool, queue_ms, context):
+                yield event
+        finally:
+            self._dispatcher.finished(hop)
+
+    async def _run_on_worker(self, request, address, worker_id, pool, queue_ms, context):
+        reservation = await self._reserve(worker_id, request)
+        stub = worker_pb2_grpc.ModelWorkerStub(self._channels.get(address))
+        remaining = context.time_remaining()
+        text_parts: list[str] = []
+        try:
+            call = stub.Generate(
+                worker_pb2.GenerateRequest(context=request.context, prompt=request.prompt, sampling=request.sampling),
+                timeout=remaining,
+            )
+            async for chunk in call:
+                if chunk.text:
+                    text_parts.append(chunk.text)
+                if not chunk.finished:
+                    yield Event(kind=Event.KIND_TOKENS, text=chunk.text, worker_id=worker_id)
+                    continue
+                yield Event(
+                    kind=Event.KIND_FINISHED,
+                    worker_id=worker_id,
+                    pool=pool,
+                    text="".join(text_parts),
+                    usage=chunk.usage,
+                    queue_ms=queue_ms,
+                    engine_ms=chunk.engine_ms,
+                    ttft_ms=chunk.ttft_ms,
+                    finish_reason=chunk.finish_reason,
+                )
+        except grpc.aio.AioRpcError as exc:
+            metrics.HOP_ERRORS.labels(pool, exc.code().name).inc()
+            error = from_rpc_error(exc, target=f"worker {worker_id} ({address})")
+            error.message = f"worker {worker_id}: {error.message}"
+            raise error from None
+        finally:
+            await self._release(reservation)
+
+    async def _reserve(self, worker_id: str, request: scheduler_pb2.HopRequest) -> str | None:
+        """Best effort: without a memory-pool, hops still run (and we say so in the log)."""
+        if not self._reserve_kv:
+            return None
+        address = self._services.pick("memory-pool")
+        if address is None:
+            return None
+        tokens = estimate_tokens(request.prompt) + (request.sampling.max_tokens or 64)
+        stub = memory_pool_pb2_grpc.MemoryPoolStub(self._channels.get(address))
+        try:
+            reply = await stub.Reserve(
+                memory_pool_pb2.ReserveRequest(
+                    worker_id=worker_id, tokens=tokens, run_id=request.context.run_id, hop_id=request.context.hop_id
+                ),
+                timeout=2.0,
+            )
+            return reply.reservation_id
+        except grpc.aio.AioRpcError as exc:
+            log.warning("KV reservation on %s failed (%s); running the hop anyway", worker_id, exc.details())
+            return None
+
+    async def _release(self, reservation_id: str | None) -> None:
+        if not reservation_id:
+            return
+        address = self._services.pick("memory-pool")
+        if address is None:
+            return
+        stub = memory_pool_pb2_grpc.MemoryPoolStub(self._channels.get(address))
+        try:
+            await stub.Release(memory_pool_pb2.ReleaseRequest(reservation_id=reservation_id), timeout=2.0)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("release of %s failed (%s); it expires on its own", reservation_id, exc.details())
+
+    async def GetSchedulerStatus(self, request, context):
+        queue = self._dispatcher.queue
+        pools = sorted(set(queue.pools()) | set(self._directory.workers_by_pool))
+        reply = scheduler_pb2.SchedulerStatus(policy=queue.policy_name)
+        reply.model_to_pool.update(self._directory.model_to_pool)
+        for pool in pools:
+            status = reply.pools.add(pool=pool, queued=queue.queued(pool), running=queue.running(pool))
+            for worker in self._directory.workers_by_pool.get(pool, {}).values():
+                status.workers.add(
+                    worker=worker,
+                    in_flight=queue.in_flight(worker.worker_id),
+                    dispatched_total=queue.dispatched(worker.worker_id),
+                )
+        return reply

