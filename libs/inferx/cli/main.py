@@ -19,8 +19,8 @@ from inferx.client import DEFAULT_ROUTER, InferxClient
 from inferx.errors import InferxError
 from inferx.v1 import router_pb2
 
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def _router_default() -> str:
@@ -63,38 +63,33 @@ def _short(text: str, width: int = 60) -> str:
 
 
 def _print_run(finished: router_pb2.ChainFinished, chain: str) -> None:
-    table = Table(title=f"{chain} v{finished.chain_version}  run {finished.run_id}", title_justify="left")
-    for column in ("node", "type", "status", "latency", "queue", "tokens in/out (cached)", "worker", "cache", "output"):
-        table.add_column(column, no_wrap=column != "output")
+    """One block per node (fits an 80-column terminal), then the chain's verdict."""
+    out.print(f"[bold]{chain}[/bold] v{finished.chain_version}  run {finished.run_id}")
     for hop in finished.hops:
-        usage = hop.usage
-        tokens = (
-            f"{usage.prompt_tokens}/{usage.completion_tokens} ({usage.cached_prompt_tokens})"
-            if hop.model
-            else "-"
-        )
-        status = hop.status if hop.status == "ok" else f"[red]{hop.status}[/red]"
-        cache = "hit" if hop.cache_hit else ("miss" if hop.tool else "-")
-        table.add_row(
-            hop.node_id,
-            hop.model or hop.tool or hop.node_type,
-            status,
-            _fmt_ms(hop.latency_ms) if hop.status in ("ok", "error", "timeout") else "-",
-            _fmt_ms(hop.queue_ms) if hop.model else "-",
-            tokens,
-            hop.worker_id or "-",
-            cache,
-            _short(hop.output or hop.error),
-        )
-    out.print(table)
+        mark = "[green]ok[/green]" if hop.status == "ok" else f"[red]{hop.status}[/red]"
+        what = f"model {hop.model}" if hop.model else f"tool {hop.tool or hop.node_type}"
+        timing = f"{_fmt_ms(hop.latency_ms)}" if hop.status != "skipped" else "-"
+        out.print(f"  {mark:>2} [bold]{hop.node_id}[/bold]  {what}  {timing}")
+        details = []
+        if hop.model:
+            u = hop.usage
+            details += [
+                f"queue {_fmt_ms(hop.queue_ms)}",
+                f"tokens {u.prompt_tokens} in ({u.cached_prompt_tokens} cached) / {u.completion_tokens} out",
+                f"worker {hop.worker_id or '-'}",
+            ]
+        elif hop.status == "ok":
+            details.append("cache hit" if hop.cache_hit else "cache miss")
+        if details:
+            out.print("       " + "  ·  ".join(details), style="dim")
+        text = hop.output if hop.status == "ok" else hop.error
+        if text:
+            out.print("       " + _short(text, 70), markup=False)
     verdict = "[green]met[/green]" if finished.slo_met else "[red]missed[/red]"
     status = "[green]ok[/green]" if finished.status == "ok" else f"[red]{finished.status}[/red]"
-    out.print(
-        f"chain {status} in {_fmt_ms(finished.latency_ms)} "
-        f"(SLO {_fmt_ms(finished.slo_ms)}: {verdict})"
-    )
+    out.print(f"chain {status} in {_fmt_ms(finished.latency_ms)}  (SLO {_fmt_ms(finished.slo_ms)}: {verdict})")
     if finished.error:
-        err.print(f"error: {finished.error}")
+        err.print(f"error: {finished.error}", markup=False)
 
 
 async def cmd_run(args: argparse.Namespace) -> int:
@@ -110,10 +105,7 @@ async def cmd_run(args: argparse.Namespace) -> int:
             session_id=args.session or "",
         ):
             which = event.WhichOneof("event")
-            if which == "node_finished" and not args.json:
-                hop = event.node_finished
-                err.print(f"[dim]{event.at_ms:8.0f} ms  {hop.node_id}: {hop.status}[/dim]")
-            elif which == "chain_finished":
+            if which == "chain_finished":
                 finished = event.chain_finished
     if finished is None:
         raise InferxError("the router ended the run without a result")
@@ -306,6 +298,9 @@ def main(argv: list[str] | None = None) -> None:
         code = 1
     except KeyboardInterrupt:
         code = 130
+    except BrokenPipeError:  # e.g. `inferx ... | head`
+        sys.stderr.close()
+        code = 0
     sys.exit(code)
 
 

