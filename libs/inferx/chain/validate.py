@@ -4,7 +4,7 @@
 `ChainConfigError` listing *every* problem found, one per line: the error's
 message is the problems joined with newlines (``"\\n"``), so a CLI can print it
 as-is and a gRPC status detail stays readable. Each problem names where it is:
-``node 'ID': FIELD: ...`` for nodes, ``slo: end_to_end_latency_p99: ...`` for
+``node 'ID': FIELD: ...`` for nodes, ``slo.end_to_end_latency_p99: ...`` for
 chain fields, ``SOURCE:LINE:COLUMN: ...`` for YAML syntax errors.
 
 Problems are found in two layers that both always run, so a config with a bad
@@ -219,7 +219,7 @@ def _document_keys(field_names: Iterable[str]) -> list[str]:
 
 @dataclass(frozen=True)
 class _View:
-    """What the graph checks need from a node, from a typed node or a raw mapping."""
+    """What the graph checks need from a node."""
 
     index: int  # position in `nodes`, for messages
     label: str
@@ -230,23 +230,10 @@ class _View:
     depends_on: tuple[str, ...]
     templates: tuple[tuple[str, str], ...]
 
-    @staticmethod
-    def of(index: int, label: str, node: Any) -> _View:
-        return _View(
-            index,
-            label,
-            node.id,
-            node.type,
-            node.model is not None,
-            node.tool is not None,
-            tuple(node.depends_on),
-            tuple(node.templates()),
-        )
-
 
 def _raw_views(raw_nodes: list[Any]) -> list[_View]:
-    """Best-effort views of raw node mappings; wrong-typed parts are left out
-    (pydantic has already reported them)."""
+    """Views of node mappings (raw, or dumped typed nodes). Wrong-typed parts of a
+    raw node are left out: pydantic has already reported them."""
     views = []
     for index, raw in enumerate(raw_nodes):
         if not isinstance(raw, Mapping):
@@ -461,7 +448,7 @@ def critical_path(config: ChainConfig) -> tuple[list[str], float]:
     deps = {node.id: node.depends_on for node in config.nodes}
     best: dict[str, tuple[float, str | None]] = {}
     for node_id in topological_order(config):
-        via = deps[node_id][0] if deps[node_id] else None
+        via = max(deps[node_id], key=lambda dep: best[dep][0], default=None)
         before = best[via][0] if via is not None else 0.0
         best[node_id] = (before + timeouts[node_id], via)
     if not best:

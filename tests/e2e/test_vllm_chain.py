@@ -1,0 +1,71 @@
+"""The example chain end to end through a real vLLM worker (CPU build on machines
+without a GPU) on the generated tiny dummy-weight model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from inferx.client import InferxClient
+from inferx.devstack import LocalStack, read_models_file, wait_serving
+from inferx.tinymodel import make_tiny_model
+from tests.conftest import EXAMPLES, dump_logs, make_stack
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def vllm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    root = tmp_path_factory.mktemp("vllm-stack")
+    model_dir = make_tiny_model(root / "tiny-llama")
+    stack = make_stack(root)
+    try:
+        stack.start_core()
+        stack.load_models(read_models_file(EXAMPLES / "models.yaml"))
+        stack.start_worker(
+            "tiny-llama", "vllm", ["--model-path", str(model_dir), "--max-model-len", "2048", "--max-num-seqs", "8"]
+        )
+        wait_serving(stack.workers[0], 300)
+        stack.put_chains([EXAMPLES / "chains" / "customer_service_agent.yaml"])
+        yield stack
+    except BaseException:
+        dump_logs(stack)
+        raise
+    finally:
+        stack.stop()
+
+
+async def _run(stack: LocalStack, query: str):
+    async with InferxClient(stack.router_address) as client:
+        events = [e async for e in client.run_chain("customer_service_agent", {"query": query})]
+    return events[-1].chain_finished
+
+
+async def test_example_chain_runs_on_vllm_and_reuses_the_prefix(vllm_stack: LocalStack) -> None:
+    first = await _run(vllm_stack, "Where is my order?")
+    assert first.status == "ok", first.error
+    hops = {h.node_id: h for h in first.hops}
+    generation = hops["response_generation"]
+    assert generation.usage.prompt_tokens > 64
+    assert 1 <= generation.usage.completion_tokens <= 32
+    assert generation.worker_id == hops["intent_recognition"].worker_id
+
+    # The same question again: the long prompt of response_generation is now in
+    # vLLM's prefix cache (whole 32-token blocks), and the tool result in ours.
+    second = await _run(vllm_stack, "Where is my order?")
+    assert second.status == "ok", second.error
+    hops = {h.node_id: h for h in second.hops}
+    assert hops["response_generation"].usage.cached_prompt_tokens >= 32
+    assert hops["knowledge_retrieval"].cache_hit
+
+
+async def test_worker_registered_what_vllm_reports(vllm_stack: LocalStack) -> None:
+    async with InferxClient(vllm_stack.router_address) as client:
+        status = await client.status()
+    (worker,) = status.workers
+    assert worker.engine == "vllm"
+    assert worker.block_size % 32 == 0 or worker.block_size == 16
+    assert worker.kv_capacity_tokens > 1000
+    assert Path(worker.model_path).name == "tiny-llama"

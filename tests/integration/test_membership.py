@@ -1,0 +1,176 @@
+"""Leases and discovery: a worker killed with -9 leaves scheduling within the TTL, a
+SIGTERM'd worker leaves at once, a lost lease is re-granted and its keys re-put."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from inferx import etcd
+from inferx.client import InferxClient
+from inferx.devstack import LocalStack, read_models_file, wait_serving
+from inferx.etcd import LeaseKeeper, PrefixMirror, make_client
+from tests.conftest import EXAMPLES, TEST_LEASE_TTL_S, dump_logs, make_stack
+
+pytestmark = pytest.mark.integration
+
+
+async def worker_ids_in_etcd(stack: LocalStack) -> set[str]:
+    async with make_client(stack.etcd_endpoint) as client:
+        listing = await client.get_prefix(etcd.WORKERS.encode())
+        return {json.loads(kv.value)["workerId"] for kv in listing}
+
+
+async def scheduled_worker_ids(stack: LocalStack) -> set[str]:
+    async with InferxClient(stack.router_address) as client:
+        status = await client.status()
+    return {w.worker_id for w in status.workers}
+
+
+async def wait_until(predicate, timeout_s: float, interval_s: float = 0.2) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if await predicate():
+            return time.monotonic() - started
+        await asyncio.sleep(interval_s)
+    raise AssertionError(f"condition not met within {timeout_s}s")
+
+
+@pytest.fixture
+def two_worker_stack(tmp_path: Path):
+    stack = make_stack(tmp_path)
+    try:
+        stack.start_core()
+        stack.load_models(read_models_file(EXAMPLES / "models.yaml"))
+        for _ in range(2):
+            stack.start_worker("tiny-llama", "sim", ["--sim-speed", "5"])
+        for worker in stack.workers:
+            wait_serving(worker, 60)
+        stack.put_chains([EXAMPLES / "chains" / "customer_service_agent.yaml"])
+        yield stack
+    except BaseException:
+        dump_logs(stack)
+        raise
+    finally:
+        stack.stop()
+
+
+async def test_kill_9_worker_leaves_etcd_and_scheduling_within_the_ttl(two_worker_stack: LocalStack) -> None:
+    stack = two_worker_stack
+    await wait_until(lambda: _has(worker_ids_in_etcd(stack), 2), 10)
+    before = await worker_ids_in_etcd(stack)
+    victim = stack.workers[0]
+    victim.signal(signal.SIGKILL)
+    victim.popen.wait(5)
+    killed_at = time.monotonic()
+
+    async def gone_everywhere() -> bool:
+        return len(await worker_ids_in_etcd(stack)) == 1 and len(await scheduled_worker_ids(stack)) == 1
+
+    await wait_until(gone_everywhere, TEST_LEASE_TTL_S + 3)
+    elapsed = time.monotonic() - killed_at
+    assert elapsed <= TEST_LEASE_TTL_S + 3
+    survivor = (await worker_ids_in_etcd(stack)).pop()
+    assert survivor in before
+    # Chains keep running, all on the survivor.
+    async with InferxClient(stack.router_address) as client:
+        for _ in range(3):
+            events = [e async for e in client.run_chain("customer_service_agent", {"query": "refund"})]
+            finished = events[-1].chain_finished
+            assert finished.status == "ok", finished.error
+            assert {h.worker_id for h in finished.hops if h.model} == {survivor}
+
+
+async def test_sigterm_worker_deregisters_at_once(two_worker_stack: LocalStack) -> None:
+    stack = two_worker_stack
+    await wait_until(lambda: _has(worker_ids_in_etcd(stack), 2), 10)
+    victim = stack.workers[1]
+    victim.signal(signal.SIGTERM)
+    # The lease is revoked on SIGTERM, far sooner than its TTL would expire.
+    elapsed = await wait_until(lambda: _has(worker_ids_in_etcd(stack), 1), TEST_LEASE_TTL_S)
+    assert elapsed < TEST_LEASE_TTL_S
+    assert victim.popen.wait(20) == 0
+    assert "stopped" in victim.log_tail()
+
+
+async def _has(coro, count: int) -> bool:
+    return len(await coro) == count
+
+
+@pytest.fixture
+def etcd_only(tmp_path: Path):
+    stack = make_stack(tmp_path)
+    stack.start_etcd()
+    yield stack
+    stack.stop()
+
+
+async def test_lease_lost_is_regranted_and_keys_reput(etcd_only: LocalStack) -> None:
+    async with make_client(etcd_only.etcd_endpoint) as client:
+        keeper = LeaseKeeper(client, ttl_s=2)
+        await keeper.put("/inferx/v1/test/a", b"1")
+        keeper.start()
+        assert await keeper.wait_registered(5)
+        first_lease = keeper.lease_id
+        # Someone (or an etcd outage longer than the TTL) ends the lease.
+        await client.revoke_lease(first_lease)
+        assert await client.get(b"/inferx/v1/test/a") is None
+
+        async def back() -> bool:
+            got = await client.get(b"/inferx/v1/test/a")
+            return got is not None and got.value == b"1"
+
+        await wait_until(back, 5)
+        assert keeper.lease_id != first_lease
+        assert keeper.regrants == 1
+        await keeper.close()
+        assert await client.get(b"/inferx/v1/test/a") is None  # close revokes
+
+
+async def test_etcd_outage_keeps_mirror_and_registration_comes_back(etcd_only: LocalStack) -> None:
+    stack = etcd_only
+    client = make_client(stack.etcd_endpoint)
+    keeper = LeaseKeeper(client, ttl_s=2)
+    await keeper.put("/inferx/v1/test/svc", b"x")
+    keeper.start()
+    assert await keeper.wait_registered(5)
+    watcher_client = make_client(stack.etcd_endpoint)
+    mirror = PrefixMirror(watcher_client, "/inferx/v1/test/")
+    mirror.start()
+    assert await mirror.wait_synced(5)
+    assert mirror.items == {"/inferx/v1/test/svc": b"x"}
+
+    stack.etcd.stop()  # etcd down for longer than the lease TTL
+    await asyncio.sleep(5)
+    assert mirror.items == {"/inferx/v1/test/svc": b"x"}  # last known state is kept
+    stack.etcd = None
+    restart_same_data(stack)
+
+    async def registered() -> bool:
+        try:
+            got = await client.get(b"/inferx/v1/test/svc")
+        except etcd.ETCD_DOWN_ERRORS:
+            return False
+        return got is not None
+
+    await wait_until(registered, 15)
+    await client.put(b"/inferx/v1/test/new", b"y")
+    await wait_until(lambda: _true(mirror.items.get("/inferx/v1/test/new") == b"y"), 10)
+    await keeper.close()
+    await mirror.close()
+    await client.close()
+    await watcher_client.close()
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+def restart_same_data(stack: LocalStack) -> None:
+    stack.fresh_etcd = False
+    stack.start_etcd()
