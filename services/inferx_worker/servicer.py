@@ -7,9 +7,9 @@ import uuid
 
 import grpc
 
-from inferx.errors import InvalidArgument
+from inferx.errors import InvalidArgument, Unavailable
 from inferx.v1 import worker_pb2, worker_pb2_grpc, common_pb2
-from inferx_worker.engines.base import Engine, EngineRequest
+from inferx_worker.engines.base import Engine, EngineError, EngineRequest
 from inferx_worker import metrics
 
 
@@ -35,7 +35,7 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServicer):
         first_token_at: float | None = None
         metrics.REQUESTS_RUNNING.inc()
         try:
-            async for chunk in self._engine.generate(engine_request):
+            async for chunk in self._guarded(engine_request):
                 if chunk.text and first_token_at is None:
                     first_token_at = time.perf_counter()
                 if not chunk.finished:
@@ -59,6 +59,18 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServicer):
                 )
         finally:
             metrics.REQUESTS_RUNNING.dec()
+
+    async def _guarded(self, request: EngineRequest):
+        """The engine's failures as status codes: a request the engine rejects (e.g. a
+        prompt longer than the model allows) is INVALID_ARGUMENT, anything else means
+        this worker cannot serve now (UNAVAILABLE), so the caller may go elsewhere."""
+        try:
+            async for chunk in self._engine.generate(request):
+                yield chunk
+        except EngineError as exc:
+            if isinstance(exc.__cause__, ValueError):
+                raise InvalidArgument(str(exc)) from None
+            raise Unavailable(str(exc)) from None
 
     async def GetLoad(self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext):
         load = self._engine.load()

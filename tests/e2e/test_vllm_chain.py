@@ -69,3 +69,13 @@ async def test_worker_registered_what_vllm_reports(vllm_stack: LocalStack) -> No
     assert worker.block_size % 32 == 0 or worker.block_size == 16
     assert worker.kv_capacity_tokens > 1000
     assert Path(worker.model_path).name == "tiny-llama"
+
+
+async def test_prompt_longer_than_the_model_allows_fails_the_hop_clearly(vllm_stack: LocalStack) -> None:
+    finished = await _run(vllm_stack, "order " * 3000)
+    assert finished.status == "error"
+    intent = next(h for h in finished.hops if h.node_id == "intent_recognition")
+    assert intent.status == "error"
+    assert "INVALID_ARGUMENT" in intent.error or "maximum" in intent.error.lower()
+    generation = next(h for h in finished.hops if h.node_id == "response_generation")
+    assert generation.status == "skipped"

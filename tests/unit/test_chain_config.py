@@ -587,3 +587,9 @@ def test_parse_availability(value: Any, fraction: float) -> None:
 def test_parse_availability_rejects(value: Any) -> None:
     with pytest.raises(ValueError, match=r"^availability must be a percentage like 99\.9%"):
         parse_availability(value)
+
+
+def test_non_string_keys_are_reported_where_they_are() -> None:
+    doc = "agent_chain:\n  name: x\n  slo: {end_to_end_latency_p99: 1s}\n  nodes:\n"
+    doc += "    - {id: a, type: tool_call, tool: t, 1: 2}\n"
+    assert problems_of(doc) == ["node 'a': keys must be strings, got 1"]

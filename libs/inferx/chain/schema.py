@@ -115,7 +115,7 @@ AvailabilityFraction = Annotated[
     WithJsonSchema(
         {
             "anyOf": [
-                {"type": "string", "pattern": r"^\s*[0-9.]+\s*%\s*$"},
+                {"type": "string", "pattern": r"^\s*[0-9.]+\s*%?\s*$"},
                 {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
             ],
             "description": "'99.9%' or a fraction in (0, 1]",
@@ -336,8 +336,6 @@ def node_label(raw_nodes: Any, index: int) -> str:
 
 
 def _raw_id(raw: Any) -> str | None:
-    if isinstance(raw, BaseModel):
-        raw = {"id": getattr(raw, "id", None)}
     if isinstance(raw, Mapping) and isinstance(raw.get("id"), str):
         return raw["id"]
     return None
@@ -372,6 +370,10 @@ def describe_validation_error(error: ValidationError, raw_chain: Mapping[str, An
                 f"; valid keys: {', '.join(keys)}" if keys else ""
             )
             text, rest = f"unknown key '{loc[-1]}'{hint}", rest[:-1]
+        elif kind == "invalid_key" or "[key]" in rest:
+            # YAML allows non-string keys (`1: x`, `null: x`); none is valid here.
+            text = f"keys must be strings, got {_show(value)}"
+            rest = rest[: rest.index("[key]") - 1] if "[key]" in rest else rest[:-1]
         elif kind == "missing":
             text, rest = f"missing required key '{loc[-1]}'", rest[:-1]
         elif kind == "literal_error" and str(loc[-1]) in _ENUMS:

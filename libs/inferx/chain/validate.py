@@ -120,22 +120,17 @@ def _parse(text: str, source: str) -> Any:
         raise ChainConfigError([f"{source}: invalid YAML/JSON: {exc}"]) from None
     except RecursionError:
         raise ChainConfigError([f"{source}: config is nested too deeply"]) from None
-    budget = [MAX_CONFIG_VALUES]
-
-    def count(value: Any) -> None:
-        budget[0] -= 1
-        if budget[0] < 0:
+    # Count values as a walk of the expanded tree, so aliases count once per use.
+    budget, stack = MAX_CONFIG_VALUES, [document]
+    while stack:
+        value = stack.pop()
+        budget -= 1
+        if budget < 0:
             raise ChainConfigError([f"{source}: config has more than {MAX_CONFIG_VALUES} values"])
-        children = (
-            value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
-        )
-        for child in children:
-            count(child)
-
-    try:
-        count(document)
-    except RecursionError:
-        raise ChainConfigError([f"{source}: config is nested too deeply"]) from None
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
     return document
 
 
@@ -184,10 +179,8 @@ def load_chain_text(text: str, *, strict: bool = False, source: str = "<config>"
 
 def validate_chain(config: ChainConfig, strict: bool = False) -> list[str]:
     """The warnings for an already-built config; raises ChainConfigError on problems."""
-    views = [
-        _View.of(index, node_label(config.nodes, index), node)
-        for index, node in enumerate(config.nodes)
-    ]
+    # Typed nodes go through the same view as raw mappings: one set of graph checks.
+    views = _raw_views([node.model_dump() for node in config.nodes])
     problems = _graph_problems(views, set(config.inputs) or None)
     warnings = [
         f"node '{node.id}': {key}: ignored for {node.type} nodes"
