@@ -47,7 +47,12 @@ class InferxClient:
         tier: int = 0,
     ) -> AsyncIterator[router_pb2.RunEvent]:
         request = router_pb2.RunChainRequest(
-            chain=chain, inputs=inputs or {}, version=version, label=label, session_id=session_id, tier=tier
+            chain=chain,
+            inputs=inputs or {},
+            version=version,
+            label=label,
+            session_id=session_id,
+            tier=tier,
         )
         try:
             async for event in self._stub.RunChain(request, timeout=self._timeout_s):
@@ -56,23 +61,41 @@ class InferxClient:
             raise from_rpc_error(exc, target=f"the router at {self.address}") from None
 
     async def put_chain(
-        self, config: str, *, message: str = "", expect_version: int = 0, activate: bool = True, author: str = ""
+        self,
+        config: str,
+        *,
+        message: str = "",
+        expect_version: int = 0,
+        activate: bool = True,
+        author: str = "",
     ) -> router_pb2.PutChainResponse:
         return await self._unary(
             self._stub.PutChain,
             router_pb2.PutChainRequest(
-                config=config, message=message, expect_version=expect_version, no_activate=not activate, author=author
+                config=config,
+                message=message,
+                expect_version=expect_version,
+                no_activate=not activate,
+                author=author,
             ),
         )
 
-    async def get_chain(self, name: str, *, version: int = 0, label: str = "") -> router_pb2.ChainVersion:
-        return await self._unary(self._stub.GetChain, router_pb2.GetChainRequest(name=name, version=version, label=label))
+    async def get_chain(
+        self, name: str, *, version: int = 0, label: str = ""
+    ) -> router_pb2.ChainVersion:
+        return await self._unary(
+            self._stub.GetChain, router_pb2.GetChainRequest(name=name, version=version, label=label)
+        )
 
     async def list_chains(self) -> router_pb2.ListChainsResponse:
         return await self._unary(self._stub.ListChains, router_pb2.ListChainsRequest())
 
     async def validate_chain(self, config: str) -> router_pb2.ValidateChainResponse:
-        return await self._unary(self._stub.ValidateChain, router_pb2.ValidateChainRequest(config=config))
+        return await self._unary(
+            self._stub.ValidateChain, router_pb2.ValidateChainRequest(config=config)
+        )
 
     async def status(self) -> router_pb2.SystemStatus:
-        return await self._unary(self._stub.GetStatus, router_pb2.GetStatusRequest(), timeout_s=10.0)
+        return await self._unary(
+            self._stub.GetStatus, router_pb2.GetStatusRequest(), timeout_s=10.0
+        )

@@ -109,7 +109,9 @@ def wait_serving(proc: ManagedProcess, timeout_s: float, service: str = "") -> f
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if not proc.alive():
-                raise StackError(f"{proc.name} exited during start-up; its log ends with:\n{proc.log_tail()}")
+                raise StackError(
+                    f"{proc.name} exited during start-up; its log ends with:\n{proc.log_tail()}"
+                )
             try:
                 reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
@@ -117,7 +119,9 @@ def wait_serving(proc: ManagedProcess, timeout_s: float, service: str = "") -> f
             except grpc.RpcError:
                 pass
             time.sleep(0.2)
-    raise StackError(f"{proc.name} not serving after {timeout_s:.0f}s; its log ends with:\n{proc.log_tail()}")
+    raise StackError(
+        f"{proc.name} not serving after {timeout_s:.0f}s; its log ends with:\n{proc.log_tail()}"
+    )
 
 
 def find_etcd() -> str:
@@ -141,12 +145,23 @@ class StackPorts:
     @classmethod
     def free(cls) -> StackPorts:
         return cls(
-            etcd=free_port(), etcd_peer=free_port(), router=free_port(), scheduler=free_port(),
-            memory_pool=free_port(), cache=free_port(), worker_base=0, metrics_base=0,
+            etcd=free_port(),
+            etcd_peer=free_port(),
+            router=free_port(),
+            scheduler=free_port(),
+            memory_pool=free_port(),
+            cache=free_port(),
+            worker_base=0,
+            metrics_base=0,
         )
 
     def service_port(self, kind: str) -> int:
-        return {"router": self.router, "scheduler": self.scheduler, "memory-pool": self.memory_pool, "cache": self.cache}[kind]
+        return {
+            "router": self.router,
+            "scheduler": self.scheduler,
+            "memory-pool": self.memory_pool,
+            "cache": self.cache,
+        }[kind]
 
 
 class LocalStack:
@@ -199,10 +214,21 @@ class LocalStack:
         proc = ManagedProcess(
             "etcd",
             [
-                find_etcd(), "--name", "inferx", "--data-dir", str(data_dir),
-                "--listen-client-urls", client, "--advertise-client-urls", client,
-                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"inferx={peer}",
+                find_etcd(),
+                "--name",
+                "inferx",
+                "--data-dir",
+                str(data_dir),
+                "--listen-client-urls",
+                client,
+                "--advertise-client-urls",
+                client,
+                "--listen-peer-urls",
+                peer,
+                "--initial-advertise-peer-urls",
+                peer,
+                "--initial-cluster",
+                f"inferx={peer}",
             ],
             self.state_dir / "logs" / "etcd.log",
             address=f"127.0.0.1:{self.ports.etcd}",
@@ -223,12 +249,23 @@ class LocalStack:
 
     # ----- services -----------------------------------------------------------------
 
-    def _service_argv(self, kind: str, port: int, metrics_port: int, extra: Sequence[str]) -> list[str]:
+    def _service_argv(
+        self, kind: str, port: int, metrics_port: int, extra: Sequence[str]
+    ) -> list[str]:
         module = "inferx_" + kind.replace("-", "_")
         return [
-            self.python, "-m", module,
-            "--etcd", self.etcd_endpoint, "--port", str(port), "--metrics-port", str(metrics_port),
-            "--lease-ttl-s", str(self.lease_ttl_s), *extra,
+            self.python,
+            "-m",
+            module,
+            "--etcd",
+            self.etcd_endpoint,
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics_port),
+            "--lease-ttl-s",
+            str(self.lease_ttl_s),
+            *extra,
         ]
 
     def start_service(self, kind: str, extra: Sequence[str] = ()) -> ManagedProcess:
@@ -238,22 +275,32 @@ class LocalStack:
         if kind == "router" and self.knowledge_base is not None:
             extra += ["--knowledge-base", str(self.knowledge_base)]
         proc = ManagedProcess(
-            kind, self._service_argv(kind, port, metrics_port, extra), self.state_dir / "logs" / f"{kind}.log",
-            address=f"127.0.0.1:{port}", metrics_port=metrics_port,
+            kind,
+            self._service_argv(kind, port, metrics_port, extra),
+            self.state_dir / "logs" / f"{kind}.log",
+            address=f"127.0.0.1:{port}",
+            metrics_port=metrics_port,
         )
         proc.start()
         self.services[kind] = proc
         return proc
 
-    def start_worker(self, pool: str, engine: str, extra: Sequence[str] = (), port: int = 0) -> ManagedProcess:
+    def start_worker(
+        self, pool: str, engine: str, extra: Sequence[str] = (), port: int = 0
+    ) -> ManagedProcess:
         index = len(self.workers)
         if not port:
             port = self.ports.worker_base + index if self.ports.worker_base else free_port()
         metrics_port = self._metrics_port()
-        argv = self._service_argv("worker", port, metrics_port, ["--model", pool, "--engine", engine, *extra])
+        argv = self._service_argv(
+            "worker", port, metrics_port, ["--model", pool, "--engine", engine, *extra]
+        )
         proc = ManagedProcess(
-            f"worker-{index}", argv, self.state_dir / "logs" / f"worker-{index}.log",
-            address=f"127.0.0.1:{port}", metrics_port=metrics_port,
+            f"worker-{index}",
+            argv,
+            self.state_dir / "logs" / f"worker-{index}.log",
+            address=f"127.0.0.1:{port}",
+            metrics_port=metrics_port,
         )
         proc.start()
         self.workers.append(proc)
@@ -281,7 +328,9 @@ class LocalStack:
             client = etcd.make_client(self.etcd_endpoint)
             async with client:
                 for model, pool in mapping.items():
-                    await client.put(etcd.model_key(model).encode(), json.dumps({"pool": pool}).encode())
+                    await client.put(
+                        etcd.model_key(model).encode(), json.dumps({"pool": pool}).encode()
+                    )
 
         asyncio.run(put())
 
@@ -296,7 +345,10 @@ class LocalStack:
             async with InferxClient(self.router_address) as client:
                 for path in files:
                     text = path.read_text()
-                    wanted = yaml.safe_dump(load_chain_text(text, source=str(path)).config.to_document(), sort_keys=False)
+                    wanted = yaml.safe_dump(
+                        load_chain_text(text, source=str(path)).config.to_document(),
+                        sort_keys=False,
+                    )
                     name = load_chain_text(text, source=str(path)).config.name
                     try:
                         current = await client.get_chain(name)
@@ -328,7 +380,9 @@ def read_models_file(path: Path) -> dict[str, str]:
     data = yaml.safe_load(path.read_text()) or {}
     models = data.get("models") if isinstance(data, dict) else None
     if not isinstance(models, dict):
-        raise StackError(f"{path}: expected a top-level 'models:' mapping of model -> {{pool: NAME}}")
+        raise StackError(
+            f"{path}: expected a top-level 'models:' mapping of model -> {{pool: NAME}}"
+        )
     mapping = {}
     for model, spec in models.items():
         if not isinstance(spec, dict) or not isinstance(spec.get("pool"), str):
@@ -342,7 +396,10 @@ def run_foreground(engine: str = "vllm", workers: int = 1) -> int:
     root = Path.cwd()
     examples = root / "examples"
     if not (examples / "models.yaml").exists():
-        print("inferx up: error: run it from the InferX checkout (examples/models.yaml not found)", file=sys.stderr)
+        print(
+            "inferx up: error: run it from the InferX checkout (examples/models.yaml not found)",
+            file=sys.stderr,
+        )
         return 2
     stack = LocalStack(root / ".inferx", knowledge_base=examples / "knowledge_base.jsonl")
     stop_requested = False
@@ -359,12 +416,23 @@ def run_foreground(engine: str = "vllm", workers: int = 1) -> int:
         step("etcd", lambda: stack.start_etcd())
         step("router, scheduler, memory-pool, cache", lambda: stack.start_core())
         stack.load_models(mapping)
-        worker_extra = ["--model-path", str(root / ".inferx" / "models" / "tiny-llama")] if engine == "vllm" else []
+        worker_extra = (
+            ["--model-path", str(root / ".inferx" / "models" / "tiny-llama")]
+            if engine == "vllm"
+            else []
+        )
         for _ in range(workers):
             stack.start_worker(pool, engine, worker_extra)
-        note = " (vLLM loads the model: about 40 s on a CPU)" if engine == "vllm" else " (SIMULATED engine)"
+        note = (
+            " (vLLM loads the model: about 40 s on a CPU)"
+            if engine == "vllm"
+            else " (SIMULATED engine)"
+        )
         for worker in stack.workers:
-            step(f"{worker.name} [{engine}, pool {pool}]{note}", lambda w=worker: wait_serving(w, 600))
+            step(
+                f"{worker.name} [{engine}, pool {pool}]{note}",
+                lambda w=worker: wait_serving(w, 600),
+            )
         loaded = stack.put_chains(sorted((examples / "chains").glob("*.yaml")))
         print_addresses(stack, mapping, loaded)
         print('\nTry:  inferx run customer_service_agent --input query="Where is my order?"')
@@ -372,7 +440,10 @@ def run_foreground(engine: str = "vllm", workers: int = 1) -> int:
         while True:
             for proc in [stack.etcd, *stack.services.values(), *stack.workers]:
                 if proc is not None and not proc.alive():
-                    print(f"\n{proc.name} exited unexpectedly; its log ends with:\n{proc.log_tail()}", file=sys.stderr)
+                    print(
+                        f"\n{proc.name} exited unexpectedly; its log ends with:\n{proc.log_tail()}",
+                        file=sys.stderr,
+                    )
                     return 1
             time.sleep(1)
     except StackError as exc:
@@ -401,7 +472,9 @@ def print_addresses(stack: LocalStack, mapping: dict[str, str], loaded: list[str
     table = Table(title="InferX is running", title_justify="left")
     for column in ("process", "gRPC", "metrics", "log"):
         table.add_column(column)
-    rows = [("etcd", stack.etcd)] + list(stack.services.items()) + [(w.name, w) for w in stack.workers]
+    rows = (
+        [("etcd", stack.etcd)] + list(stack.services.items()) + [(w.name, w) for w in stack.workers]
+    )
     for name, proc in rows:
         if proc is None:
             continue

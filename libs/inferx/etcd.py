@@ -241,7 +241,9 @@ class PrefixMirror:
                 raise
             except ETCD_DOWN_ERRORS as exc:
                 if not failing:
-                    log.warning("watch of %s lost (%s); serving the last known state", self.prefix, exc)
+                    log.warning(
+                        "watch of %s lost (%s); serving the last known state", self.prefix, exc
+                    )
                     failing = True
                 await asyncio.sleep(0.5)
             except Exception:

@@ -11,9 +11,8 @@ from pathlib import Path
 
 
 def generate(proto_root: Path, out_root: Path) -> list[Path]:
-    from grpc_tools import protoc  # imported late: only needed at build time
-
     import grpc_tools
+    from grpc_tools import protoc  # imported late: only needed at build time
 
     protos = sorted((proto_root / "inferx" / "v1").glob("*.proto"))
     if not protos:

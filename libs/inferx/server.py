@@ -168,8 +168,13 @@ def _start_metrics(host: str, port: int) -> str:
     return f"{host}:{httpd.server_port}"
 
 
-async def _serve(kind: str, settings: S, build: Callable[[ServiceRuntime, S], Awaitable[ServiceComponent]]) -> None:
-    instance_id = settings.instance_id or f"{kind}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+async def _serve(
+    kind: str, settings: S, build: Callable[[ServiceRuntime, S], Awaitable[ServiceComponent]]
+) -> None:
+    instance_id = (
+        settings.instance_id
+        or f"{kind}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    )
     log.info("starting %s %s with %s", kind, instance_id, settings.model_dump_json())
 
     server = grpc.aio.server(
@@ -202,7 +207,9 @@ async def _serve(kind: str, settings: S, build: Callable[[ServiceRuntime, S], Aw
     )
     component = await build(runtime, settings)
     names = list(component.service_names)
-    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    reflection.enable_server_reflection(
+        [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
@@ -212,7 +219,10 @@ async def _serve(kind: str, settings: S, build: Callable[[ServiceRuntime, S], Aw
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    print(f"inferx-{kind} listening on {address} (metrics http://{metrics_address}/metrics)", flush=True)
+    print(
+        f"inferx-{kind} listening on {address} (metrics http://{metrics_address}/metrics)",
+        flush=True,
+    )
     warm_up = asyncio.create_task(component.ready(), name="warm-up")
     waiter = asyncio.create_task(stop.wait())
     await asyncio.wait({warm_up, waiter}, return_when=asyncio.FIRST_COMPLETED)
@@ -242,7 +252,9 @@ async def _serve(kind: str, settings: S, build: Callable[[ServiceRuntime, S], Aw
         warm_up.cancel()
 
     log.info("%s shutting down: draining for up to %.1fs", kind, settings.drain_timeout_s)
-    await _shutdown(kind, server, health_servicer, leases, component, etcd, settings.drain_timeout_s)
+    await _shutdown(
+        kind, server, health_servicer, leases, component, etcd, settings.drain_timeout_s
+    )
 
 
 async def _shutdown(

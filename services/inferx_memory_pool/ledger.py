@@ -64,7 +64,9 @@ class KvLedger:
     def reserved(self, worker_id: str) -> int:
         return sum(r.tokens for r in self._reservations.values() if r.worker_id == worker_id)
 
-    def reserve(self, worker_id: str, tokens: int, now: float, run_id: str = "", hop_id: str = "") -> Reservation:
+    def reserve(
+        self, worker_id: str, tokens: int, now: float, run_id: str = "", hop_id: str = ""
+    ) -> Reservation:
         if tokens <= 0:
             raise ValueError("tokens must be positive")
         if worker_id not in self._capacity:
@@ -98,7 +100,12 @@ class KvLedger:
             mine = [r for r in self._reservations.values() if r.worker_id == worker_id]
             rows.append(
                 WorkerLedger(
-                    worker_id, pool, capacity, sum(r.tokens for r in mine), self.usable(worker_id), len(mine)
+                    worker_id,
+                    pool,
+                    capacity,
+                    sum(r.tokens for r in mine),
+                    self.usable(worker_id),
+                    len(mine),
                 )
             )
         return rows

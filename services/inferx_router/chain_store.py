@@ -1,6 +1,7 @@
 """Chain configs as immutable, numbered versions in etcd.
 
-  /inferx/v1/chains/<name>/versions/<n>  -> {"config": <normalised document>, "author", "message", "created_unix_ms"}
+  /inferx/v1/chains/<name>/versions/<n>  -> {"config": <normalised document>,
+                                           "author", "message", "created_unix_ms"}
   /inferx/v1/chains/<name>/latest        -> n   (only moved by a compare-and-swap txn)
   /inferx/v1/chains/<name>/active        -> n
   /inferx/v1/chains/<name>/labels/<l>    -> n
@@ -90,14 +91,21 @@ class ChainStore:
                 else tx.version(latest_key.encode()) == 0
             )
             ops = [
-                tx.put(_key(config.name, "versions", str(version)).encode(), json.dumps(record).encode()),
+                tx.put(
+                    _key(config.name, "versions", str(version)).encode(),
+                    json.dumps(record).encode(),
+                ),
                 tx.put(latest_key.encode(), str(version).encode()),
             ]
             if activate:
                 ops.append(tx.put(_key(config.name, "active").encode(), str(version).encode()))
-            succeeded, _ = await self._etcd(self._client.transaction(compare=[guard], success=ops, failure=[]))
+            succeeded, _ = await self._etcd(
+                self._client.transaction(compare=[guard], success=ops, failure=[])
+            )
             if succeeded:
-                stored = StoredVersion(config.name, version, config, author, message, record["created_unix_ms"])
+                stored = StoredVersion(
+                    config.name, version, config, author, message, record["created_unix_ms"]
+                )
                 self._parsed[(config.name, version)] = stored
                 return stored, activate
             # Someone else stored a version between our read and our write: try n+2.
@@ -128,9 +136,15 @@ class ChainStore:
                 raise NotFound(f"unknown chain '{name}' (see `inferx chain list`)")
             raise NotFound(f"chain '{name}' has no version {version}")
         record = json.loads(raw)
-        validated: ValidatedChain = load_chain_text(json.dumps(record["config"]), source=f"{name} v{version}")
+        validated: ValidatedChain = load_chain_text(
+            json.dumps(record["config"]), source=f"{name} v{version}"
+        )
         stored = StoredVersion(
-            name, version, validated.config, record.get("author", ""), record.get("message", ""),
+            name,
+            version,
+            validated.config,
+            record.get("author", ""),
+            record.get("message", ""),
             int(record.get("created_unix_ms", 0)),
         )
         self._parsed[(name, version)] = stored
@@ -163,4 +177,6 @@ class ChainStore:
         try:
             return await awaitable
         except etcd.ETCD_DOWN_ERRORS as exc:
-            raise Unavailable(f"etcd is unreachable ({exc}); chain configs cannot be changed now") from None
+            raise Unavailable(
+                f"etcd is unreachable ({exc}); chain configs cannot be changed now"
+            ) from None

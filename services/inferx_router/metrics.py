@@ -8,13 +8,23 @@ from inferx.v1 import router_pb2
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 30, 60)
 
 CHAIN_SECONDS = Histogram(
-    "inferx_chain_latency_seconds", "End-to-end chain latency", ["chain", "tier", "status"], buckets=_LATENCY_BUCKETS
+    "inferx_chain_latency_seconds",
+    "End-to-end chain latency",
+    ["chain", "tier", "status"],
+    buckets=_LATENCY_BUCKETS,
 )
-CHAIN_SLO = Counter("inferx_chain_slo_total", "Chains by whether they met their SLO", ["chain", "met"])
+CHAIN_SLO = Counter(
+    "inferx_chain_slo_total", "Chains by whether they met their SLO", ["chain", "met"]
+)
 NODE_SECONDS = Histogram(
-    "inferx_node_latency_seconds", "Latency of each chain node", ["chain", "node", "status"], buckets=_LATENCY_BUCKETS
+    "inferx_node_latency_seconds",
+    "Latency of each chain node",
+    ["chain", "node", "status"],
+    buckets=_LATENCY_BUCKETS,
 )
-TOOL_CACHE = Counter("inferx_tool_cache_lookups_total", "Tool-result cache look-ups", ["tool", "result"])
+TOOL_CACHE = Counter(
+    "inferx_tool_cache_lookups_total", "Tool-result cache look-ups", ["tool", "result"]
+)
 TOKENS = Counter("inferx_tokens_total", "Tokens of model hops", ["chain", "kind"])
 
 

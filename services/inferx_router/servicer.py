@@ -54,7 +54,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             unknown = sorted(set(inputs) - set(config.inputs))
             if unknown:
                 raise InvalidArgument(
-                    f"input '{unknown[0]}': chain '{config.name}' takes {', '.join(sorted(config.inputs))}"
+                    f"input '{unknown[0]}': chain '{config.name}' takes "
+                    f"{', '.join(sorted(config.inputs))}"
                 )
             for name, spec in config.inputs.items():
                 if name not in inputs and spec.default is not None:
@@ -69,9 +70,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def _check_workers(self, chain: StoredVersion) -> None:
         for node in chain.config.nodes:
             if node.type == "model_inference" and not self._directory.workers_for(node.model or ""):
-                raise Unavailable(no_worker_message(node.model or "", self._directory.pool_of(node.model or "")))
+                raise Unavailable(
+                    no_worker_message(node.model or "", self._directory.pool_of(node.model or ""))
+                )
 
-    async def RunChain(self, request: router_pb2.RunChainRequest, context: grpc.aio.ServicerContext):
+    async def RunChain(
+        self, request: router_pb2.RunChainRequest, context: grpc.aio.ServicerContext
+    ):
         chain = await self._store.resolve(request.chain, request.version, request.label)
         inputs = self._check_inputs(chain, dict(request.inputs))
         self._check_workers(chain)
@@ -101,7 +106,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def ValidateChain(self, request, context):
         validated = load_chain_text(request.config, source="config")
-        return router_pb2.ValidateChainResponse(name=validated.config.name, warnings=validated.warnings)
+        return router_pb2.ValidateChainResponse(
+            name=validated.config.name, warnings=validated.warnings
+        )
 
     async def PutChain(self, request, context):
         if not request.config.strip():
@@ -131,7 +138,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         reply = router_pb2.ListChainsResponse()
         for name in self._store.names():
             active = self._store.pointer(name, "active")
-            summary = reply.chains.add(name=name, active_version=active, latest_version=self._store.pointer(name, "latest"))
+            summary = reply.chains.add(
+                name=name, active_version=active, latest_version=self._store.pointer(name, "latest")
+            )
             if active:
                 stored = await self._store.resolve(name, active)
                 summary.nodes = len(stored.config.nodes)
@@ -141,15 +150,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     # ----- status -------------------------------------------------------------------
 
     async def GetStatus(self, request, context):
-        reply = router_pb2.SystemStatus(services=self._services.all(), workers=self._directory.all_workers())
+        reply = router_pb2.SystemStatus(
+            services=self._services.all(), workers=self._directory.all_workers()
+        )
         address = self._services.pick("scheduler")
         if address is None:
             reply.problems.append("no scheduler registered")
         else:
             try:
-                sched = await scheduler_pb2_grpc.SchedulerStub(self._channels.get(address)).GetSchedulerStatus(
-                    scheduler_pb2.SchedulerStatusRequest(), timeout=2.0
-                )
+                sched = await scheduler_pb2_grpc.SchedulerStub(
+                    self._channels.get(address)
+                ).GetSchedulerStatus(scheduler_pb2.SchedulerStatusRequest(), timeout=2.0)
                 reply.scheduler_policy = sched.policy
                 for pool in sched.pools:
                     reply.queues.add(pool=pool.pool, queued=pool.queued, running=pool.running)
@@ -160,9 +171,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             reply.problems.append("no memory-pool registered")
         else:
             try:
-                usage = await memory_pool_pb2_grpc.MemoryPoolStub(self._channels.get(address)).GetUsage(
-                    memory_pool_pb2.GetUsageRequest(), timeout=2.0
-                )
+                usage = await memory_pool_pb2_grpc.MemoryPoolStub(
+                    self._channels.get(address)
+                ).GetUsage(memory_pool_pb2.GetUsageRequest(), timeout=2.0)
                 reply.kv_headroom_ratio = usage.headroom_ratio
                 for row in usage.workers:
                     reply.memory.add(

@@ -104,7 +104,9 @@ class ToolRouter:
             return self._builtins[tool]
         remotes = self._remote_addresses(tool)
         if not remotes:
-            raise NotFound(f"tool '{tool}' is neither built in nor registered under {etcd.TOOLS}{tool}/")
+            raise NotFound(
+                f"tool '{tool}' is neither built in nor registered under {etcd.TOOLS}{tool}/"
+            )
         address, version = remotes[0]
 
         async def invoke(call: ToolCall) -> Any:
@@ -150,18 +152,24 @@ class ToolRouter:
         if stub is None:
             return
         try:
-            await stub.Put(cache_pb2.CachePutRequest(key=key, value=value, ttl_s=ttl_s), timeout=1.0)
+            await stub.Put(
+                cache_pb2.CachePutRequest(key=key, value=value, ttl_s=ttl_s), timeout=1.0
+            )
         except grpc.aio.AioRpcError as exc:
             log.warning("cache put failed (%s)", exc.code().name)
 
-    async def remember(self, session_id: str, turn: dict[str, Any], ttl_s: float = 86_400.0) -> None:
+    async def remember(
+        self, session_id: str, turn: dict[str, Any], ttl_s: float = 86_400.0
+    ) -> None:
         """Append a finished turn to the session's memory (kept in the cache service)."""
         stub = self._cache_stub()
         if stub is None or not session_id:
             return
         try:
             await stub.Append(
-                cache_pb2.CacheAppendRequest(key=memory_key(session_id), value=json.dumps(turn).encode(), ttl_s=ttl_s),
+                cache_pb2.CacheAppendRequest(
+                    key=memory_key(session_id), value=json.dumps(turn).encode(), ttl_s=ttl_s
+                ),
                 timeout=1.0,
             )
         except grpc.aio.AioRpcError as exc:
@@ -188,8 +196,10 @@ class ToolRouter:
             raise Unavailable("session memory needs the cache service, and none is registered")
         limit = call.arguments.get("limit", 5)
         try:
-            reply = await stub.GetList(cache_pb2.CacheGetRequest(key=memory_key(call.session_id)), timeout=1.0)
+            reply = await stub.GetList(
+                cache_pb2.CacheGetRequest(key=memory_key(call.session_id)), timeout=1.0
+            )
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, target="cache") from None
         turns = [json.loads(v) for v in reply.values]
-        return turns[-int(limit):] if limit else turns
+        return turns[-int(limit) :] if limit else turns

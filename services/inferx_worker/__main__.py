@@ -7,11 +7,10 @@ from pathlib import Path
 
 from inferx import etcd
 from inferx.server import ServiceComponent, ServiceRuntime, run_service, to_json_bytes
-from inferx.v1 import common_pb2, worker_pb2
+from inferx.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from inferx_worker.config import WorkerSettings
 from inferx_worker.engines.base import Engine, EngineRequest
 from inferx_worker.servicer import ModelWorkerServicer
-from inferx.v1 import worker_pb2_grpc
 
 log = logging.getLogger("inferx.worker")
 
@@ -35,9 +34,7 @@ def make_engine(settings: WorkerSettings) -> Engine:
 
     path = Path(settings.model_path)
     if settings.dummy_weights == "auto":
-        dummy = path.is_dir() and not any(
-            f.suffix in WEIGHT_SUFFIXES for f in path.iterdir()
-        )
+        dummy = path.is_dir() and not any(f.suffix in WEIGHT_SUFFIXES for f in path.iterdir())
     else:
         dummy = settings.dummy_weights == "yes"
     if path.is_dir():

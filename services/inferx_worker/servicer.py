@@ -8,9 +8,9 @@ import uuid
 import grpc
 
 from inferx.errors import InvalidArgument, Unavailable
-from inferx.v1 import worker_pb2, worker_pb2_grpc, common_pb2
-from inferx_worker.engines.base import Engine, EngineError, EngineRequest
+from inferx.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from inferx_worker import metrics
+from inferx_worker.engines.base import Engine, EngineError, EngineRequest
 
 
 class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServicer):
@@ -18,12 +18,20 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServicer):
         self._engine = engine
         self._worker_id = worker_id
 
-    async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def Generate(
+        self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ):
         if not request.prompt:
             raise InvalidArgument("prompt: must not be empty")
         max_tokens = request.sampling.max_tokens or 64
         engine_request = EngineRequest(
-            request_id=f"{request.context.run_id or 'adhoc'}:{request.context.hop_id or 'hop'}:{uuid.uuid4().hex[:8]}",
+            request_id=":".join(
+                (
+                    request.context.run_id or "adhoc",
+                    request.context.hop_id or "hop",
+                    uuid.uuid4().hex[:8],
+                )
+            ),
             prompt=request.prompt,
             max_tokens=max_tokens,
             temperature=request.sampling.temperature,

@@ -25,7 +25,9 @@ def vllm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]
         stack.start_core()
         stack.load_models(read_models_file(EXAMPLES / "models.yaml"))
         stack.start_worker(
-            "tiny-llama", "vllm", ["--model-path", str(model_dir), "--max-model-len", "2048", "--max-num-seqs", "8"]
+            "tiny-llama",
+            "vllm",
+            ["--model-path", str(model_dir), "--max-model-len", "2048", "--max-num-seqs", "8"],
         )
         wait_serving(stack.workers[0], 300)
         stack.put_chains([EXAMPLES / "chains" / "customer_service_agent.yaml"])
@@ -71,7 +73,9 @@ async def test_worker_registered_what_vllm_reports(vllm_stack: LocalStack) -> No
     assert Path(worker.model_path).name == "tiny-llama"
 
 
-async def test_prompt_longer_than_the_model_allows_fails_the_hop_clearly(vllm_stack: LocalStack) -> None:
+async def test_prompt_longer_than_the_model_allows_fails_the_hop_clearly(
+    vllm_stack: LocalStack,
+) -> None:
     finished = await _run(vllm_stack, "order " * 3000)
     assert finished.status == "error"
     intent = next(h for h in finished.hops if h.node_id == "intent_recognition")

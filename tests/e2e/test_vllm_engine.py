@@ -13,6 +13,7 @@ import time
 
 import pytest
 import pytest_asyncio
+
 from inferx.tinymodel import make_tiny_model
 from inferx_worker.engines.base import EngineChunk, EngineRequest
 from inferx_worker.engines.vllm_engine import VllmEngine

@@ -36,7 +36,11 @@ async def test_example_chain_runs_every_node_in_dependency_order(sim_stack: Loca
     assert kinds[-1] == "chain_finished"
     finished = events[-1].chain_finished
     assert finished.status == "ok", finished.error
-    assert [h.node_id for h in finished.hops] == ["intent_recognition", "knowledge_retrieval", "response_generation"]
+    assert [h.node_id for h in finished.hops] == [
+        "intent_recognition",
+        "knowledge_retrieval",
+        "response_generation",
+    ]
     hops = {h.node_id: h for h in finished.hops}
     for node_id in ("intent_recognition", "response_generation"):
         hop = hops[node_id]
@@ -45,7 +49,9 @@ async def test_example_chain_runs_every_node_in_dependency_order(sim_stack: Loca
         assert hop.output
     assert "order" in hops["knowledge_retrieval"].output.lower()
     # response_generation starts only after both of its dependencies finished.
-    order = [(e.WhichOneof("event"), getattr(e, e.WhichOneof("event")).node_id) for e in events[:-1]]
+    order = [
+        (e.WhichOneof("event"), getattr(e, e.WhichOneof("event")).node_id) for e in events[:-1]
+    ]
     started_at = order.index(("node_started", "response_generation"))
     assert ("node_finished", "intent_recognition") in order[:started_at]
     assert ("node_finished", "knowledge_retrieval") in order[:started_at]
@@ -53,7 +59,9 @@ async def test_example_chain_runs_every_node_in_dependency_order(sim_stack: Loca
     assert finished.slo_met == (finished.latency_ms <= 5000)
 
 
-async def test_cacheable_tool_result_is_served_from_cache_the_second_time(sim_stack: LocalStack) -> None:
+async def test_cacheable_tool_result_is_served_from_cache_the_second_time(
+    sim_stack: LocalStack,
+) -> None:
     inputs = {"query": "How do I return an item for a refund?"}
     first = (await run_to_end(sim_stack, "customer_service_agent", inputs))[-1].chain_finished
     second = (await run_to_end(sim_stack, "customer_service_agent", inputs))[-1].chain_finished
@@ -81,7 +89,8 @@ agent_chain:
   name: ghost_chain
   slo: {end_to_end_latency_p99: 2s}
   nodes:
-    - {id: only, type: model_inference, model: ghost-model, timeout: 1s, prompt: "hi {{ inputs.q }}"}
+    - {id: only, type: model_inference, model: ghost-model, timeout: 1s,
+       prompt: "hi {{ inputs.q }}"}
 """
 
 
@@ -92,10 +101,14 @@ async def test_model_without_workers_is_unavailable_naming_the_model(sim_stack: 
         await run_to_end(sim_stack, "ghost_chain", {"q": "x"})
 
 
-async def test_concurrent_puts_get_distinct_versions_and_stale_expect_fails(sim_stack: LocalStack) -> None:
+async def test_concurrent_puts_get_distinct_versions_and_stale_expect_fails(
+    sim_stack: LocalStack,
+) -> None:
     text = GHOST_CHAIN.replace("ghost_chain", "race_chain")
     async with InferxClient(sim_stack.router_address) as client:
-        replies = await asyncio.gather(*(client.put_chain(text, message=f"put {i}") for i in range(12)))
+        replies = await asyncio.gather(
+            *(client.put_chain(text, message=f"put {i}") for i in range(12))
+        )
         versions = sorted(r.version for r in replies)
         assert versions == list(range(1, 13))
         with pytest.raises(FailedPrecondition, match="version 12"):
@@ -138,13 +151,15 @@ agent_chain:
 async def test_memory_retrieval_returns_earlier_turns_of_the_session(sim_stack: LocalStack) -> None:
     async with InferxClient(sim_stack.router_address) as client:
         await client.put_chain(MEMORY_CHAIN)
-    first = (await run_to_end(sim_stack, "memory_chain", {"query": "my parcel id is 4711"}, session_id="s-42"))
+    first = await run_to_end(
+        sim_stack, "memory_chain", {"query": "my parcel id is 4711"}, session_id="s-42"
+    )
     assert first[-1].chain_finished.status == "ok"
     assert next(h for h in first[-1].chain_finished.hops if h.node_id == "history").output == "[]"
-    second = (await run_to_end(sim_stack, "memory_chain", {"query": "and now?"}, session_id="s-42"))
+    second = await run_to_end(sim_stack, "memory_chain", {"query": "and now?"}, session_id="s-42")
     history = next(h for h in second[-1].chain_finished.hops if h.node_id == "history").output
     assert "4711" in history
-    other = (await run_to_end(sim_stack, "memory_chain", {"query": "hi"}, session_id="s-other"))
+    other = await run_to_end(sim_stack, "memory_chain", {"query": "hi"}, session_id="s-other")
     assert next(h for h in other[-1].chain_finished.hops if h.node_id == "history").output == "[]"
 
 
@@ -174,7 +189,9 @@ def test_every_service_serves_health_and_reflection(sim_stack: LocalStack) -> No
     for kind, address, service in targets:
         with grpc.insecure_channel(address) as channel:
             stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-            replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+            replies = stub.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+            )
             names = {s.name for reply in replies for s in reply.list_services_response.service}
         assert service in names, (kind, names)
         assert "grpc.health.v1.Health" in names
@@ -213,7 +230,10 @@ def test_cli_errors_are_one_line_without_traceback(sim_stack: LocalStack) -> Non
 def test_cli_reports_an_unreachable_router_clearly(tmp_path: Path) -> None:
     inferx = Path(sys.executable).with_name("inferx")
     result = subprocess.run(
-        [str(inferx), "status", "--router", "127.0.0.1:1"], capture_output=True, text=True, timeout=60
+        [str(inferx), "status", "--router", "127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 1
     assert "UNAVAILABLE" in result.stderr and "127.0.0.1:1" in result.stderr

@@ -8,6 +8,7 @@ from typing import Any
 import pydantic
 import pytest
 import yaml
+
 from inferx.chain import (
     ChainConfig,
     ChainConfigError,

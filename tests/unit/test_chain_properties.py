@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from inferx.chain import (
     ChainConfigError,
     critical_path,

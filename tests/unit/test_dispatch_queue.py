@@ -1,16 +1,16 @@
 """The foundation dispatch policy: FCFS inside a pool, least-loaded worker with room."""
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from inferx.scheduling.queue import DispatchQueue, QueueFull, WorkerSlots
 
-import pytest
-
 
 def test_fcfs_order_and_least_loaded_worker() -> None:
     q = DispatchQueue()
-    hops = [q.submit("p", "run", f"h{i}", now=i) for i in range(4)]
+    for i in range(4):
+        q.submit("p", "run", f"h{i}", now=i)
     workers = {"p": [WorkerSlots("a", 2), WorkerSlots("b", 2)]}
     assigned = q.assign(workers)
     assert [h.hop_id for h in assigned] == ["h0", "h1", "h2", "h3"]
@@ -60,7 +60,11 @@ def test_cancel_and_drain() -> None:
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["submit", "assign", "finish"]), st.integers(0, 5)), max_size=60))
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["submit", "assign", "finish"]), st.integers(0, 5)), max_size=60
+    )
+)
 def test_no_worker_ever_exceeds_its_concurrency(ops) -> None:
     q = DispatchQueue()
     workers = {"p": [WorkerSlots("a", 2), WorkerSlots("b", 3)]}

@@ -44,18 +44,26 @@ class FakeRpcError(grpc.RpcError):
 )
 def test_status_codes_map_to_typed_errors(code, cls) -> None:
     error = from_rpc_error(FakeRpcError(code, "boom"))
-    assert type(error) is cls and error.message == "boom" and error.code in (code, grpc.StatusCode.INTERNAL)
+    assert (
+        type(error) is cls
+        and error.message == "boom"
+        and error.code in (code, grpc.StatusCode.INTERNAL)
+    )
 
 
 def test_retry_hint_travels_in_trailing_metadata() -> None:
-    error = from_rpc_error(FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "full", ((RETRY_AFTER_KEY, "1.5"),)))
+    error = from_rpc_error(
+        FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "full", ((RETRY_AFTER_KEY, "1.5"),))
+    )
     assert error.retry_after_s == 1.5
 
 
 def test_settings_from_flags_and_env(monkeypatch) -> None:
     monkeypatch.setenv("INFERX_ETCD", "10.0.0.1:2379")
     monkeypatch.setenv("INFERX_MAX_NUM_SEQS", "7")
-    settings = load_settings(WorkerSettings, "inferx-worker", ["--model", "qwen-7b", "--engine", "sim", "--port", "9"])
+    settings = load_settings(
+        WorkerSettings, "inferx-worker", ["--model", "qwen-7b", "--engine", "sim", "--port", "9"]
+    )
     assert settings.etcd == "10.0.0.1:2379" and settings.max_num_seqs == 7 and settings.port == 9
     assert settings.engine == "sim"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
 from inferx.chain.template import (
     MissingReferenceError,
     Reference,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from inferx.tinymodel import main, make_tiny_model
 
 

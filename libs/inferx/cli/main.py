@@ -75,7 +75,8 @@ def _print_run(finished: router_pb2.ChainFinished, chain: str) -> None:
             u = hop.usage
             details += [
                 f"queue {_fmt_ms(hop.queue_ms)}",
-                f"tokens {u.prompt_tokens} in ({u.cached_prompt_tokens} cached) / {u.completion_tokens} out",
+                f"tokens {u.prompt_tokens} in ({u.cached_prompt_tokens} cached)"
+                f" / {u.completion_tokens} out",
                 f"worker {hop.worker_id or '-'}",
             ]
         elif hop.status == "ok":
@@ -87,7 +88,10 @@ def _print_run(finished: router_pb2.ChainFinished, chain: str) -> None:
             out.print("       " + _short(text, 70), markup=False)
     verdict = "[green]met[/green]" if finished.slo_met else "[red]missed[/red]"
     status = "[green]ok[/green]" if finished.status == "ok" else f"[red]{finished.status}[/red]"
-    out.print(f"chain {status} in {_fmt_ms(finished.latency_ms)}  (SLO {_fmt_ms(finished.slo_ms)}: {verdict})")
+    out.print(
+        f"chain {status} in {_fmt_ms(finished.latency_ms)}"
+        f"  (SLO {_fmt_ms(finished.slo_ms)}: {verdict})"
+    )
     if finished.error:
         err.print(f"error: {finished.error}", markup=False)
 
@@ -127,7 +131,11 @@ def cmd_chain_validate(args: argparse.Namespace) -> int:
         err.print(f"warning: {warning}")
     config = validated.config
     if args.json:
-        print(json.dumps({"name": config.name, "nodes": len(config.nodes), "warnings": validated.warnings}))
+        print(
+            json.dumps(
+                {"name": config.name, "nodes": len(config.nodes), "warnings": validated.warnings}
+            )
+        )
     else:
         out.print(f"{args.file}: valid chain '{config.name}' with {len(config.nodes)} nodes")
     return 0
@@ -164,7 +172,10 @@ async def cmd_chain_get(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(_msg_json(reply), indent=2))
     else:
-        out.print(f"# {reply.name} version {reply.version}{' (active)' if reply.active else ''}", style="dim")
+        out.print(
+            f"# {reply.name} version {reply.version}{' (active)' if reply.active else ''}",
+            style="dim",
+        )
         print(reply.config_yaml, end="")
     return 0
 
@@ -180,7 +191,11 @@ async def cmd_chain_list(args: argparse.Namespace) -> int:
         table.add_column(column)
     for chain in reply.chains:
         table.add_row(
-            chain.name, str(chain.active_version or "-"), str(chain.latest_version), str(chain.nodes), _fmt_ms(chain.slo_ms)
+            chain.name,
+            str(chain.active_version or "-"),
+            str(chain.latest_version),
+            str(chain.nodes),
+            _fmt_ms(chain.slo_ms),
         )
     out.print(table if reply.chains else "no chains yet: `inferx chain put FILE`")
     return 0
@@ -199,7 +214,9 @@ async def cmd_status(args: argparse.Namespace) -> int:
     for column in ("kind", "instance", "address", "metrics"):
         services.add_column(column)
     for svc in sorted(status.services, key=lambda s: (s.kind, s.instance_id)):
-        services.add_row(svc.kind, svc.instance_id, svc.address, f"http://{svc.metrics_address}/metrics")
+        services.add_row(
+            svc.kind, svc.instance_id, svc.address, f"http://{svc.metrics_address}/metrics"
+        )
     out.print(services)
     reserved = {row.worker_id: row for row in status.memory}
     workers = Table(title="workers", title_justify="left")
@@ -239,12 +256,16 @@ def cmd_up(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
-        "--router", default=_router_default(), metavar="HOST:PORT",
+        "--router",
+        default=_router_default(),
+        metavar="HOST:PORT",
         help="router address (env INFERX_ROUTER, default %(default)s)",
     )
     common.add_argument("--json", action="store_true", help="machine-readable output")
 
-    parser = argparse.ArgumentParser(prog="inferx", description="InferX: schedule whole agent chains.")
+    parser = argparse.ArgumentParser(
+        prog="inferx", description="InferX: schedule whole agent chains."
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", parents=[common], help="run a chain and show every hop")
@@ -257,16 +278,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     chain = sub.add_parser("chain", help="validate and manage chain configs")
     chain_sub = chain.add_subparsers(dest="chain_command", required=True, metavar="ACTION")
-    validate = chain_sub.add_parser("validate", parents=[common], help="check a config file (offline)")
+    validate = chain_sub.add_parser(
+        "validate", parents=[common], help="check a config file (offline)"
+    )
     validate.add_argument("file")
-    validate.add_argument("--strict", action="store_true", help="treat warnings (SLO too tight) as errors")
+    validate.add_argument(
+        "--strict", action="store_true", help="treat warnings (SLO too tight) as errors"
+    )
     validate.set_defaults(handler=cmd_chain_validate)
     schema = chain_sub.add_parser("schema", parents=[common], help="print the config's JSON Schema")
     schema.set_defaults(handler=cmd_chain_schema)
     put = chain_sub.add_parser("put", parents=[common], help="store a new version")
     put.add_argument("file")
     put.add_argument("--message", "-m")
-    put.add_argument("--expect-version", type=int, default=0, help="fail unless the latest version is N")
+    put.add_argument(
+        "--expect-version", type=int, default=0, help="fail unless the latest version is N"
+    )
     put.add_argument("--no-activate", action="store_true", help="store without making it active")
     put.set_defaults(handler=cmd_chain_put)
     get = chain_sub.add_parser("get", parents=[common], help="print a version (default: active)")
@@ -294,7 +321,9 @@ def main(argv: list[str] | None = None) -> None:
         code = asyncio.run(result) if asyncio.iscoroutine(result) else result
     except InferxError as exc:
         name = exc.code.name if type(exc) is not InferxError else "error"
-        err.print(f"inferx: {name}: {exc.message}" if name != "error" else f"inferx: error: {exc.message}")
+        err.print(
+            f"inferx: {name}: {exc.message}" if name != "error" else f"inferx: error: {exc.message}"
+        )
         code = 1
     except KeyboardInterrupt:
         code = 130

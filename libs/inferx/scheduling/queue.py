@@ -132,9 +132,14 @@ class DispatchQueue:
                 continue
             load = in_flight / capacity
             # Ties go to the worker that has served fewer hops, spreading cold starts.
-            if best is None or load < best_load or (
-                load == best_load
-                and self._dispatched.get(worker.worker_id, 0) < self._dispatched.get(best.worker_id, 0)
+            if (
+                best is None
+                or load < best_load
+                or (
+                    load == best_load
+                    and self._dispatched.get(worker.worker_id, 0)
+                    < self._dispatched.get(best.worker_id, 0)
+                )
             ):
                 best, best_load = worker, load
         return best

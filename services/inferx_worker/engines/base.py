@@ -64,7 +64,7 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def load(self) -> EngineLoad: ...
 
-    async def stop(self) -> None:
+    async def stop(self) -> None:  # noqa: B027 - optional hook, default no-op
         """Free the engine's resources."""
 
 
