@@ -466,12 +466,8 @@ def step(what: str, action) -> None:
 
 
 def print_addresses(stack: LocalStack, mapping: dict[str, str], loaded: list[str]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="InferX is running", title_justify="left")
-    for column in ("process", "gRPC", "metrics", "log"):
-        table.add_column(column)
+    """Plain lines, not a table: addresses must stay whole in any terminal width."""
+    print("\nInferX is running:")
     rows = (
         [("etcd", stack.etcd)] + list(stack.services.items()) + [(w.name, w) for w in stack.workers]
     )
@@ -479,8 +475,11 @@ def print_addresses(stack: LocalStack, mapping: dict[str, str], loaded: list[str
         if proc is None:
             continue
         metrics = f"http://127.0.0.1:{proc.metrics_port}/metrics" if proc.metrics_port else "-"
-        table.add_row(name, proc.address, metrics, str(proc.log_path.relative_to(Path.cwd())))
-    console = Console(highlight=False)
-    console.print(table)
-    console.print("models: " + ", ".join(f"{m} -> pool {p}" for m, p in sorted(mapping.items())))
-    console.print("chains: " + ", ".join(loaded))
+        log = (
+            proc.log_path.relative_to(Path.cwd())
+            if proc.log_path.is_relative_to(Path.cwd())
+            else proc.log_path
+        )
+        print(f"  {name:<12} grpc {proc.address:<16} metrics {metrics:<34} log {log}")
+    print("  models: " + ", ".join(f"{m} -> pool {p}" for m, p in sorted(mapping.items())))
+    print("  chains: " + ", ".join(loaded))
