@@ -80,9 +80,7 @@ class InferxClient:
             ),
         )
 
-    async def get_chain(
-        self, name: str, *, version: int = 0, label: str = ""
-    ) -> router_pb2.ChainVersion:
+    async def get_chain(self, name: str, *, version: int = 0, label: str = "") -> router_pb2.ChainVersion:
         return await self._unary(
             self._stub.GetChain, router_pb2.GetChainRequest(name=name, version=version, label=label)
         )
@@ -91,11 +89,28 @@ class InferxClient:
         return await self._unary(self._stub.ListChains, router_pb2.ListChainsRequest())
 
     async def validate_chain(self, config: str) -> router_pb2.ValidateChainResponse:
+        return await self._unary(self._stub.ValidateChain, router_pb2.ValidateChainRequest(config=config))
+
+    async def chain_history(self, name: str) -> router_pb2.ChainHistory:
+        return await self._unary(self._stub.GetChainHistory, router_pb2.ChainHistoryRequest(name=name))
+
+    async def diff_chain(self, name: str, from_version: int, to_version: int) -> str:
+        reply = await self._unary(
+            self._stub.DiffChain,
+            router_pb2.DiffChainRequest(name=name, from_version=from_version, to_version=to_version),
+        )
+        return reply.diff
+
+    async def label_chain(self, name: str, label: str, version: int) -> int:
+        reply = await self._unary(
+            self._stub.LabelChain, router_pb2.LabelChainRequest(name=name, label=label, version=version)
+        )
+        return reply.previous_version
+
+    async def rollback_chain(self, name: str, to_version: int = 0) -> router_pb2.RollbackChainResponse:
         return await self._unary(
-            self._stub.ValidateChain, router_pb2.ValidateChainRequest(config=config)
+            self._stub.RollbackChain, router_pb2.RollbackChainRequest(name=name, to_version=to_version)
         )
 
     async def status(self) -> router_pb2.SystemStatus:
-        return await self._unary(
-            self._stub.GetStatus, router_pb2.GetStatusRequest(), timeout_s=10.0
-        )
+        return await self._unary(self._stub.GetStatus, router_pb2.GetStatusRequest(), timeout_s=10.0)

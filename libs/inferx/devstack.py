@@ -109,9 +109,7 @@ def wait_serving(proc: ManagedProcess, timeout_s: float, service: str = "") -> f
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if not proc.alive():
-                raise StackError(
-                    f"{proc.name} exited during start-up; its log ends with:\n{proc.log_tail()}"
-                )
+                raise StackError(f"{proc.name} exited during start-up; its log ends with:\n{proc.log_tail()}")
             try:
                 reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
@@ -119,9 +117,7 @@ def wait_serving(proc: ManagedProcess, timeout_s: float, service: str = "") -> f
             except grpc.RpcError:
                 pass
             time.sleep(0.2)
-    raise StackError(
-        f"{proc.name} not serving after {timeout_s:.0f}s; its log ends with:\n{proc.log_tail()}"
-    )
+    raise StackError(f"{proc.name} not serving after {timeout_s:.0f}s; its log ends with:\n{proc.log_tail()}")
 
 
 def find_etcd() -> str:
@@ -249,9 +245,7 @@ class LocalStack:
 
     # ----- services -----------------------------------------------------------------
 
-    def _service_argv(
-        self, kind: str, port: int, metrics_port: int, extra: Sequence[str]
-    ) -> list[str]:
+    def _service_argv(self, kind: str, port: int, metrics_port: int, extra: Sequence[str]) -> list[str]:
         module = "inferx_" + kind.replace("-", "_")
         return [
             self.python,
@@ -292,9 +286,7 @@ class LocalStack:
         if not port:
             port = self.ports.worker_base + index if self.ports.worker_base else free_port()
         metrics_port = self._metrics_port()
-        argv = self._service_argv(
-            "worker", port, metrics_port, ["--model", pool, "--engine", engine, *extra]
-        )
+        argv = self._service_argv("worker", port, metrics_port, ["--model", pool, "--engine", engine, *extra])
         proc = ManagedProcess(
             f"worker-{index}",
             argv,
@@ -328,15 +320,14 @@ class LocalStack:
             client = etcd.make_client(self.etcd_endpoint)
             async with client:
                 for model, pool in mapping.items():
-                    await client.put(
-                        etcd.model_key(model).encode(), json.dumps({"pool": pool}).encode()
-                    )
+                    await client.put(etcd.model_key(model).encode(), json.dumps({"pool": pool}).encode())
 
         asyncio.run(put())
 
     def put_chains(self, files: Sequence[Path], message: str = "loaded by inferx up") -> list[str]:
         """Store each chain file unless its active version already has that content."""
         from inferx.chain.validate import load_chain_text
+        from inferx.chain.yamlio import dump_config_yaml
         from inferx.client import InferxClient
         from inferx.errors import NotFound
 
@@ -345,11 +336,8 @@ class LocalStack:
             async with InferxClient(self.router_address) as client:
                 for path in files:
                     text = path.read_text()
-                    wanted = yaml.safe_dump(
-                        load_chain_text(text, source=str(path)).config.to_document(),
-                        sort_keys=False,
-                    )
-                    name = load_chain_text(text, source=str(path)).config.name
+                    config = load_chain_text(text, source=str(path)).config
+                    wanted, name = dump_config_yaml(config), config.name
                     try:
                         current = await client.get_chain(name)
                         if current.config_yaml == wanted:
@@ -380,9 +368,7 @@ def read_models_file(path: Path) -> dict[str, str]:
     data = yaml.safe_load(path.read_text()) or {}
     models = data.get("models") if isinstance(data, dict) else None
     if not isinstance(models, dict):
-        raise StackError(
-            f"{path}: expected a top-level 'models:' mapping of model -> {{pool: NAME}}"
-        )
+        raise StackError(f"{path}: expected a top-level 'models:' mapping of model -> {{pool: NAME}}")
     mapping = {}
     for model, spec in models.items():
         if not isinstance(spec, dict) or not isinstance(spec.get("pool"), str):
@@ -417,17 +403,11 @@ def run_foreground(engine: str = "vllm", workers: int = 1) -> int:
         step("router, scheduler, memory-pool, cache", lambda: stack.start_core())
         stack.load_models(mapping)
         worker_extra = (
-            ["--model-path", str(root / ".inferx" / "models" / "tiny-llama")]
-            if engine == "vllm"
-            else []
+            ["--model-path", str(root / ".inferx" / "models" / "tiny-llama")] if engine == "vllm" else []
         )
         for _ in range(workers):
             stack.start_worker(pool, engine, worker_extra)
-        note = (
-            " (vLLM loads the model: about 40 s on a CPU)"
-            if engine == "vllm"
-            else " (SIMULATED engine)"
-        )
+        note = " (vLLM loads the model: about 40 s on a CPU)" if engine == "vllm" else " (SIMULATED engine)"
         for worker in stack.workers:
             step(
                 f"{worker.name} [{engine}, pool {pool}]{note}",
@@ -468,9 +448,7 @@ def step(what: str, action) -> None:
 def print_addresses(stack: LocalStack, mapping: dict[str, str], loaded: list[str]) -> None:
     """Plain lines, not a table: addresses must stay whole in any terminal width."""
     print("\nInferX is running:")
-    rows = (
-        [("etcd", stack.etcd)] + list(stack.services.items()) + [(w.name, w) for w in stack.workers]
-    )
+    rows = [("etcd", stack.etcd)] + list(stack.services.items()) + [(w.name, w) for w in stack.workers]
     for name, proc in rows:
         if proc is None:
             continue

@@ -63,9 +63,7 @@ class ServiceLocator:
         by_kind: dict[str, list[common_pb2.ServiceInfo]] = {}
         for key, value in items.items():
             try:
-                info = json_format.Parse(
-                    value, common_pb2.ServiceInfo(), ignore_unknown_fields=True
-                )
+                info = json_format.Parse(value, common_pb2.ServiceInfo(), ignore_unknown_fields=True)
             except json_format.ParseError:
                 log.warning("ignoring malformed service registration at %s", key)
                 continue

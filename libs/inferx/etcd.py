@@ -224,9 +224,7 @@ class PrefixMirror:
                 if failing:
                     log.info("watch of %s restored (%d keys)", self.prefix, len(self.items))
                     failing = False
-                watch = await self._client.watch_prefix(
-                    self.prefix.encode(), start_revision=revision + 1
-                )
+                watch = await self._client.watch_prefix(self.prefix.encode(), start_revision=revision + 1)
                 async for event in watch:
                     key = event.kv.key.decode()
                     if event.kind == "PUT":
@@ -241,9 +239,7 @@ class PrefixMirror:
                 raise
             except ETCD_DOWN_ERRORS as exc:
                 if not failing:
-                    log.warning(
-                        "watch of %s lost (%s); serving the last known state", self.prefix, exc
-                    )
+                    log.warning("watch of %s lost (%s); serving the last known state", self.prefix, exc)
                     failing = True
                 await asyncio.sleep(0.5)
             except Exception:

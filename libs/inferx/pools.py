@@ -59,9 +59,7 @@ class PoolDirectory:
 
 def no_worker_message(model: str, pool: str) -> str:
     if model == pool:
-        return (
-            f"no live worker serves model '{model}'; start one with `inferx-worker --model {model}`"
-        )
+        return f"no live worker serves model '{model}'; start one with `inferx-worker --model {model}`"
     return (
         f"no live worker serves model '{model}' (pool '{pool}'); "
         f"start one with `inferx-worker --model {pool}`"

@@ -172,8 +172,7 @@ async def _serve(
     kind: str, settings: S, build: Callable[[ServiceRuntime, S], Awaitable[ServiceComponent]]
 ) -> None:
     instance_id = (
-        settings.instance_id
-        or f"{kind}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        settings.instance_id or f"{kind}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     )
     log.info("starting %s %s with %s", kind, instance_id, settings.model_dump_json())
 
@@ -207,9 +206,7 @@ async def _serve(
     )
     component = await build(runtime, settings)
     names = list(component.service_names)
-    reflection.enable_server_reflection(
-        [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
-    )
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
@@ -252,9 +249,7 @@ async def _serve(
         warm_up.cancel()
 
     log.info("%s shutting down: draining for up to %.1fs", kind, settings.drain_timeout_s)
-    await _shutdown(
-        kind, server, health_servicer, leases, component, etcd, settings.drain_timeout_s
-    )
+    await _shutdown(kind, server, health_servicer, leases, component, etcd, settings.drain_timeout_s)
 
 
 async def _shutdown(

@@ -26,9 +26,7 @@ class ServiceSettings(BaseSettings):
 
     etcd: str = Field("127.0.0.1:2379", description="etcd endpoint HOST:PORT")
     host: str = Field("127.0.0.1", description="address to bind the gRPC server to")
-    advertise_host: str = Field(
-        "", description="host other services use to reach this one (default: --host)"
-    )
+    advertise_host: str = Field("", description="host other services use to reach this one (default: --host)")
     port: int = Field(0, ge=0, le=65535, description="gRPC port (0 = pick a free port)")
     metrics_port: int = Field(
         0, ge=0, le=65535, description="Prometheus /metrics port (0 = pick a free port)"

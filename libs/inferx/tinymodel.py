@@ -173,9 +173,7 @@ def make_tiny_model(
             "model_max_length": max_position_embeddings,
         },
     )
-    _write_json(
-        path / "special_tokens_map.json", {"bos_token": BOS, "eos_token": EOS, "unk_token": UNK}
-    )
+    _write_json(path / "special_tokens_map.json", {"bos_token": BOS, "eos_token": EOS, "unk_token": UNK})
     (path / "README.md").write_text(
         README.format(
             hidden_size=hidden_size,

@@ -60,9 +60,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
 
     async def GetList(self, request, context):
         _require_key(request.key)
-        return cache_pb2.CacheListResponse(
-            values=self.store.get_list(request.key, time.monotonic())
-        )
+        return cache_pb2.CacheListResponse(values=self.store.get_list(request.key, time.monotonic()))
 
     async def GetCacheStats(self, request, context):
         s = self.store.stats

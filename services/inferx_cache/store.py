@@ -70,9 +70,7 @@ class TtlLruStore:
     def put(self, key: str, value: bytes, now: float, ttl_s: float = 0.0) -> None:
         self._set(key, Entry(value, now, now + (ttl_s or self.default_ttl_s)))
 
-    def append(
-        self, key: str, value: bytes, now: float, ttl_s: float = 0.0, max_items: int = 50
-    ) -> None:
+    def append(self, key: str, value: bytes, now: float, ttl_s: float = 0.0, max_items: int = 50) -> None:
         entry = self._live(key, now)
         items = list(entry.value) if entry is not None and isinstance(entry.value, list) else []
         items.append(value)

@@ -16,9 +16,7 @@ from inferx.v1 import memory_pool_pb2, memory_pool_pb2_grpc
 from inferx_memory_pool.ledger import InsufficientCapacity, KvLedger, UnknownWorker
 
 KV_CAPACITY = Gauge("inferx_memory_kv_capacity_tokens", "KV capacity reported by workers", ["pool"])
-KV_RESERVED = Gauge(
-    "inferx_memory_kv_reserved_tokens", "KV tokens reserved by running hops", ["pool"]
-)
+KV_RESERVED = Gauge("inferx_memory_kv_reserved_tokens", "KV tokens reserved by running hops", ["pool"])
 REFUSED = Gauge("inferx_memory_reservations_refused", "Reservations refused since start")
 
 
@@ -29,9 +27,7 @@ class MemoryPoolSettings(ServiceSettings):
         le=0.3,
         description="fraction of each worker's KV kept free for bursts (0.1-0.3)",
     )
-    reservation_ttl_s: float = Field(
-        300.0, gt=0, description="a reservation not released expires after this"
-    )
+    reservation_ttl_s: float = Field(300.0, gt=0, description="a reservation not released expires after this")
 
 
 class MemoryPoolServicer(memory_pool_pb2_grpc.MemoryPoolServicer):
@@ -89,9 +85,7 @@ class MemoryPoolComponent(ServiceComponent):
     service_names = (memory_pool_pb2.DESCRIPTOR.services_by_name["MemoryPool"].full_name,)
 
     def __init__(self, runtime: ServiceRuntime, settings: MemoryPoolSettings) -> None:
-        self.servicer = MemoryPoolServicer(
-            KvLedger(settings.headroom_ratio, settings.reservation_ttl_s)
-        )
+        self.servicer = MemoryPoolServicer(KvLedger(settings.headroom_ratio, settings.reservation_ttl_s))
         self.workers = etcd.PrefixMirror(runtime.etcd, etcd.WORKERS, self._on_workers)
         memory_pool_pb2_grpc.add_MemoryPoolServicer_to_server(self.servicer, runtime.server)
 

@@ -13,22 +13,25 @@ while etcd is unreachable. Parsed configs are cached: a version never changes.
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass
 
 import aetcd
-import yaml
 
 from inferx import etcd
 from inferx.chain.schema import ChainConfig
 from inferx.chain.validate import ValidatedChain, load_chain_text
+from inferx.chain.yamlio import dump_config_yaml
 from inferx.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
 log = logging.getLogger("inferx.router.chains")
 
 MAX_PUT_ATTEMPTS = 20
+LABEL = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,62}$")
 
 
 def _key(name: str, *parts: str) -> str:
@@ -45,7 +48,7 @@ class StoredVersion:
     created_unix_ms: int
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.config.to_document(), sort_keys=False)
+        return dump_config_yaml(self.config)
 
 
 class ChainStore:
@@ -81,8 +84,7 @@ class ChainStore:
             latest = int(current.value) if current is not None else 0
             if expect_version and expect_version != latest:
                 raise FailedPrecondition(
-                    f"chain '{config.name}' is at version {latest}, not {expect_version}; "
-                    "nothing was written"
+                    f"chain '{config.name}' is at version {latest}, not {expect_version}; nothing was written"
                 )
             version = latest + 1
             guard = (
@@ -136,9 +138,7 @@ class ChainStore:
                 raise NotFound(f"unknown chain '{name}' (see `inferx chain list`)")
             raise NotFound(f"chain '{name}' has no version {version}")
         record = json.loads(raw)
-        validated: ValidatedChain = load_chain_text(
-            json.dumps(record["config"]), source=f"{name} v{version}"
-        )
+        validated: ValidatedChain = load_chain_text(json.dumps(record["config"]), source=f"{name} v{version}")
         stored = StoredVersion(
             name,
             version,
@@ -149,6 +149,87 @@ class ChainStore:
         )
         self._parsed[(name, version)] = stored
         return stored
+
+    # ----- history, labels, rollback (read etcd itself: these must be exact) ------------
+
+    async def history(self, name: str) -> list[StoredVersion]:
+        """Every version, newest first."""
+        prefix = _key(name, "versions", "")
+        listing = await self._etcd(self._client.get_prefix(prefix.encode()))
+        versions = sorted((int(kv.key.decode().rsplit("/", 1)[1]) for kv in listing), reverse=True)
+        if not versions:
+            raise NotFound(f"unknown chain '{name}' (see `inferx chain list`)")
+        return [await self.resolve(name, v) for v in versions]
+
+    async def labels(self, name: str) -> dict[str, int]:
+        prefix = _key(name, "labels", "")
+        listing = await self._etcd(self._client.get_prefix(prefix.encode()))
+        return {kv.key.decode().removeprefix(prefix): int(kv.value) for kv in listing}
+
+    async def active_version(self, name: str) -> int:
+        got = await self._etcd(self._client.get(_key(name, "active").encode()))
+        return int(got.value) if got is not None else 0
+
+    async def diff(self, name: str, from_version: int, to_version: int) -> str:
+        old = await self.resolve(name, from_version)
+        new = await self.resolve(name, to_version)
+        return "".join(
+            difflib.unified_diff(
+                old.to_yaml().splitlines(keepends=True),
+                new.to_yaml().splitlines(keepends=True),
+                fromfile=f"{name} v{from_version}",
+                tofile=f"{name} v{to_version}",
+            )
+        )
+
+    async def label(self, name: str, label: str, version: int) -> int:
+        """Point `label` at `version` (which must exist); returns the previous target."""
+        if not LABEL.match(label):
+            raise InvalidArgument(f"label: {label!r} must be letters, digits, '_', '.', '-'")
+        if label in ("active", "latest"):
+            raise InvalidArgument(f"label: '{label}' is reserved")
+        if version <= 0:
+            raise InvalidArgument("version: must be a positive version number")
+        await self.resolve(name, version)  # NOT_FOUND for an unknown chain or version
+        key = _key(name, "labels", label).encode()
+        tx = self._client.transactions
+        version_key = _key(name, "versions", str(version)).encode()
+        previous = await self._etcd(self._client.get(key))
+        ok, _ = await self._etcd(
+            self._client.transaction(
+                compare=[tx.version(version_key) > 0],
+                success=[tx.put(key, str(version).encode())],
+                failure=[],
+            )
+        )
+        if not ok:
+            raise NotFound(f"chain '{name}' has no version {version}")
+        return int(previous.value) if previous is not None else 0
+
+    async def rollback(self, name: str, to_version: int = 0) -> tuple[int, int]:
+        """Move the active pointer (compare-and-swap on it); history stays as it is."""
+        key = _key(name, "active").encode()
+        current = await self._etcd(self._client.get(key))
+        if current is None:
+            raise NotFound(f"unknown chain '{name}' (see `inferx chain list`)")
+        active = int(current.value)
+        target = to_version or active - 1
+        if target <= 0:
+            raise FailedPrecondition(f"chain '{name}' is at version {active}: nothing to roll back to")
+        if target == active:
+            raise FailedPrecondition(f"chain '{name}' is already at version {active}")
+        await self.resolve(name, target)  # NOT_FOUND for a version that does not exist
+        tx = self._client.transactions
+        ok, _ = await self._etcd(
+            self._client.transaction(
+                compare=[tx.mod(key) == current.mod_revision],
+                success=[tx.put(key, str(target).encode())],
+                failure=[],
+            )
+        )
+        if not ok:
+            raise FailedPrecondition(f"chain '{name}': the active version changed meanwhile; retry")
+        return active, target
 
     def names(self) -> list[str]:
         names = set()
@@ -177,6 +258,4 @@ class ChainStore:
         try:
             return await awaitable
         except etcd.ETCD_DOWN_ERRORS as exc:
-            raise Unavailable(
-                f"etcd is unreachable ({exc}); chain configs cannot be changed now"
-            ) from None
+            raise Unavailable(f"etcd is unreachable ({exc}); chain configs cannot be changed now") from None

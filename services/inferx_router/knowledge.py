@@ -43,9 +43,7 @@ class KnowledgeBase:
                 continue
             try:
                 row = json.loads(line)
-                documents.append(
-                    Document(str(row["id"]), str(row.get("title", "")), str(row["text"]))
-                )
+                documents.append(Document(str(row["id"]), str(row.get("title", "")), str(row["text"])))
             except (ValueError, KeyError) as exc:
                 raise ValueError(f"{path}:{number}: not a document ({exc})") from None
         return cls(documents)
@@ -58,10 +56,7 @@ class KnowledgeBase:
 
     def search(self, query: str, top_k: int = 3) -> list[dict[str, object]]:
         q = self._vector(query)
-        scored = [
-            (sum(w * vec.get(t, 0.0) for t, w in q.items()), i)
-            for i, vec in enumerate(self._vectors)
-        ]
+        scored = [(sum(w * vec.get(t, 0.0) for t, w in q.items()), i) for i, vec in enumerate(self._vectors)]
         scored.sort(key=lambda s: (-s[0], s[1]))
         return [
             {

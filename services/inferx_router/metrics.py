@@ -13,18 +13,14 @@ CHAIN_SECONDS = Histogram(
     ["chain", "tier", "status"],
     buckets=_LATENCY_BUCKETS,
 )
-CHAIN_SLO = Counter(
-    "inferx_chain_slo_total", "Chains by whether they met their SLO", ["chain", "met"]
-)
+CHAIN_SLO = Counter("inferx_chain_slo_total", "Chains by whether they met their SLO", ["chain", "met"])
 NODE_SECONDS = Histogram(
     "inferx_node_latency_seconds",
     "Latency of each chain node",
     ["chain", "node", "status"],
     buckets=_LATENCY_BUCKETS,
 )
-TOOL_CACHE = Counter(
-    "inferx_tool_cache_lookups_total", "Tool-result cache look-ups", ["tool", "result"]
-)
+TOOL_CACHE = Counter("inferx_tool_cache_lookups_total", "Tool-result cache look-ups", ["tool", "result"])
 TOKENS = Counter("inferx_tokens_total", "Tokens of model hops", ["chain", "kind"])
 
 

@@ -85,16 +85,12 @@ class ChainRun:
         return (time.perf_counter() - self._started) * 1000
 
     def _emit(self, **event: Any) -> None:
-        self.events.put_nowait(
-            router_pb2.RunEvent(run_id=self.run_id, at_ms=self._at_ms(), **event)
-        )
+        self.events.put_nowait(router_pb2.RunEvent(run_id=self.run_id, at_ms=self._at_ms(), **event))
 
     async def run(self) -> router_pb2.ChainFinished:
         """Execute every node; always ends with a ChainFinished event."""
         nodes = {node.id: node for node in self.config.nodes}
-        self._outcomes = {
-            node_id: NodeOutcome(router_pb2.NodeFinished(node_id=node_id)) for node_id in nodes
-        }
+        self._outcomes = {node_id: NodeOutcome(router_pb2.NodeFinished(node_id=node_id)) for node_id in nodes}
         try:
             await asyncio.gather(*(self._run_node(node) for node in nodes.values()))
         finally:
@@ -102,9 +98,7 @@ class ChainRun:
             self._emit(chain_finished=finished)
             self.events.put_nowait(None)
         if finished.status == "ok" and self.session_id:
-            await self._tools.remember(
-                self.session_id, {"inputs": self.inputs, "output": finished.output}
-            )
+            await self._tools.remember(self.session_id, {"inputs": self.inputs, "output": finished.output})
         return finished
 
     def _finish(self) -> router_pb2.ChainFinished:
@@ -135,9 +129,7 @@ class ChainRun:
         try:
             for dep in node.depends_on:
                 await self._outcomes[dep].done.wait()
-            blocked = [
-                dep for dep in node.depends_on if self._outcomes[dep].finished.status != "ok"
-            ]
+            blocked = [dep for dep in node.depends_on if self._outcomes[dep].finished.status != "ok"]
             if blocked:
                 result.status = "skipped"
                 result.error = f"upstream {', '.join(blocked)} did not finish"
@@ -188,9 +180,7 @@ class ChainRun:
             ),
             model=node.model or "",
             prompt=prompt,
-            sampling=common_pb2.SamplingOptions(
-                max_tokens=node.max_tokens, temperature=node.temperature
-            ),
+            sampling=common_pb2.SamplingOptions(max_tokens=node.max_tokens, temperature=node.temperature),
         )
         try:
             async for event in stub.SubmitHop(request, timeout=node.timeout_ms / 1000):
@@ -219,8 +209,6 @@ class ChainRun:
         if node.type == "memory_retrieval" and tool == SESSION_MEMORY:
             arguments.setdefault("limit", node.limit)
         call = ToolCall(tool, arguments, self.run_id, self.session_id, node.timeout_ms / 1000)
-        outcome = await self._tools.call(
-            call, cacheable=node.cacheable, cache_ttl_s=node.cache_ttl_ms / 1000
-        )
+        outcome = await self._tools.call(call, cacheable=node.cacheable, cache_ttl_s=node.cache_ttl_ms / 1000)
         result.output = tool_output_text(outcome.value)
         result.cache_hit = outcome.cache_hit

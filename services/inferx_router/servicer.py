@@ -54,8 +54,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             unknown = sorted(set(inputs) - set(config.inputs))
             if unknown:
                 raise InvalidArgument(
-                    f"input '{unknown[0]}': chain '{config.name}' takes "
-                    f"{', '.join(sorted(config.inputs))}"
+                    f"input '{unknown[0]}': chain '{config.name}' takes {', '.join(sorted(config.inputs))}"
                 )
             for name, spec in config.inputs.items():
                 if name not in inputs and spec.default is not None:
@@ -74,9 +73,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     no_worker_message(node.model or "", self._directory.pool_of(node.model or ""))
                 )
 
-    async def RunChain(
-        self, request: router_pb2.RunChainRequest, context: grpc.aio.ServicerContext
-    ):
+    async def RunChain(self, request: router_pb2.RunChainRequest, context: grpc.aio.ServicerContext):
         chain = await self._store.resolve(request.chain, request.version, request.label)
         inputs = self._check_inputs(chain, dict(request.inputs))
         self._check_workers(chain)
@@ -106,9 +103,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def ValidateChain(self, request, context):
         validated = load_chain_text(request.config, source="config")
-        return router_pb2.ValidateChainResponse(
-            name=validated.config.name, warnings=validated.warnings
-        )
+        return router_pb2.ValidateChainResponse(name=validated.config.name, warnings=validated.warnings)
 
     async def PutChain(self, request, context):
         if not request.config.strip():
@@ -124,15 +119,33 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def GetChain(self, request, context):
         stored = await self._store.resolve(request.name, request.version, request.label)
-        return router_pb2.ChainVersion(
-            name=stored.name,
-            version=stored.version,
-            config_yaml=stored.to_yaml(),
-            author=stored.author,
-            message=stored.message,
-            created_unix_ms=stored.created_unix_ms,
-            active=self._store.pointer(stored.name, "active") == stored.version,
+        labels = await self._store.labels(stored.name)
+        active = await self._store.active_version(stored.name)
+        return _version_message(stored, active, labels, with_config=True)
+
+    async def GetChainHistory(self, request, context):
+        versions = await self._store.history(request.name)
+        labels = await self._store.labels(request.name)
+        active = await self._store.active_version(request.name)
+        return router_pb2.ChainHistory(
+            name=request.name,
+            active_version=active,
+            versions=[_version_message(v, active, labels, with_config=False) for v in versions],
         )
+
+    async def DiffChain(self, request, context):
+        if not request.from_version or not request.to_version:
+            raise InvalidArgument("from_version and to_version: both are required")
+        diff = await self._store.diff(request.name, request.from_version, request.to_version)
+        return router_pb2.DiffChainResponse(diff=diff)
+
+    async def LabelChain(self, request, context):
+        previous = await self._store.label(request.name, request.label, request.version)
+        return router_pb2.LabelChainResponse(previous_version=previous)
+
+    async def RollbackChain(self, request, context):
+        before, after = await self._store.rollback(request.name, request.to_version)
+        return router_pb2.RollbackChainResponse(from_version=before, to_version=after)
 
     async def ListChains(self, request, context):
         reply = router_pb2.ListChainsResponse()
@@ -150,9 +163,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     # ----- status -------------------------------------------------------------------
 
     async def GetStatus(self, request, context):
-        reply = router_pb2.SystemStatus(
-            services=self._services.all(), workers=self._directory.all_workers()
-        )
+        reply = router_pb2.SystemStatus(services=self._services.all(), workers=self._directory.all_workers())
         address = self._services.pick("scheduler")
         if address is None:
             reply.problems.append("no scheduler registered")
@@ -171,9 +182,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             reply.problems.append("no memory-pool registered")
         else:
             try:
-                usage = await memory_pool_pb2_grpc.MemoryPoolStub(
-                    self._channels.get(address)
-                ).GetUsage(memory_pool_pb2.GetUsageRequest(), timeout=2.0)
+                usage = await memory_pool_pb2_grpc.MemoryPoolStub(self._channels.get(address)).GetUsage(
+                    memory_pool_pb2.GetUsageRequest(), timeout=2.0
+                )
                 reply.kv_headroom_ratio = usage.headroom_ratio
                 for row in usage.workers:
                     reply.memory.add(
@@ -187,3 +198,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if not self._services.instances("cache"):
             reply.problems.append("no cache registered (tool results are not cached)")
         return reply
+
+
+def _version_message(
+    stored: StoredVersion, active: int, labels: dict[str, int], *, with_config: bool
+) -> router_pb2.ChainVersion:
+    return router_pb2.ChainVersion(
+        name=stored.name,
+        version=stored.version,
+        config_yaml=stored.to_yaml() if with_config else "",
+        author=stored.author,
+        message=stored.message,
+        created_unix_ms=stored.created_unix_ms,
+        active=active == stored.version,
+        labels=sorted(label for label, v in labels.items() if v == stored.version),
+    )

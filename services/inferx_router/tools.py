@@ -104,9 +104,7 @@ class ToolRouter:
             return self._builtins[tool]
         remotes = self._remote_addresses(tool)
         if not remotes:
-            raise NotFound(
-                f"tool '{tool}' is neither built in nor registered under {etcd.TOOLS}{tool}/"
-            )
+            raise NotFound(f"tool '{tool}' is neither built in nor registered under {etcd.TOOLS}{tool}/")
         address, version = remotes[0]
 
         async def invoke(call: ToolCall) -> Any:
@@ -152,15 +150,11 @@ class ToolRouter:
         if stub is None:
             return
         try:
-            await stub.Put(
-                cache_pb2.CachePutRequest(key=key, value=value, ttl_s=ttl_s), timeout=1.0
-            )
+            await stub.Put(cache_pb2.CachePutRequest(key=key, value=value, ttl_s=ttl_s), timeout=1.0)
         except grpc.aio.AioRpcError as exc:
             log.warning("cache put failed (%s)", exc.code().name)
 
-    async def remember(
-        self, session_id: str, turn: dict[str, Any], ttl_s: float = 86_400.0
-    ) -> None:
+    async def remember(self, session_id: str, turn: dict[str, Any], ttl_s: float = 86_400.0) -> None:
         """Append a finished turn to the session's memory (kept in the cache service)."""
         stub = self._cache_stub()
         if stub is None or not session_id:

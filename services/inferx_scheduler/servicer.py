@@ -98,9 +98,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if not self._directory.workers_for(request.model):
             raise Unavailable(no_worker_message(request.model, pool))
         try:
-            hop, assigned = self._dispatcher.submit(
-                pool, request.context.run_id, request.context.hop_id
-            )
+            hop, assigned = self._dispatcher.submit(pool, request.context.run_id, request.context.hop_id)
         except QueueFull as exc:
             metrics.SHED.labels(pool).inc()
             raise ResourceExhausted(str(exc), retry_after_s=1.0) from None
@@ -115,12 +113,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             metrics.DISPATCHES.labels(pool, worker_id).inc()
             worker = self._directory.workers_by_pool.get(pool, {}).get(worker_id)
             if worker is None:
-                raise Unavailable(
-                    f"worker {worker_id} of pool '{pool}' left before the hop started"
-                )
-            yield Event(
-                kind=Event.KIND_DISPATCHED, worker_id=worker_id, queue_ms=queue_ms, pool=pool
-            )
+                raise Unavailable(f"worker {worker_id} of pool '{pool}' left before the hop started")
+            yield Event(kind=Event.KIND_DISPATCHED, worker_id=worker_id, queue_ms=queue_ms, pool=pool)
             async for event in self._run_on_worker(
                 request, worker.address, worker_id, pool, queue_ms, context
             ):
@@ -186,9 +180,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             )
             return reply.reservation_id
         except grpc.aio.AioRpcError as exc:
-            log.warning(
-                "KV reservation on %s failed (%s); running the hop anyway", worker_id, exc.details()
-            )
+            log.warning("KV reservation on %s failed (%s); running the hop anyway", worker_id, exc.details())
             return None
 
     async def _release(self, reservation_id: str | None) -> None:
@@ -199,13 +191,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             return
         stub = memory_pool_pb2_grpc.MemoryPoolStub(self._channels.get(address))
         try:
-            await stub.Release(
-                memory_pool_pb2.ReleaseRequest(reservation_id=reservation_id), timeout=2.0
-            )
+            await stub.Release(memory_pool_pb2.ReleaseRequest(reservation_id=reservation_id), timeout=2.0)
         except grpc.aio.AioRpcError as exc:
-            log.warning(
-                "release of %s failed (%s); it expires on its own", reservation_id, exc.details()
-            )
+            log.warning("release of %s failed (%s); it expires on its own", reservation_id, exc.details())
 
     async def GetSchedulerStatus(self, request, context):
         queue = self._dispatcher.queue
@@ -213,9 +201,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         reply = scheduler_pb2.SchedulerStatus(policy=queue.policy_name)
         reply.model_to_pool.update(self._directory.model_to_pool)
         for pool in pools:
-            status = reply.pools.add(
-                pool=pool, queued=queue.queued(pool), running=queue.running(pool)
-            )
+            status = reply.pools.add(pool=pool, queued=queue.queued(pool), running=queue.running(pool))
             for worker in self._directory.workers_by_pool.get(pool, {}).values():
                 status.workers.add(
                     worker=worker,

@@ -28,9 +28,7 @@ class WorkerSettings(ServiceSettings):
     gpu_memory_utilization: float | None = Field(
         None, gt=0, le=1, description="vllm: memory fraction (default: 0.9 GPU, 0.1 CPU)"
     )
-    sim_speed: float = Field(
-        1.0, gt=0, description="sim: run this many times faster than real time"
-    )
+    sim_speed: float = Field(1.0, gt=0, description="sim: run this many times faster than real time")
     sim_decode_step_ms: float = Field(10.0, gt=0, description="sim: decode step at batch 1")
     sim_prefill_tokens_per_s: float = Field(15000.0, gt=0, description="sim: prefill throughput")
     warm_up: bool = Field(True, description="run one short request before reporting ready")

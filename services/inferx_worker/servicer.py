@@ -18,9 +18,7 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServicer):
         self._engine = engine
         self._worker_id = worker_id
 
-    async def Generate(
-        self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ):
+    async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         if not request.prompt:
             raise InvalidArgument("prompt: must not be empty")
         max_tokens = request.sampling.max_tokens or 64

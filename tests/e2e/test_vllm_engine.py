@@ -88,17 +88,14 @@ async def test_streaming_chunks_and_final_counts(engine: VllmEngine):
 async def test_shared_prefix_hits_the_prefix_cache(engine: VllmEngine):
     block = engine.capacity().block_size
     prefix = " ".join(
-        f"Order {n} was shipped by express and the agent refunded the shipping cost."
-        for n in range(12)
+        f"Order {n} was shipped by express and the agent refunded the shipping cost." for n in range(12)
     )
     first = (await collect(engine, EngineRequest("prefix-1", prefix, max_tokens=2)))[-1]
     assert first.prompt_tokens > 2 * block, "the shared prefix must span > 2 KV blocks"
     second = (
         await collect(
             engine,
-            EngineRequest(
-                "prefix-2", prefix + " Then the customer asked about returns.", max_tokens=2
-            ),
+            EngineRequest("prefix-2", prefix + " Then the customer asked about returns.", max_tokens=2),
         )
     )[-1]
     assert second.prompt_tokens > first.prompt_tokens

@@ -49,9 +49,7 @@ async def test_example_chain_runs_every_node_in_dependency_order(sim_stack: Loca
         assert hop.output
     assert "order" in hops["knowledge_retrieval"].output.lower()
     # response_generation starts only after both of its dependencies finished.
-    order = [
-        (e.WhichOneof("event"), getattr(e, e.WhichOneof("event")).node_id) for e in events[:-1]
-    ]
+    order = [(e.WhichOneof("event"), getattr(e, e.WhichOneof("event")).node_id) for e in events[:-1]]
     started_at = order.index(("node_started", "response_generation"))
     assert ("node_finished", "intent_recognition") in order[:started_at]
     assert ("node_finished", "knowledge_retrieval") in order[:started_at]
@@ -106,9 +104,7 @@ async def test_concurrent_puts_get_distinct_versions_and_stale_expect_fails(
 ) -> None:
     text = GHOST_CHAIN.replace("ghost_chain", "race_chain")
     async with InferxClient(sim_stack.router_address) as client:
-        replies = await asyncio.gather(
-            *(client.put_chain(text, message=f"put {i}") for i in range(12))
-        )
+        replies = await asyncio.gather(*(client.put_chain(text, message=f"put {i}") for i in range(12)))
         versions = sorted(r.version for r in replies)
         assert versions == list(range(1, 13))
         with pytest.raises(FailedPrecondition, match="version 12"):
@@ -151,9 +147,7 @@ agent_chain:
 async def test_memory_retrieval_returns_earlier_turns_of_the_session(sim_stack: LocalStack) -> None:
     async with InferxClient(sim_stack.router_address) as client:
         await client.put_chain(MEMORY_CHAIN)
-    first = await run_to_end(
-        sim_stack, "memory_chain", {"query": "my parcel id is 4711"}, session_id="s-42"
-    )
+    first = await run_to_end(sim_stack, "memory_chain", {"query": "my parcel id is 4711"}, session_id="s-42")
     assert first[-1].chain_finished.status == "ok"
     assert next(h for h in first[-1].chain_finished.hops if h.node_id == "history").output == "[]"
     second = await run_to_end(sim_stack, "memory_chain", {"query": "and now?"}, session_id="s-42")

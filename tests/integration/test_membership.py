@@ -72,10 +72,7 @@ async def test_kill_9_worker_leaves_etcd_and_scheduling_within_the_ttl(
     killed_at = time.monotonic()
 
     async def gone_everywhere() -> bool:
-        return (
-            len(await worker_ids_in_etcd(stack)) == 1
-            and len(await scheduled_worker_ids(stack)) == 1
-        )
+        return len(await worker_ids_in_etcd(stack)) == 1 and len(await scheduled_worker_ids(stack)) == 1
 
     await wait_until(gone_everywhere, TEST_LEASE_TTL_S + 3)
     elapsed = time.monotonic() - killed_at
@@ -85,9 +82,7 @@ async def test_kill_9_worker_leaves_etcd_and_scheduling_within_the_ttl(
     # Chains keep running, all on the survivor.
     async with InferxClient(stack.router_address) as client:
         for _ in range(3):
-            events = [
-                e async for e in client.run_chain("customer_service_agent", {"query": "refund"})
-            ]
+            events = [e async for e in client.run_chain("customer_service_agent", {"query": "refund"})]
             finished = events[-1].chain_finished
             assert finished.status == "ok", finished.error
             assert {h.worker_id for h in finished.hops if h.model} == {survivor}

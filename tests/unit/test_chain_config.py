@@ -154,9 +154,7 @@ def test_json_syntax_error_reports_line_and_column() -> None:
 
 def test_duplicate_yaml_key_is_rejected_with_position() -> None:
     text = "agent_chain:\n  name: x\n  name: y\n"
-    assert problems_of(text) == [
-        "<config>:3:3: invalid YAML/JSON: duplicate key 'name' (first at line 2)"
-    ]
+    assert problems_of(text) == ["<config>:3:3: invalid YAML/JSON: duplicate key 'name' (first at line 2)"]
 
 
 @pytest.mark.parametrize(
@@ -200,9 +198,7 @@ def test_unknown_chain_and_slo_keys_suggest_the_closest_key() -> None:
     doc["agent_chain"]["slo"]["end_to_end_latency"] = "5s"
     problems = problems_of(doc)
     assert "agent_chain: unknown key 'tierr' (did you mean 'tier'?)" in problems
-    assert (
-        "slo: unknown key 'end_to_end_latency' (did you mean 'end_to_end_latency_p99'?)" in problems
-    )
+    assert "slo: unknown key 'end_to_end_latency' (did you mean 'end_to_end_latency_p99'?)" in problems
 
 
 def test_unknown_key_without_close_match_lists_valid_keys() -> None:
@@ -349,8 +345,7 @@ def test_error_is_invalid_argument_with_newline_joined_message() -> None:
 def test_template_reference_to_undeclared_input() -> None:
     doc = chain_with(model("a", prompt="{{ inputs.questoin }}"), inputs=["question"])
     assert problems_of(doc) == [
-        "node 'a': prompt: unknown input 'questoin' (did you mean 'question'?); "
-        "declared inputs: question"
+        "node 'a': prompt: unknown input 'questoin' (did you mean 'question'?); declared inputs: question"
     ]
 
 
@@ -397,8 +392,7 @@ def test_template_reference_to_unknown_node() -> None:
 def test_template_reference_to_node_that_is_not_upstream() -> None:
     doc = chain_with(model("a"), model("b", prompt="{{ nodes.a.output }}"))
     assert problems_of(doc) == [
-        "node 'b': prompt: references node 'a', which is not upstream of this node "
-        "(add it to depends_on)"
+        "node 'b': prompt: references node 'a', which is not upstream of this node (add it to depends_on)"
     ]
 
 
@@ -468,16 +462,12 @@ def test_validate_chain_checks_a_programmatic_config() -> None:
         validate_chain(config)
     with pytest.raises(ChainConfigError, match="dependency cycle"):
         topological_order(config)
-    fine = config.model_copy(
-        update={"nodes": [config.nodes[0].model_copy(update={"depends_on": []})]}
-    )
+    fine = config.model_copy(update={"nodes": [config.nodes[0].model_copy(update={"depends_on": []})]})
     assert validate_chain(fine) == []
 
 
 def test_topological_order_keeps_file_order_among_ready_nodes() -> None:
-    doc = chain_with(
-        model("z"), model("y", depends_on=["z"]), model("x"), model("w", depends_on=["x"])
-    )
+    doc = chain_with(model("z"), model("y", depends_on=["z"]), model("x"), model("w", depends_on=["x"]))
     assert topological_order(load(doc).config) == ["z", "y", "x", "w"]
     assert sinks(load(doc).config) == ["y", "w"]
 
@@ -565,10 +555,7 @@ def test_parse_duration_ms(value: Any, ms: float) -> None:
 def test_parse_duration_ms_rejects(value: Any) -> None:
     with pytest.raises(ValueError) as info:
         parse_duration_ms(value, what="timeout")
-    assert (
-        str(info.value)
-        == f"timeout must be a positive duration like 500ms, 3s or 1m, got {value!r}"
-    )
+    assert str(info.value) == f"timeout must be a positive duration like 500ms, 3s or 1m, got {value!r}"
     assert isinstance(info.value, ValueFormatError)
 
 
@@ -577,9 +564,7 @@ def test_format_duration_round_trips(ms: float) -> None:
     assert parse_duration_ms(format_duration_ms(ms)) == ms
 
 
-@pytest.mark.parametrize(
-    ("value", "fraction"), [("99.9%", 0.999), ("100%", 1.0), (0.95, 0.95), (1, 1.0)]
-)
+@pytest.mark.parametrize(("value", "fraction"), [("99.9%", 0.999), ("100%", 1.0), (0.95, 0.95), (1, 1.0)])
 def test_parse_availability(value: Any, fraction: float) -> None:
     assert parse_availability(value) == fraction
 

@@ -29,9 +29,7 @@ MISSING = "ZZ_missing"
 node_ids = st.lists(
     st.from_regex(r"[a-z][a-z0-9_.-]{0,7}", fullmatch=True), min_size=1, max_size=8, unique=True
 )
-input_names = st.lists(
-    st.from_regex(r"[a-z_][a-z0-9_]{0,6}", fullmatch=True), max_size=3, unique=True
-)
+input_names = st.lists(st.from_regex(r"[a-z_][a-z0-9_]{0,6}", fullmatch=True), max_size=3, unique=True)
 durations = st.one_of(
     st.integers(1, 5_000),
     st.integers(1, 5_000).map(lambda n: f"{n}ms"),
@@ -110,15 +108,11 @@ def all_path_sums(doc: dict[str, Any]) -> list[float]:
     """Sum of timeouts along every dependency path (brute force, small graphs only)."""
     nodes = doc["agent_chain"]["nodes"]
     timeout = {n["id"]: parse_duration_ms(n["timeout"]) for n in nodes}
-    dependents = {
-        n["id"]: [m["id"] for m in nodes if n["id"] in m.get("depends_on", [])] for n in nodes
-    }
+    dependents = {n["id"]: [m["id"] for m in nodes if n["id"] in m.get("depends_on", [])] for n in nodes}
 
     def walk(node_id: str, total: float) -> list[float]:
         total += timeout[node_id]
-        return [total] + list(
-            itertools.chain.from_iterable(walk(d, total) for d in dependents[node_id])
-        )
+        return [total] + list(itertools.chain.from_iterable(walk(d, total) for d in dependents[node_id]))
 
     return [total for n in nodes for total in walk(n["id"], 0.0)]
 
@@ -159,9 +153,7 @@ def test_critical_path_is_the_longest_dependency_path(doc: dict[str, Any]) -> No
 
 @FAST
 @given(doc=chains(), as_json=st.booleans(), data=st.data())
-def test_round_trip_through_the_normalised_form(
-    doc: dict[str, Any], as_json: bool, data: Any
-) -> None:
+def test_round_trip_through_the_normalised_form(doc: dict[str, Any], as_json: bool, data: Any) -> None:
     config = load_chain_text(as_text(doc, as_json)).config
     assert load_chain_text(as_text(config.to_document(), data.draw(st.booleans()))).config == config
 
@@ -229,9 +221,7 @@ def test_duplicate_id_is_reported(doc: dict[str, Any], as_json: bool, data: Any)
 
 @FAST
 @given(doc=chains(), as_json=st.booleans(), data=st.data())
-def test_model_node_without_model_is_reported(
-    doc: dict[str, Any], as_json: bool, data: Any
-) -> None:
+def test_model_node_without_model_is_reported(doc: dict[str, Any], as_json: bool, data: Any) -> None:
     node = data.draw(st.sampled_from(doc["agent_chain"]["nodes"]))
     node["type"] = "model_inference"
     node.pop("model", None)
@@ -245,22 +235,16 @@ def test_model_node_without_model_is_reported(
 
 @FAST
 @given(doc=chains(), as_json=st.booleans(), data=st.data(), amount=st.integers(0, 9_999))
-def test_non_positive_timeout_is_reported(
-    doc: dict[str, Any], as_json: bool, data: Any, amount: int
-) -> None:
+def test_non_positive_timeout_is_reported(doc: dict[str, Any], as_json: bool, data: Any, amount: int) -> None:
     node = data.draw(st.sampled_from(doc["agent_chain"]["nodes"]))
     node["timeout"] = data.draw(st.sampled_from([-amount, f"-{amount}ms", f"-{amount}s", 0, "0s"]))
-    expected = (
-        f"node '{node['id']}': timeout: must be a positive duration like 500ms, 3s or 1m, got "
-    )
+    expected = f"node '{node['id']}': timeout: must be a positive duration like 500ms, 3s or 1m, got "
     assert any(problem.startswith(expected) for problem in rejected(doc, as_json))
 
 
 @FAST
 @given(doc=chains(), as_json=st.booleans(), data=st.data())
-def test_independent_problems_are_all_reported(
-    doc: dict[str, Any], as_json: bool, data: Any
-) -> None:
+def test_independent_problems_are_all_reported(doc: dict[str, Any], as_json: bool, data: Any) -> None:
     nodes = doc["agent_chain"]["nodes"]
     bad_timeout = data.draw(st.sampled_from(nodes))
     bad_timeout["timeout"] = "-1s"

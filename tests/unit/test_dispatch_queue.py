@@ -60,11 +60,7 @@ def test_cancel_and_drain() -> None:
 
 
 @settings(max_examples=100, deadline=None)
-@given(
-    st.lists(
-        st.tuples(st.sampled_from(["submit", "assign", "finish"]), st.integers(0, 5)), max_size=60
-    )
-)
+@given(st.lists(st.tuples(st.sampled_from(["submit", "assign", "finish"]), st.integers(0, 5)), max_size=60))
 def test_no_worker_ever_exceeds_its_concurrency(ops) -> None:
     q = DispatchQueue()
     workers = {"p": [WorkerSlots("a", 2), WorkerSlots("b", 3)]}

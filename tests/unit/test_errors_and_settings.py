@@ -44,11 +44,7 @@ class FakeRpcError(grpc.RpcError):
 )
 def test_status_codes_map_to_typed_errors(code, cls) -> None:
     error = from_rpc_error(FakeRpcError(code, "boom"))
-    assert (
-        type(error) is cls
-        and error.message == "boom"
-        and error.code in (code, grpc.StatusCode.INTERNAL)
-    )
+    assert type(error) is cls and error.message == "boom" and error.code in (code, grpc.StatusCode.INTERNAL)
 
 
 def test_retry_hint_travels_in_trailing_metadata() -> None:

@@ -269,9 +269,7 @@ class ChainConfig(BaseModel):
         chain["tier"] = self.tier
         # Left out when empty: "no inputs declared" means "infer them from templates".
         if self.inputs:
-            chain["inputs"] = {
-                name: spec.model_dump(exclude_none=True) for name, spec in self.inputs.items()
-            }
+            chain["inputs"] = {name: spec.model_dump(exclude_none=True) for name, spec in self.inputs.items()}
         chain["slo"] = {
             "end_to_end_latency_p99": format_duration_ms(self.slo.latency_p99_ms),
             "availability": self.slo.availability,
@@ -366,9 +364,7 @@ def describe_validation_error(error: ValidationError, raw_chain: Mapping[str, An
         if kind == "extra_forbidden":
             model = _model_at(loc[:-1])
             keys = _keys_of(model) if model else []
-            hint = suggest(str(loc[-1]), keys) or (
-                f"; valid keys: {', '.join(keys)}" if keys else ""
-            )
+            hint = suggest(str(loc[-1]), keys) or (f"; valid keys: {', '.join(keys)}" if keys else "")
             text, rest = f"unknown key '{loc[-1]}'{hint}", rest[:-1]
         elif kind == "invalid_key" or "[key]" in rest:
             # YAML allows non-string keys (`1: x`, `null: x`); none is valid here.

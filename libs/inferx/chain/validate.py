@@ -136,9 +136,7 @@ def _parse(text: str, source: str) -> Any:
 
 def _unwrap(document: Any, source: str) -> Mapping[str, Any]:
     if document is None:
-        raise ChainConfigError(
-            [f"{source}: the config is empty; expected an 'agent_chain' mapping"]
-        )
+        raise ChainConfigError([f"{source}: the config is empty; expected an 'agent_chain' mapping"])
     if not isinstance(document, dict):
         raise ChainConfigError(
             [
@@ -169,9 +167,7 @@ def load_chain_text(text: str, *, strict: bool = False, source: str = "<config>"
         problems = describe_validation_error(exc, chain)
         raw_nodes = chain.get("nodes")
         if isinstance(raw_nodes, list):
-            extra = _graph_problems(
-                _raw_views(raw_nodes), _raw_declared_inputs(chain.get("inputs"))
-            )
+            extra = _graph_problems(_raw_views(raw_nodes), _raw_declared_inputs(chain.get("inputs")))
             problems += [problem for problem in extra if problem not in problems]
         raise ChainConfigError(problems) from None
     return ValidatedChain(config, validate_chain(config, strict=strict))
@@ -271,9 +267,7 @@ def _graph_problems(views: list[_View], declared_inputs: set[str] | None) -> lis
         if view.id is None:
             continue
         if view.id in first:
-            problems.append(
-                f"{view.label}: id: duplicate node id (also nodes[{first[view.id].index}])"
-            )
+            problems.append(f"{view.label}: id: duplicate node id (also nodes[{first[view.id].index}])")
         else:
             first[view.id] = view
         needs = {"model_inference": ("model", view.has_model), "tool_call": ("tool", view.has_tool)}
@@ -287,9 +281,7 @@ def _graph_problems(views: list[_View], declared_inputs: set[str] | None) -> lis
             if dep == view.id:
                 problems.append(f"{view.label}: depends_on: a node cannot depend on itself")
             elif dep not in first:
-                problems.append(
-                    f"{view.label}: depends_on: unknown node '{dep}'{suggest(dep, known)}"
-                )
+                problems.append(f"{view.label}: depends_on: unknown node '{dep}'{suggest(dep, known)}")
             elif view.id is not None and dep not in deps[view.id]:
                 deps[view.id].append(dep)
     for cycle in _cycles(known, deps):
@@ -322,9 +314,7 @@ def _template_problems(
                 problems.append(f"{view.label}: {field}: a node cannot use its own output")
             elif ref.name not in ids:
                 hint = suggest(ref.name, list(ids))
-                problems.append(
-                    f"{view.label}: {field}: references unknown node '{ref.name}'{hint}"
-                )
+                problems.append(f"{view.label}: {field}: references unknown node '{ref.name}'{hint}")
             elif ref.name not in before:
                 problems.append(
                     f"{view.label}: {field}: references node '{ref.name}', which is not "
@@ -421,11 +411,7 @@ def required_inputs(config: ChainConfig) -> dict[str, InputSpec]:
     """Inputs a run must supply: declared required ones without a default, or,
     when none are declared, every input the templates reference."""
     if config.inputs:
-        return {
-            name: spec
-            for name, spec in config.inputs.items()
-            if spec.required and spec.default is None
-        }
+        return {name: spec for name, spec in config.inputs.items() if spec.required and spec.default is None}
     found: dict[str, InputSpec] = {}
     for node in config.nodes:
         for _, template in node.templates():

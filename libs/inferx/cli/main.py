@@ -9,6 +9,7 @@ import getpass
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from google.protobuf import json_format
@@ -75,8 +76,7 @@ def _print_run(finished: router_pb2.ChainFinished, chain: str) -> None:
             u = hop.usage
             details += [
                 f"queue {_fmt_ms(hop.queue_ms)}",
-                f"tokens {u.prompt_tokens} in ({u.cached_prompt_tokens} cached)"
-                f" / {u.completion_tokens} out",
+                f"tokens {u.prompt_tokens} in ({u.cached_prompt_tokens} cached) / {u.completion_tokens} out",
                 f"worker {hop.worker_id or '-'}",
             ]
         elif hop.status == "ok":
@@ -89,8 +89,7 @@ def _print_run(finished: router_pb2.ChainFinished, chain: str) -> None:
     verdict = "[green]met[/green]" if finished.slo_met else "[red]missed[/red]"
     status = "[green]ok[/green]" if finished.status == "ok" else f"[red]{finished.status}[/red]"
     out.print(
-        f"chain {status} in {_fmt_ms(finished.latency_ms)}"
-        f"  (SLO {_fmt_ms(finished.slo_ms)}: {verdict})"
+        f"chain {status} in {_fmt_ms(finished.latency_ms)}  (SLO {_fmt_ms(finished.slo_ms)}: {verdict})"
     )
     if finished.error:
         err.print(f"error: {finished.error}", markup=False)
@@ -131,11 +130,7 @@ def cmd_chain_validate(args: argparse.Namespace) -> int:
         err.print(f"warning: {warning}")
     config = validated.config
     if args.json:
-        print(
-            json.dumps(
-                {"name": config.name, "nodes": len(config.nodes), "warnings": validated.warnings}
-            )
-        )
+        print(json.dumps({"name": config.name, "nodes": len(config.nodes), "warnings": validated.warnings}))
     else:
         out.print(f"{args.file}: valid chain '{config.name}' with {len(config.nodes)} nodes")
     return 0
@@ -172,10 +167,9 @@ async def cmd_chain_get(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(_msg_json(reply), indent=2))
     else:
-        out.print(
-            f"# {reply.name} version {reply.version}{' (active)' if reply.active else ''}",
-            style="dim",
-        )
+        tags = (["active"] if reply.active else []) + [f"label {label}" for label in reply.labels]
+        suffix = f" ({', '.join(tags)})" if tags else ""
+        out.print(f"# {reply.name} version {reply.version}{suffix}", style="dim", markup=False)
         print(reply.config_yaml, end="")
     return 0
 
@@ -201,6 +195,64 @@ async def cmd_chain_list(args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_chain_history(args: argparse.Namespace) -> int:
+    async with InferxClient(args.router) as client:
+        history = await client.chain_history(args.name)
+    if args.json:
+        print(json.dumps(_msg_json(history), indent=2))
+        return 0
+    table = Table(title=f"{history.name} (active: v{history.active_version})", title_justify="left")
+    for column in ("version", "", "labels", "when (UTC)", "who", "message"):
+        table.add_column(column)
+    for v in history.versions:
+        when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(v.created_unix_ms / 1000))
+        table.add_row(
+            str(v.version),
+            "active" if v.active else "",
+            ", ".join(v.labels),
+            when,
+            v.author or "-",
+            v.message or "",
+        )
+    out.print(table)
+    return 0
+
+
+async def cmd_chain_diff(args: argparse.Namespace) -> int:
+    async with InferxClient(args.router) as client:
+        diff = await client.diff_chain(args.name, args.v1, args.v2)
+    if args.json:
+        print(json.dumps({"diff": diff}))
+    elif not diff:
+        out.print(f"{args.name} v{args.v1} and v{args.v2} are identical")
+    else:
+        for line in diff.splitlines():
+            style = "green" if line.startswith("+") else "red" if line.startswith("-") else None
+            out.print(line, style=style, markup=False)
+    return 0
+
+
+async def cmd_chain_label(args: argparse.Namespace) -> int:
+    async with InferxClient(args.router) as client:
+        previous = await client.label_chain(args.name, args.label, args.version)
+    if args.json:
+        print(json.dumps({"name": args.name, "label": args.label, "version": args.version}))
+    else:
+        moved = f" (was v{previous})" if previous else ""
+        out.print(f"label '{args.label}' of {args.name} -> v{args.version}{moved}")
+    return 0
+
+
+async def cmd_chain_rollback(args: argparse.Namespace) -> int:
+    async with InferxClient(args.router) as client:
+        reply = await client.rollback_chain(args.name, args.to)
+    if args.json:
+        print(json.dumps(_msg_json(reply)))
+    else:
+        out.print(f"{args.name}: active version v{reply.from_version} -> v{reply.to_version}")
+    return 0
+
+
 # ----- status ---------------------------------------------------------------------------
 
 
@@ -214,9 +266,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
     for column in ("kind", "instance", "address", "metrics"):
         services.add_column(column)
     for svc in sorted(status.services, key=lambda s: (s.kind, s.instance_id)):
-        services.add_row(
-            svc.kind, svc.instance_id, svc.address, f"http://{svc.metrics_address}/metrics"
-        )
+        services.add_row(svc.kind, svc.instance_id, svc.address, f"http://{svc.metrics_address}/metrics")
     out.print(services)
     reserved = {row.worker_id: row for row in status.memory}
     workers = Table(title="workers", title_justify="left")
@@ -263,9 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     common.add_argument("--json", action="store_true", help="machine-readable output")
 
-    parser = argparse.ArgumentParser(
-        prog="inferx", description="InferX: schedule whole agent chains."
-    )
+    parser = argparse.ArgumentParser(prog="inferx", description="InferX: schedule whole agent chains.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", parents=[common], help="run a chain and show every hop")
@@ -278,22 +326,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     chain = sub.add_parser("chain", help="validate and manage chain configs")
     chain_sub = chain.add_subparsers(dest="chain_command", required=True, metavar="ACTION")
-    validate = chain_sub.add_parser(
-        "validate", parents=[common], help="check a config file (offline)"
-    )
+    validate = chain_sub.add_parser("validate", parents=[common], help="check a config file (offline)")
     validate.add_argument("file")
-    validate.add_argument(
-        "--strict", action="store_true", help="treat warnings (SLO too tight) as errors"
-    )
+    validate.add_argument("--strict", action="store_true", help="treat warnings (SLO too tight) as errors")
     validate.set_defaults(handler=cmd_chain_validate)
     schema = chain_sub.add_parser("schema", parents=[common], help="print the config's JSON Schema")
     schema.set_defaults(handler=cmd_chain_schema)
     put = chain_sub.add_parser("put", parents=[common], help="store a new version")
     put.add_argument("file")
     put.add_argument("--message", "-m")
-    put.add_argument(
-        "--expect-version", type=int, default=0, help="fail unless the latest version is N"
-    )
+    put.add_argument("--expect-version", type=int, default=0, help="fail unless the latest version is N")
     put.add_argument("--no-activate", action="store_true", help="store without making it active")
     put.set_defaults(handler=cmd_chain_put)
     get = chain_sub.add_parser("get", parents=[common], help="print a version (default: active)")
@@ -303,6 +345,23 @@ def build_parser() -> argparse.ArgumentParser:
     get.set_defaults(handler=cmd_chain_get)
     lst = chain_sub.add_parser("list", parents=[common], help="list chains")
     lst.set_defaults(handler=cmd_chain_list)
+    history = chain_sub.add_parser("history", parents=[common], help="every version of a chain")
+    history.add_argument("name")
+    history.set_defaults(handler=cmd_chain_history)
+    diff = chain_sub.add_parser("diff", parents=[common], help="compare two versions")
+    diff.add_argument("name")
+    diff.add_argument("v1", type=int)
+    diff.add_argument("v2", type=int)
+    diff.set_defaults(handler=cmd_chain_diff)
+    label = chain_sub.add_parser("label", parents=[common], help="point a label at a version")
+    label.add_argument("name")
+    label.add_argument("label")
+    label.add_argument("version", type=int)
+    label.set_defaults(handler=cmd_chain_label)
+    rollback = chain_sub.add_parser("rollback", parents=[common], help="move the active version back")
+    rollback.add_argument("name")
+    rollback.add_argument("--to", type=int, default=0, help="version (default: the one before)")
+    rollback.set_defaults(handler=cmd_chain_rollback)
 
     status = sub.add_parser("status", parents=[common], help="services, workers, queues, KV memory")
     status.set_defaults(handler=cmd_status)
@@ -321,9 +380,7 @@ def main(argv: list[str] | None = None) -> None:
         code = asyncio.run(result) if asyncio.iscoroutine(result) else result
     except InferxError as exc:
         name = exc.code.name if type(exc) is not InferxError else "error"
-        err.print(
-            f"inferx: {name}: {exc.message}" if name != "error" else f"inferx: error: {exc.message}"
-        )
+        err.print(f"inferx: {name}: {exc.message}" if name != "error" else f"inferx: error: {exc.message}")
         code = 1
     except KeyboardInterrupt:
         code = 130

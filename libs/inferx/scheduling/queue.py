@@ -137,8 +137,7 @@ class DispatchQueue:
                 or load < best_load
                 or (
                     load == best_load
-                    and self._dispatched.get(worker.worker_id, 0)
-                    < self._dispatched.get(best.worker_id, 0)
+                    and self._dispatched.get(worker.worker_id, 0) < self._dispatched.get(best.worker_id, 0)
                 )
             ):
                 best, best_load = worker, load

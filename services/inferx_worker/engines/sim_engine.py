@@ -71,9 +71,7 @@ class SimEngine(Engine):
 
     def load(self) -> EngineLoad:
         used = len(self._blocks) * self.params.block_size
-        return EngineLoad(
-            self._running, self._waiting, min(1.0, used / self.params.kv_capacity_tokens)
-        )
+        return EngineLoad(self._running, self._waiting, min(1.0, used / self.params.kv_capacity_tokens))
 
     def step_ms(self, batch: int) -> float:
         p = self.params

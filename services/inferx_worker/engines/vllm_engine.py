@@ -98,9 +98,7 @@ class VllmEngine(Engine):
             block_size = CPU_BLOCK_SIZE if block_size is None else block_size
             mem = CPU_MEMORY_FRACTION if mem is None else mem
             if block_size % 32:
-                raise EngineError(
-                    f"block_size {block_size}: vLLM's CPU backend needs a multiple of 32"
-                )
+                raise EngineError(f"block_size {block_size}: vLLM's CPU backend needs a multiple of 32")
 
         kwargs: dict[str, Any] = dict(
             model=self.model_path,
@@ -263,9 +261,7 @@ class VllmEngine(Engine):
         )
         waiting = min(queued, inflight)
         kv = float(getattr(stats, "kv_cache_usage", 0.0))
-        return EngineLoad(
-            running=inflight - waiting, waiting=waiting, kv_usage_ratio=min(max(kv, 0.0), 1.0)
-        )
+        return EngineLoad(running=inflight - waiting, waiting=waiting, kv_usage_ratio=min(max(kv, 0.0), 1.0))
 
     def num_unfinished_requests(self) -> int:
         """What vLLM itself still tracks (0 when not started)."""
@@ -342,9 +338,7 @@ def _make_renderer(engine: Any) -> Any:
 
     async def render(prompt: str) -> Any:
         parsed = parse_model_prompt(model_config, prompt)
-        (engine_input,) = await renderer.render_cmpl_async(
-            [parsed], renderer.default_cmpl_tok_params
-        )
+        (engine_input,) = await renderer.render_cmpl_async([parsed], renderer.default_cmpl_tok_params)
         return engine_input
 
     return render
