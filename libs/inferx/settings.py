@@ -37,6 +37,12 @@ class ServiceSettings(BaseSettings):
     )
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     instance_id: str = Field("", description="unique id of this instance (default: generated)")
+    # Tracing stays off unless asked for, so a plain start prints no exporter errors.
+    trace_exporter: str = Field(
+        "", description="none | console | otlp | file (default: otlp if an OTLP endpoint is set, else none)"
+    )
+    otlp_endpoint: str = Field("", description="OTLP/gRPC collector for traces, e.g. http://jaeger:4317")
+    trace_file: str = Field("", description="with --trace-exporter file: append spans here as JSON lines")
 
     @field_validator("etcd")
     @classmethod
@@ -51,6 +57,14 @@ class ServiceSettings(BaseSettings):
         if level not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
             raise ValueError("must be DEBUG, INFO, WARNING or ERROR")
         return level
+
+    @field_validator("trace_exporter")
+    @classmethod
+    def _trace_exporter(cls, value: str) -> str:
+        exporter = value.strip().lower()
+        if exporter not in {"", "none", "console", "otlp", "file"}:
+            raise ValueError("must be none, console, otlp or file")
+        return exporter
 
     @property
     def public_host(self) -> str:

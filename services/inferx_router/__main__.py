@@ -15,6 +15,7 @@ from inferx.settings import ServiceSettings
 from inferx.v1 import router_pb2, router_pb2_grpc
 from inferx_router.chain_store import ChainStore
 from inferx_router.knowledge import KnowledgeBase
+from inferx_router.load import LoadMonitor
 from inferx_router.servicer import RouterServicer
 from inferx_router.tools import ToolRouter
 
@@ -25,6 +26,12 @@ class RouterSettings(ServiceSettings):
     port: int = Field(50051, ge=0, le=65535, description="gRPC port of inferx.v1.Router")
     knowledge_base: str = Field(
         "examples/knowledge_base.jsonl", description="documents for the built-in vector_search tool"
+    )
+    degrade_load_threshold: float = Field(
+        0.8, gt=0, le=10, description="pool load (running+queued / capacity) above which nodes degrade"
+    )
+    max_active_runs: int = Field(
+        256, gt=0, description="runs in progress at once; more are refused with RESOURCE_EXHAUSTED"
     )
 
 
@@ -50,8 +57,17 @@ class RouterComponent(ServiceComponent):
             etcd.PrefixMirror(runtime.etcd, etcd.WORKERS, self.directory.update_workers),
             etcd.PrefixMirror(runtime.etcd, etcd.MODELS, self.directory.update_models),
         ]
+        self.load = LoadMonitor(self.directory, self.services, self.channels, settings.degrade_load_threshold)
         router_pb2_grpc.add_RouterServicer_to_server(
-            RouterServicer(self.store, self.directory, self.services, self.channels, self.tools),
+            RouterServicer(
+                self.store,
+                self.directory,
+                self.services,
+                self.channels,
+                self.tools,
+                self.load,
+                settings.max_active_runs,
+            ),
             runtime.server,
         )
 
@@ -60,8 +76,10 @@ class RouterComponent(ServiceComponent):
             mirror.start()
         for mirror in self.mirrors:
             await mirror.wait_synced(timeout_s=30)
+        self.load.start()
 
     async def stop(self) -> None:
+        await self.load.close()
         for mirror in self.mirrors:
             await mirror.close()
         await self.channels.close()

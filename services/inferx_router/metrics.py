@@ -37,3 +37,15 @@ def observe_node(chain: str, node: str, result: router_pb2.NodeFinished) -> None
         TOKENS.labels(chain, "prompt").inc(result.usage.prompt_tokens)
         TOKENS.labels(chain, "cached_prompt").inc(result.usage.cached_prompt_tokens)
         TOKENS.labels(chain, "completion").inc(result.usage.completion_tokens)
+
+
+RETRIES = Counter("inferx_retries_total", "Retried attempts of chain nodes", ["chain", "node", "reason"])
+DEGRADATIONS = Counter("inferx_degradations_total", "Degraded chain nodes", ["chain", "node", "kind"])
+
+
+def observe_retry(chain: str, node: str, reason: str) -> None:
+    RETRIES.labels(chain, node, reason).inc()
+
+
+def observe_degradation(chain: str, node: str, kind: str) -> None:
+    DEGRADATIONS.labels(chain, node, kind).inc()

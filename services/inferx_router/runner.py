@@ -1,12 +1,26 @@
 """Walks one chain run: independent nodes run concurrently, each node starts when its
-dependencies are done, a failed or timed-out node skips its dependents, and every
-step is reported as a RunEvent on a queue the servicer streams to the caller."""
+dependencies are done, and every step is reported as a RunEvent on a queue the
+servicer streams to the caller.
+
+What happens when a node fails (seed 2.3, 4.1, 4.3):
+  * every node runs under min(its timeout, what is left of the chain's end-to-end
+    budget = its SLO latency); the remaining time travels as the gRPC deadline to the
+    scheduler and worker, so an abandoned hop stops using the engine;
+  * failed attempts are retried with exponential backoff and jitter when that is safe
+    (idempotent tools, tools that honour idempotency keys, model hops with `retries`),
+    each retry spending one unit of the run's retry budget;
+  * then the degradation ladder: fallback model, last cached result (even stale),
+    declared static fallback, skip when `critical: false`; recorded per node;
+  * under load above the threshold, nodes with a fallback model use it at once and
+    non-critical nodes are skipped, before the SLO is missed.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import random
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -18,11 +32,13 @@ from inferx.chain.schema import ChainConfig, NodeSpec
 from inferx.chain.template import render
 from inferx.chain.validate import sinks
 from inferx.discovery import ChannelPool, ServiceLocator
-from inferx.errors import InferxError, Unavailable, from_rpc_error
+from inferx.errors import InferxError, InvalidArgument, NotFound, Unavailable, from_rpc_error
+from inferx.resilience import Degradation, NodeFallbacks, RetryBudget, backoff_s, degradation_ladder
 from inferx.v1 import common_pb2, router_pb2, scheduler_pb2, scheduler_pb2_grpc
 from inferx_router import metrics
 from inferx_router.chain_store import StoredVersion
-from inferx_router.tools import SESSION_MEMORY, ToolCall, ToolRouter
+from inferx_router.load import LoadMonitor
+from inferx_router.tools import SESSION_MEMORY, CircuitOpen, ToolCall, ToolRouter
 
 log = logging.getLogger("inferx.router.run")
 
@@ -32,11 +48,19 @@ TIERS = {
     "batch": common_pb2.TIER_BATCH,
 }
 
+# Errors that retrying cannot fix: the request itself is wrong.
+NOT_RETRYABLE = (InvalidArgument, NotFound)
+DEFAULT_TOOL_RETRIES = 2
+
 
 @dataclass
 class NodeOutcome:
     finished: router_pb2.NodeFinished
     done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class ChainDeadline(Exception):
+    """The chain's end-to-end budget is spent."""
 
 
 def default_prompt(node: NodeSpec, inputs: dict[str, str], outputs: dict[str, str]) -> str:
@@ -54,6 +78,14 @@ def tool_output_text(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+def failure_reason(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    if isinstance(exc, CircuitOpen):
+        return "circuit_open"
+    return "error"
+
+
 class ChainRun:
     def __init__(
         self,
@@ -65,6 +97,8 @@ class ChainRun:
         services: ServiceLocator,
         channels: ChannelPool,
         tools: ToolRouter,
+        load: LoadMonitor | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         self.chain = chain
         self.config: ChainConfig = chain.config
@@ -75,14 +109,21 @@ class ChainRun:
         self._services = services
         self._channels = channels
         self._tools = tools
+        self._load = load
+        self._rng = rng or random.Random()
+        self.budget = RetryBudget(self.config.retry_budget)
         self.events: asyncio.Queue[router_pb2.RunEvent | None] = asyncio.Queue()
         self._outcomes: dict[str, NodeOutcome] = {}
         self._outputs: dict[str, str] = {}
         self._started = time.perf_counter()
-        self._deadline_ms = int(time.time() * 1000 + self.config.slo.latency_p99_ms)
+        self._budget_s = self.config.slo.latency_p99_ms / 1000
+        self._deadline_unix_ms = int(time.time() * 1000 + self.config.slo.latency_p99_ms)
 
     def _at_ms(self) -> float:
         return (time.perf_counter() - self._started) * 1000
+
+    def _remaining_s(self) -> float:
+        return self._budget_s - (time.perf_counter() - self._started)
 
     def _emit(self, **event: Any) -> None:
         self.events.put_nowait(router_pb2.RunEvent(run_id=self.run_id, at_ms=self._at_ms(), **event))
@@ -104,8 +145,13 @@ class ChainRun:
     def _finish(self) -> router_pb2.ChainFinished:
         latency_ms = self._at_ms()
         hops = [self._outcomes[node.id].finished for node in self.config.nodes]
-        failed = [hop for hop in hops if hop.status != "ok"]
-        status = "ok" if not failed else "error"
+        failed = [hop for hop in hops if hop.status not in ("ok", "skipped") or _blocked(hop)]
+        if not failed:
+            status = "ok"
+        elif any(hop.status == "deadline_exceeded" for hop in hops):
+            status = "deadline_exceeded"
+        else:
+            status = "error"
         slo_ms = self.config.slo.latency_p99_ms
         output = "\n".join(self._outputs.get(node_id, "") for node_id in sinks(self.config))
         finished = router_pb2.ChainFinished(
@@ -118,9 +164,12 @@ class ChainRun:
             chain_version=self.chain.version,
             output=output,
             error="; ".join(f"{hop.node_id}: {hop.error}" for hop in failed if hop.error),
+            retries_used=self.budget.used,
         )
         metrics.observe_chain(self.config.name, str(self.config.tier), finished)
         return finished
+
+    # ----- one node ------------------------------------------------------------------
 
     async def _run_node(self, node: NodeSpec) -> None:
         outcome = self._outcomes[node.id]
@@ -129,7 +178,8 @@ class ChainRun:
         try:
             for dep in node.depends_on:
                 await self._outcomes[dep].done.wait()
-            blocked = [dep for dep in node.depends_on if self._outcomes[dep].finished.status != "ok"]
+            # A dependency skipped on purpose (critical: false) does not block; a failed one does.
+            blocked = [dep for dep in node.depends_on if not _usable(self._outcomes[dep].finished)]
             if blocked:
                 result.status = "skipped"
                 result.error = f"upstream {', '.join(blocked)} did not finish"
@@ -137,28 +187,135 @@ class ChainRun:
                 return
             self._emit(node_started=router_pb2.NodeStarted(node_id=node.id, node_type=node.type))
             started = time.perf_counter()
-            try:
-                async with asyncio.timeout(node.timeout_ms / 1000):
-                    if node.type == "model_inference":
-                        await self._model_node(node, result)
-                    else:
-                        await self._tool_node(node, result)
-                result.status = "ok"
-                self._outputs[node.id] = result.output
-            except TimeoutError:
-                result.status = "timeout"
-                result.error = f"timed out after {node.timeout_ms:g}ms"
-            except InferxError as exc:
-                result.status = "error"
-                result.error = exc.message
+            await self._execute(node, result)
             result.latency_ms = (time.perf_counter() - started) * 1000
+            if result.status == "ok":
+                self._outputs[node.id] = result.output
             metrics.observe_node(self.config.name, node.id, result)
             self._emit(node_finished=result)
         finally:
             outcome.done.set()
 
-    async def _model_node(self, node: NodeSpec, result: router_pb2.NodeFinished) -> None:
-        result.model = node.model or ""
+    async def _execute(self, node: NodeSpec, result: router_pb2.NodeFinished) -> None:
+        model = node.model or ""
+        if self._load is not None and node.type == "model_inference" and self._load.overloaded(model):
+            if node.fallback_model:
+                model = node.fallback_model
+                result.degradation, result.degradation_reason = Degradation.FALLBACK_MODEL, "overload"
+            elif not node.critical:
+                self._skip(result, "overload")
+                return
+        try:
+            await self._bounded(node, self._attempts(node, result, model))
+            result.status = "ok"
+            return
+        except ChainDeadline:
+            result.status, result.error = "deadline_exceeded", "the chain's end-to-end budget is spent"
+            return
+        except (InferxError, TimeoutError) as exc:
+            failure = exc
+        result.error = _describe(failure, node)
+        await self._degrade(node, result, failure, tried_fallback_model=model != (node.model or ""))
+
+    async def _bounded(self, node: NodeSpec, work) -> None:
+        """Run `work` within the node's timeout and the chain's remaining budget."""
+        remaining = self._remaining_s()
+        if remaining <= 0:
+            work.close()
+            raise ChainDeadline
+        limit = min(node.timeout_ms / 1000, remaining)
+        try:
+            async with asyncio.timeout(limit):
+                await work
+        except TimeoutError:
+            if limit < node.timeout_ms / 1000:
+                raise ChainDeadline from None
+            raise
+
+    async def _attempts(self, node: NodeSpec, result: router_pb2.NodeFinished, model: str) -> None:
+        """The first attempt and the retries this node may take."""
+        retries = self._retries_allowed(node)
+        attempt = 0
+        while True:
+            try:
+                if node.type == "model_inference":
+                    await self._model_hop(node, result, model)
+                else:
+                    await self._tool_call(node, result)
+                return
+            except NOT_RETRYABLE:
+                raise
+            except (InferxError, TimeoutError) as exc:
+                attempt += 1
+                if attempt > retries or not self.budget.try_spend():
+                    raise
+                result.retries = attempt
+                metrics.observe_retry(self.config.name, node.id, failure_reason(exc))
+                await asyncio.sleep(backoff_s(attempt, rng=self._rng))
+
+    def _retries_allowed(self, node: NodeSpec) -> int:
+        if node.type == "model_inference":
+            return node.retries
+        if node.type == "memory_retrieval":
+            return node.retries or DEFAULT_TOOL_RETRIES
+        try:
+            tool = self._tools.resolve(node.tool or SESSION_MEMORY)
+        except NotFound:
+            return 0
+        # A non-idempotent tool is retried only when its server de-duplicates by key.
+        if not node.idempotent and not tool.honours_idempotency_key:
+            return 0
+        return node.retries or DEFAULT_TOOL_RETRIES
+
+    # ----- degradation ---------------------------------------------------------------
+
+    async def _degrade(
+        self,
+        node: NodeSpec,
+        result: router_pb2.NodeFinished,
+        failure: BaseException,
+        *,
+        tried_fallback_model: bool,
+    ) -> None:
+        reason = failure_reason(failure)
+        stale_found, stale = False, None
+        if node.type != "model_inference" and node.cacheable:
+            stale_found, stale = await self._tools.stale_result(
+                node.tool or SESSION_MEMORY, self._arguments(node)
+            )
+        options = NodeFallbacks(
+            fallback_model=node.fallback_model if node.type == "model_inference" else None,
+            has_stale_result=stale_found,
+            fallback_output=node.fallback_output,
+            critical=node.critical,
+        )
+        for step in degradation_ladder(options, tried_fallback_model=tried_fallback_model):
+            if step == Degradation.FALLBACK_MODEL:
+                try:
+                    await self._bounded(node, self._model_hop(node, result, node.fallback_model or ""))
+                except (InferxError, TimeoutError, ChainDeadline):
+                    continue
+            elif step == Degradation.STALE_CACHE:
+                result.output, result.cache_hit = tool_output_text(stale), True
+            elif step == Degradation.STATIC_FALLBACK:
+                result.output = node.fallback_output or ""
+            elif step == Degradation.SKIPPED:
+                self._skip(result, reason)
+                metrics.observe_degradation(self.config.name, node.id, str(step))
+                return
+            result.status, result.degradation, result.degradation_reason = "ok", str(step), reason
+            metrics.observe_degradation(self.config.name, node.id, str(step))
+            return
+        result.status = "timeout" if reason == "timeout" else "error"
+
+    def _skip(self, result: router_pb2.NodeFinished, reason: str) -> None:
+        result.status, result.degradation, result.degradation_reason = "skipped", "skipped", reason
+        result.output = ""
+
+    # ----- the two kinds of work ----------------------------------------------------
+
+    async def _model_hop(self, node: NodeSpec, result: router_pb2.NodeFinished, model: str) -> None:
+        result.model = model
         if node.prompt:
             prompt = render(node.prompt, self.inputs, self._outputs)
         else:
@@ -176,14 +333,16 @@ class ChainRun:
                 chain_version=self.chain.version,
                 tier=self.tier,
                 priority=node.priority_rank,
-                chain_deadline_unix_ms=self._deadline_ms,
+                chain_deadline_unix_ms=self._deadline_unix_ms,
             ),
-            model=node.model or "",
+            model=model,
             prompt=prompt,
             sampling=common_pb2.SamplingOptions(max_tokens=node.max_tokens, temperature=node.temperature),
         )
+        # The deadline the caller set (node timeout or chain budget) travels downstream.
+        timeout = max(min(node.timeout_ms / 1000, self._remaining_s()), 0.001)
         try:
-            async for event in stub.SubmitHop(request, timeout=node.timeout_ms / 1000):
+            async for event in stub.SubmitHop(request, timeout=timeout):
                 if event.kind == scheduler_pb2.HopEvent.KIND_DISPATCHED:
                     result.worker_id = event.worker_id
                 elif event.kind == scheduler_pb2.HopEvent.KIND_FINISHED:
@@ -196,9 +355,7 @@ class ChainRun:
                 raise TimeoutError from None
             raise from_rpc_error(exc, target=f"scheduler at {address}") from None
 
-    async def _tool_node(self, node: NodeSpec, result: router_pb2.NodeFinished) -> None:
-        tool = node.tool or SESSION_MEMORY
-        result.tool = tool
+    def _arguments(self, node: NodeSpec) -> dict[str, Any]:
         if node.arguments:
             arguments: dict[str, Any] = {
                 name: render(template, self.inputs, self._outputs)
@@ -206,9 +363,41 @@ class ChainRun:
             }
         else:
             arguments = dict(self.inputs)
-        if node.type == "memory_retrieval" and tool == SESSION_MEMORY:
+        if node.type == "memory_retrieval" and (node.tool or SESSION_MEMORY) == SESSION_MEMORY:
             arguments.setdefault("limit", node.limit)
-        call = ToolCall(tool, arguments, self.run_id, self.session_id, node.timeout_ms / 1000)
+        return arguments
+
+    async def _tool_call(self, node: NodeSpec, result: router_pb2.NodeFinished) -> None:
+        tool = node.tool or SESSION_MEMORY
+        result.tool = tool
+        call = ToolCall(
+            tool,
+            self._arguments(node),
+            self.run_id,
+            self.session_id,
+            max(min(node.timeout_ms / 1000, self._remaining_s()), 0.001),
+            # Stable across retries of this node in this run: a tool that honours it
+            # performs the side effect once however often it is called.
+            idempotency_key=f"{self.run_id}:{node.id}",
+        )
         outcome = await self._tools.call(call, cacheable=node.cacheable, cache_ttl_s=node.cache_ttl_ms / 1000)
         result.output = tool_output_text(outcome.value)
         result.cache_hit = outcome.cache_hit
+        result.cache_unavailable = outcome.cache_unavailable
+
+
+def _usable(hop: router_pb2.NodeFinished) -> bool:
+    return hop.status == "ok" or (hop.status == "skipped" and hop.degradation == "skipped")
+
+
+def _blocked(hop: router_pb2.NodeFinished) -> bool:
+    """Skipped because an upstream node failed (not skipped on purpose)."""
+    return hop.status == "skipped" and hop.degradation != "skipped"
+
+
+def _describe(exc: BaseException, node: NodeSpec) -> str:
+    if isinstance(exc, TimeoutError):
+        return f"timed out after {node.timeout_ms:g}ms"
+    if isinstance(exc, InferxError):
+        return exc.message
+    return str(exc) or type(exc).__name__

@@ -10,7 +10,7 @@ import grpc
 
 from inferx.chain.validate import load_chain_text, required_inputs
 from inferx.discovery import ChannelPool, ServiceLocator
-from inferx.errors import InvalidArgument, Unavailable
+from inferx.errors import InvalidArgument, ResourceExhausted, Unavailable
 from inferx.pools import PoolDirectory, no_worker_message
 from inferx.v1 import (
     memory_pool_pb2,
@@ -21,6 +21,7 @@ from inferx.v1 import (
     scheduler_pb2_grpc,
 )
 from inferx_router.chain_store import ChainStore, StoredVersion
+from inferx_router.load import LoadMonitor
 from inferx_router.runner import ChainRun
 from inferx_router.tools import ToolRouter
 
@@ -35,12 +36,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         services: ServiceLocator,
         channels: ChannelPool,
         tools: ToolRouter,
+        load: LoadMonitor | None = None,
+        max_active_runs: int = 256,
     ) -> None:
         self._store = store
         self._directory = directory
         self._services = services
         self._channels = channels
         self._tools = tools
+        self._load = load
+        self._max_active_runs = max_active_runs
+        self._active_runs = 0
 
     # ----- running chains -----------------------------------------------------------
 
@@ -74,6 +80,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 )
 
     async def RunChain(self, request: router_pb2.RunChainRequest, context: grpc.aio.ServicerContext):
+        # Backpressure: never hold more runs than configured; the caller retries later.
+        if self._active_runs >= self._max_active_runs:
+            raise ResourceExhausted(
+                f"the router is running {self._active_runs} chains (its limit); retry shortly",
+                retry_after_s=1.0,
+            )
         chain = await self._store.resolve(request.chain, request.version, request.label)
         inputs = self._check_inputs(chain, dict(request.inputs))
         self._check_workers(chain)
@@ -87,8 +99,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             services=self._services,
             channels=self._channels,
             tools=self._tools,
+            load=self._load,
         )
+        self._active_runs += 1
         task = asyncio.create_task(run.run(), name=f"run:{run.run_id}")
+        task.add_done_callback(lambda _: self._release_run())
         try:
             while (event := await run.events.get()) is not None:
                 yield event
@@ -98,6 +113,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+
+    def _release_run(self) -> None:
+        self._active_runs -= 1
 
     # ----- chain configs ------------------------------------------------------------
 
@@ -195,6 +213,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     )
             except grpc.aio.AioRpcError as exc:
                 reply.problems.append(f"memory-pool at {address}: {exc.code().name}")
+        for target, state in self._tools.breakers.states().items():
+            reply.circuit_breakers[target] = state.name.lower()
         if not self._services.instances("cache"):
             reply.problems.append("no cache registered (tool results are not cached)")
         return reply

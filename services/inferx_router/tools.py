@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,12 +17,16 @@ import grpc
 from inferx import etcd
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.errors import InferxError, InvalidArgument, NotFound, Unavailable, from_rpc_error
+from inferx.resilience import BreakerBoard, BreakerState
 from inferx.v1 import cache_pb2, cache_pb2_grpc, tool_pb2, tool_pb2_grpc
 from inferx_router.knowledge import KnowledgeBase
 
 log = logging.getLogger("inferx.router.tools")
 
 SESSION_MEMORY = "session_memory"
+
+
+STALE_TTL_S = 86_400.0  # how long the last good result stays usable as a degraded answer
 
 
 @dataclass(frozen=True)
@@ -31,12 +36,30 @@ class ToolCall:
     run_id: str
     session_id: str
     timeout_s: float
+    idempotency_key: str = ""
 
 
 @dataclass(frozen=True)
 class ToolResult:
     value: Any
     cache_hit: bool = False
+    cache_unavailable: bool = False  # cacheable, but the cache service could not be reached
+
+
+@dataclass(frozen=True)
+class ResolvedTool:
+    """A tool ready to call: its version (part of the cache key), the breaker target,
+    and whether a retry is safe (idempotent, or the server honours idempotency keys)."""
+
+    name: str
+    version: str
+    target: str
+    honours_idempotency_key: bool
+    invoke: Callable[[ToolCall], Awaitable[Any]]
+
+
+class CircuitOpen(Unavailable):
+    """The tool's circuit breaker is open: calls are refused until a probe succeeds."""
 
 
 BuiltinTool = Callable[[ToolCall], Awaitable[Any]]
@@ -47,6 +70,10 @@ def cache_key(tool: str, version: str, arguments: dict[str, Any]) -> str:
     canonical = json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     digest = hashlib.sha256(canonical.encode()).hexdigest()
     return f"tool:{tool}:{version}:{digest}"
+
+
+def stale_key(key: str) -> str:
+    return f"stale:{key}"
 
 
 def memory_key(session_id: str) -> str:
@@ -64,6 +91,7 @@ class ToolRouter:
     ) -> None:
         self._services = services
         self._channels = channels
+        self.breakers = BreakerBoard()
         self.remote = etcd.PrefixMirror(client, etcd.TOOLS)
         self._knowledge = knowledge
         self._knowledge_error = knowledge_error
@@ -73,39 +101,40 @@ class ToolRouter:
         }
 
     def known(self, tool: str) -> bool:
-        return tool in self._builtins or bool(self._remote_addresses(tool))
+        return tool in self._builtins or bool(self._remote_registrations(tool))
 
-    def _remote_addresses(self, tool: str) -> list[tuple[str, str]]:
+    def _remote_registrations(self, tool: str) -> list[dict[str, Any]]:
         prefix = f"{etcd.TOOLS}{tool}/"
         found = []
         for key, value in sorted(self.remote.items.items()):
             if key.startswith(prefix):
                 try:
                     row = json.loads(value)
-                    found.append((str(row["address"]), str(row.get("version", "1"))))
+                    found.append(
+                        {
+                            "address": str(row["address"]),
+                            "version": str(row.get("version", "1")),
+                            "idempotency_keys": bool(row.get("idempotency_keys", False)),
+                        }
+                    )
                 except (ValueError, KeyError, TypeError):
                     log.warning("ignoring malformed tool registration at %s", key)
         return found
 
-    async def call(self, call: ToolCall, *, cacheable: bool, cache_ttl_s: float) -> ToolResult:
-        version, invoke = self._resolve(call.tool)
-        key = cache_key(call.tool, version, call.arguments) if cacheable else ""
-        if key:
-            cached = await self._cache_get(key)
-            if cached is not None:
-                return ToolResult(json.loads(cached), cache_hit=True)
-        value = await invoke(call)
-        if key:
-            await self._cache_put(key, json.dumps(value).encode(), cache_ttl_s)
-        return ToolResult(value)
-
-    def _resolve(self, tool: str) -> tuple[str, BuiltinTool]:
+    def resolve(self, tool: str) -> ResolvedTool:
         if tool in self._builtins:
-            return self._builtins[tool]
-        remotes = self._remote_addresses(tool)
+            version, invoke = self._builtins[tool]
+            return ResolvedTool(tool, version, f"tool:{tool}", True, invoke)
+        remotes = self._remote_registrations(tool)
         if not remotes:
             raise NotFound(f"tool '{tool}' is neither built in nor registered under {etcd.TOOLS}{tool}/")
-        address, version = remotes[0]
+        # Prefer an endpoint whose breaker is not open: one bad replica must not take
+        # the tool down.
+        usable = [
+            r for r in remotes if self.breakers.get(f"tool:{tool}@{r['address']}").state != BreakerState.OPEN
+        ]
+        chosen = (usable or remotes)[0]
+        address = chosen["address"]
 
         async def invoke(call: ToolCall) -> Any:
             stub = tool_pb2_grpc.ToolServiceStub(self._channels.get(address))
@@ -116,17 +145,55 @@ class ToolRouter:
                         arguments_json=json.dumps(call.arguments),
                         run_id=call.run_id,
                         session_id=call.session_id,
+                        idempotency_key=call.idempotency_key,
                     ),
                     timeout=call.timeout_s,
                 )
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise TimeoutError from None
                 raise from_rpc_error(exc, target=f"tool '{call.tool}' at {address}") from None
             try:
                 return json.loads(reply.result_json) if reply.result_json else None
             except ValueError:
                 raise InferxError(f"tool '{call.tool}' returned invalid JSON") from None
 
-        return version, invoke
+        return ResolvedTool(
+            tool, chosen["version"], f"tool:{tool}@{address}", chosen["idempotency_keys"], invoke
+        )
+
+    async def call(self, call: ToolCall, *, cacheable: bool, cache_ttl_s: float) -> ToolResult:
+        """One attempt: cache look-up, then the tool behind its circuit breaker."""
+        tool = self.resolve(call.tool)
+        key = cache_key(call.tool, tool.version, call.arguments) if cacheable else ""
+        cache_down = False
+        if key:
+            cached, cache_down = await self._cache_get(key)
+            if cached is not None:
+                return ToolResult(json.loads(cached), cache_hit=True)
+        breaker = self.breakers.get(tool.target)
+        if not breaker.allow(time.monotonic()):
+            raise CircuitOpen(f"circuit open for {tool.target}: recent calls failed")
+        try:
+            value = await tool.invoke(call)
+        except (InferxError, TimeoutError):
+            breaker.record(False, time.monotonic())
+            raise
+        breaker.record(True, time.monotonic())
+        if key:
+            encoded = json.dumps(value).encode()
+            cache_down = not await self._cache_put(key, encoded, cache_ttl_s) or cache_down
+            await self._cache_put(stale_key(key), encoded, STALE_TTL_S)
+        return ToolResult(value, cache_unavailable=cache_down)
+
+    async def stale_result(self, tool_name: str, arguments: dict[str, Any]) -> tuple[bool, Any]:
+        """The last good result of this call, however old (a degraded answer)."""
+        try:
+            tool = self.resolve(tool_name)
+        except NotFound:
+            return False, None
+        found, _ = await self._cache_get(stale_key(cache_key(tool_name, tool.version, arguments)))
+        return (True, json.loads(found)) if found is not None else (False, None)
 
     # ----- cache service (best effort: chains continue without it) --------------------
 
@@ -134,25 +201,28 @@ class ToolRouter:
         address = self._services.pick("cache")
         return cache_pb2_grpc.CacheStub(self._channels.get(address)) if address else None
 
-    async def _cache_get(self, key: str) -> bytes | None:
+    async def _cache_get(self, key: str) -> tuple[bytes | None, bool]:
+        """(value or None, whether the cache was unavailable)."""
         stub = self._cache_stub()
         if stub is None:
-            return None
+            return None, True
         try:
-            reply = await stub.Get(cache_pb2.CacheGetRequest(key=key), timeout=1.0)
+            reply = await stub.Get(cache_pb2.CacheGetRequest(key=key), timeout=0.5)
         except grpc.aio.AioRpcError as exc:
             log.warning("cache get failed (%s); calling the tool", exc.code().name)
-            return None
-        return reply.value if reply.hit else None
+            return None, True
+        return (reply.value if reply.hit else None), False
 
-    async def _cache_put(self, key: str, value: bytes, ttl_s: float) -> None:
+    async def _cache_put(self, key: str, value: bytes, ttl_s: float) -> bool:
         stub = self._cache_stub()
         if stub is None:
-            return
+            return False
         try:
-            await stub.Put(cache_pb2.CachePutRequest(key=key, value=value, ttl_s=ttl_s), timeout=1.0)
+            await stub.Put(cache_pb2.CachePutRequest(key=key, value=value, ttl_s=ttl_s), timeout=0.5)
+            return True
         except grpc.aio.AioRpcError as exc:
             log.warning("cache put failed (%s)", exc.code().name)
+            return False
 
     async def remember(self, session_id: str, turn: dict[str, Any], ttl_s: float = 86_400.0) -> None:
         """Append a finished turn to the session's memory (kept in the cache service)."""

@@ -59,6 +59,7 @@ COMMON_NODE_KEYS = (
     "idempotent",
     "cacheable",
     "cache_ttl",
+    "fallback_output",
 )
 TYPE_NODE_KEYS: dict[str, tuple[str, ...]] = {
     "model_inference": (
@@ -174,6 +175,9 @@ class NodeSpec(BaseModel):
     cacheable: bool = False
     timeout_ms: DurationMs = Field(30_000.0, alias="timeout")
     limit: int = Field(5, gt=0)
+    # Degradation: the output to return when the node fails and nothing better is
+    # available (after retries, fallback model and the last cached result).
+    fallback_output: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -220,6 +224,8 @@ class ChainConfig(BaseModel):
     tier: Literal["realtime", "standard", "batch"] = "standard"
     inputs: dict[str, InputSpec] = Field(default_factory=dict)
     slo: SloSpec
+    # Retries a whole run may spend across its nodes before taking degradation paths.
+    retry_budget: int = Field(3, ge=0, le=100)
     nodes: list[NodeSpec]
 
     @field_validator("inputs", mode="before")
@@ -274,6 +280,7 @@ class ChainConfig(BaseModel):
             "end_to_end_latency_p99": format_duration_ms(self.slo.latency_p99_ms),
             "availability": self.slo.availability,
         }
+        chain["retry_budget"] = self.retry_budget
         chain["nodes"] = [node.to_document() for node in self.nodes]
         return {"agent_chain": chain}
 

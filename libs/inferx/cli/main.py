@@ -289,6 +289,11 @@ async def cmd_status(args: argparse.Namespace) -> int:
     for queue in status.queues:
         queues.add_row(queue.pool, str(queue.queued), str(queue.running))
     out.print(queues)
+    if status.circuit_breakers:
+        out.print("circuit breakers:")
+        for target, state in sorted(status.circuit_breakers.items()):
+            colour = {"closed": "green", "half_open": "yellow"}.get(state, "red")
+            out.print(f"  {target}: [{colour}]{state}[/{colour}]")
     for problem in status.problems:
         err.print(f"[yellow]problem:[/yellow] {problem}")
     return 0

@@ -1,0 +1,287 @@
+"""The chain-aware policy: schedule whole agent chains, not single calls.
+
+Order of the queue (lower first), computed when the queue is looked at:
+  1. SLO tier: realtime, standard, batch. A hop waiting longer than
+     `tier_starvation_s` moves up one tier, so batch work cannot starve forever.
+  2. Chains already under way before new chains: abandoning a half-done chain wastes
+     the work it already received and keeps its context pinned in KV.
+  3. Context-length bucket of the tokens the hop must prefill (its prompt minus the
+     context its chain left on its worker): short hops first. A hop waiting longer
+     than `starvation_s` counts as the shortest bucket (the starvation bound).
+  4. Progress (`progress`): `slack` = deadline - remaining critical path (least
+     slack first), `attained` = most service received first, `fcfs` = chain arrival.
+Worker choice (chain affinity): a chain's hop goes to the worker that holds its
+prefix while that worker has room; if the worker is busy it may wait there for as
+long as moving would cost (re-prefilling the context elsewhere), then falls back to
+the worker with the most free KV. "Room" is memory-aware: a slot, and the hop's KV
+fits in `kv_budget` of the worker's KV after what is running and what idle chains
+homed there keep cached.
+Admission: new batch chains wait while the pool is loaded past `batch_wait_load`
+(new standard chains past `standard_wait_load`), and are shed (RESOURCE_EXHAUSTED,
+with a retry hint) when the load is past `shed_load` and `shed_queue` batch hops per
+worker already wait. Realtime work is never held back or shed by the policy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from inferx.scheduling.views import (
+    ACCEPT,
+    TIER_BATCH,
+    TIER_REALTIME,
+    TIER_STANDARD,
+    Admission,
+    HopView,
+    QueuedHop,
+    WorkerView,
+)
+
+
+@dataclass(frozen=True)
+class ChainAwareConfig:
+    progress: Literal["slack", "attained", "fcfs"] = "slack"
+    buckets: tuple[int, ...] = (1024, 4096, 16384)  # prefill tokens: < each is a bucket
+    starvation_s: float = 10.0
+    tier_starvation_s: float = 120.0
+    kv_budget: float = 0.9
+    prefill_tokens_per_s: float = 15_000.0  # what moving a context to a new worker costs
+    affinity_wait_factor: float = 1.0
+    max_affinity_wait_s: float = 5.0
+    batch_wait_load: float = 0.8
+    standard_wait_load: float = 0.95
+    shed_load: float = 0.98
+    shed_queue: int = 64  # batch hops waiting per worker before new batch chains are shed
+    retry_after_s: float = 5.0
+    chain_ttl_s: float = 300.0  # forget a chain (and its affinity) after this long idle
+
+
+@dataclass
+class ChainState:
+    first_seen: float
+    last_seen: float
+    worker_id: str | None = None
+    context_tokens: int = 0  # what the chain left cached on worker_id
+    attained_s: float = 0.0
+    hops_done: int = 0
+    in_flight: int = 0
+
+
+class ChainAwarePolicy:
+    name = "chain-aware"
+
+    def __init__(self, config: ChainAwareConfig | None = None) -> None:
+        self.config = config or ChainAwareConfig()
+        self._chains: OrderedDict[str, ChainState] = OrderedDict()  # least recent first
+        self._idle_resident: dict[str, int] = {}  # worker -> context of idle chains homed there
+
+    # ----- chain state ------------------------------------------------------------------
+
+    def chain(self, key: str) -> ChainState | None:
+        return self._chains.get(key)
+
+    def _touch(self, key: str, now: float) -> ChainState:
+        state = self._chains.get(key)
+        if state is None:
+            state = self._chains[key] = ChainState(first_seen=now, last_seen=now)
+        state.last_seen = now
+        self._chains.move_to_end(key)
+        self._expire(now)
+        return state
+
+    def _expire(self, now: float) -> None:
+        while self._chains:
+            key, state = next(iter(self._chains.items()))
+            if now - state.last_seen <= self.config.chain_ttl_s or state.in_flight:
+                return
+            self._forget(key)
+
+    def _forget(self, key: str) -> None:
+        state = self._chains.pop(key)
+        if state.in_flight == 0:
+            self._set_resident(state, -state.context_tokens)
+
+    def _set_resident(self, state: ChainState, delta: int) -> None:
+        if state.worker_id is not None and delta:
+            left = self._idle_resident.get(state.worker_id, 0) + delta
+            self._idle_resident[state.worker_id] = max(0, left)
+
+    def resident(self, worker_id: str) -> int:
+        return self._idle_resident.get(worker_id, 0)
+
+    # ----- ordering ---------------------------------------------------------------------
+
+    def _under_way(self, hop: HopView) -> bool:
+        state = self._chains.get(hop.chain_key)
+        return hop.hop_index > 0 or (state is not None and state.hops_done > 0)
+
+    def _prefill_estimate(self, hop: HopView) -> int:
+        state = self._chains.get(hop.chain_key)
+        cached = state.context_tokens if state is not None and state.worker_id else 0
+        return max(hop.prompt_tokens - cached, 0)
+
+    def bucket(self, hop: HopView) -> int:
+        tokens = self._prefill_estimate(hop)
+        for index, bound in enumerate(self.config.buckets):
+            if tokens < bound:
+                return index
+        return len(self.config.buckets)
+
+    def _tier(self, queued: QueuedHop, now: float) -> int:
+        tier = queued.hop.tier_rank
+        if now - queued.enqueued_at > self.config.tier_starvation_s:
+            tier = max(TIER_REALTIME, tier - 1)
+        return tier
+
+    def _progress(self, hop: HopView) -> float:
+        state = self._chains.get(hop.chain_key)
+        mode = self.config.progress
+        if mode == "slack" and hop.deadline is not None:
+            # Slack = deadline - now - remaining; `now` is common to all, so drop it.
+            return hop.deadline - hop.remaining_critical_path_s
+        if mode == "attained":
+            return -(state.attained_s if state else 0.0)
+        return state.first_seen if state else math.inf
+
+    def sort_key(self, queued: QueuedHop, now: float) -> tuple:
+        hop = queued.hop
+        starved = now - queued.enqueued_at > self.config.starvation_s
+        return (
+            self._tier(queued, now),
+            0 if self._under_way(hop) else 1,
+            0 if starved else self.bucket(hop),
+            self._progress(hop),
+            queued.seq,
+        )
+
+    def order(self, queued: Sequence[QueuedHop], now: float) -> Iterable[QueuedHop]:
+        return sorted(queued, key=lambda q: self.sort_key(q, now))
+
+    def engine_priority(self, queued: QueuedHop, now: float) -> int:
+        key = self.sort_key(queued, now)
+        return (key[0] - 1) * 16 + key[1] * 8 + key[2]
+
+    # ----- load and admission -----------------------------------------------------------
+
+    def load(self, workers: Sequence[WorkerView]) -> float:
+        """Busiest of slots and KV (running + idle chains' contexts) across the pool."""
+        slots = sum(max(w.max_concurrency, 1) for w in workers)
+        if not slots:
+            return 1.0
+        load = sum(w.in_flight for w in workers) / slots
+        capacity = sum(w.kv_capacity_tokens for w in workers)
+        if capacity:
+            used = sum(w.kv_in_flight + self.resident(w.worker_id) for w in workers)
+            load = max(load, used / capacity)
+        return load
+
+    def admit(
+        self,
+        hop: HopView,
+        workers: Sequence[WorkerView],
+        queued: Sequence[QueuedHop],
+        now: float,
+    ) -> Admission:
+        if hop.tier_rank != TIER_BATCH or self._under_way(hop) or not workers:
+            return ACCEPT
+        load = self.load(workers)
+        if load >= self.config.shed_load:
+            waiting = sum(1 for q in queued if q.hop.tier_rank == TIER_BATCH)
+            if waiting >= self.config.shed_queue * len(workers):
+                return Admission(
+                    False,
+                    f"pool '{hop.pool}' is {load:.0%} loaded and {waiting} batch hops wait",
+                    self.config.retry_after_s,
+                )
+        return ACCEPT
+
+    def _held_back(self, hop: HopView, load: float) -> bool:
+        if self._under_way(hop):
+            return False
+        if hop.tier_rank == TIER_BATCH:
+            return load > self.config.batch_wait_load
+        if hop.tier_rank == TIER_STANDARD:
+            return load > self.config.standard_wait_load
+        return False
+
+    # ----- worker choice ----------------------------------------------------------------
+
+    def _fits(self, worker: WorkerView, hop: HopView, home: bool) -> bool:
+        if not worker.has_slot:
+            return False
+        if not worker.kv_capacity_tokens or worker.in_flight == 0:
+            return True
+        resident = self.resident(worker.worker_id)
+        if home:  # the chain's own cached context is part of the hop's prompt
+            state = self._chains.get(hop.chain_key)
+            resident -= state.context_tokens if state else 0
+        budget = worker.kv_capacity_tokens * self.config.kv_budget
+        return worker.kv_in_flight + max(resident, 0) + hop.kv_tokens <= budget
+
+    def _headroom(self, worker: WorkerView) -> float:
+        if worker.kv_capacity_tokens:
+            used = worker.kv_in_flight + self.resident(worker.worker_id)
+            return 1 - max(used / worker.kv_capacity_tokens, worker.slot_load)
+        return 1 - worker.slot_load
+
+    def choose_worker(
+        self, queued: QueuedHop, workers: Sequence[WorkerView], now: float
+    ) -> str | None:
+        hop = queued.hop
+        if self._held_back(hop, self.load(workers)) and not self._starved(queued, now):
+            return None
+        state = self._chains.get(hop.chain_key)
+        home = None
+        if state is not None and state.worker_id is not None:
+            home = next((w for w in workers if w.worker_id == state.worker_id), None)
+        if home is not None:
+            if self._fits(home, hop, home=True):
+                return home.worker_id
+            moving_cost_s = state.context_tokens / self.config.prefill_tokens_per_s
+            patience = min(
+                self.config.max_affinity_wait_s, moving_cost_s * self.config.affinity_wait_factor
+            )
+            if now - queued.enqueued_at < patience:
+                return None  # cheaper to wait for the warm worker than to re-prefill
+        candidates = [w for w in workers if self._fits(w, hop, home=False)]
+        if not candidates:
+            return None
+        best = max(candidates, key=lambda w: (self._headroom(w), -w.in_flight, w.worker_id))
+        return best.worker_id
+
+    def _starved(self, queued: QueuedHop, now: float) -> bool:
+        return now - queued.enqueued_at > self.config.tier_starvation_s
+
+    # ----- bookkeeping ------------------------------------------------------------------
+
+    def on_dispatch(self, queued: QueuedHop, worker_id: str, now: float) -> None:
+        state = self._touch(queued.hop.chain_key, now)
+        if state.in_flight == 0:
+            self._set_resident(state, -state.context_tokens)
+        if state.worker_id != worker_id:
+            state.context_tokens = 0  # the new worker holds none of it yet
+        state.worker_id = worker_id
+        state.in_flight += 1
+
+    def on_finish(
+        self, queued: QueuedHop, now: float, context_tokens: int, service_s: float
+    ) -> None:
+        state = self._chains.get(queued.hop.chain_key)
+        if state is None or queued.worker_id is None:
+            return
+        state.in_flight = max(0, state.in_flight - 1)
+        state.last_seen = now
+        state.attained_s += service_s
+        state.hops_done += 1
+        if context_tokens and queued.worker_id == state.worker_id:
+            state.context_tokens = max(state.context_tokens, context_tokens)
+        if state.in_flight == 0:
+            self._set_resident(state, state.context_tokens)
+
+    def on_chain_end(self, chain_key: str, now: float) -> None:
+        if chain_key in self._chains:
+            self._forget(chain_key)

@@ -1,0 +1,119 @@
+"""Scheduling policies: which queued hop goes next, to which worker, and whether a hop
+is admitted at all. Pure: no I/O, time is passed in, so the live scheduler and the
+virtual-time simulator run the very same decisions.
+
+`baseline` is what classic serving does: first come first served, round-robin across
+the workers that have a free slot, no affinity, no admission control, every request
+at the same engine priority (so the engine is FCFS too).
+`chain-aware` (chain_aware.py) is the default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+from inferx.scheduling.views import ACCEPT, Admission, HopView, QueuedHop, WorkerView
+
+POLICY_NAMES = ("baseline", "chain-aware")
+
+
+class Policy(Protocol):
+    name: str
+
+    def admit(
+        self,
+        hop: HopView,
+        workers: Sequence[WorkerView],
+        queued: Sequence[QueuedHop],
+        now: float,
+    ) -> Admission:
+        """Called once when the hop arrives; a refusal means RESOURCE_EXHAUSTED."""
+        ...
+
+    def order(self, queued: Sequence[QueuedHop], now: float) -> Iterable[QueuedHop]:
+        """The pool's queued hops, most urgent first."""
+        ...
+
+    def choose_worker(
+        self, queued: QueuedHop, workers: Sequence[WorkerView], now: float
+    ) -> str | None:
+        """The worker to run the hop now, or None to keep it queued for now."""
+        ...
+
+    def engine_priority(self, queued: QueuedHop, now: float) -> int:
+        """The priority the engine orders by (lower first), set when dispatched."""
+        ...
+
+    def on_dispatch(self, queued: QueuedHop, worker_id: str, now: float) -> None: ...
+
+    def on_finish(
+        self, queued: QueuedHop, now: float, context_tokens: int, service_s: float
+    ) -> None:
+        """The hop left its worker; `context_tokens` (prompt + output) now sit in that
+        worker's prefix cache. Both are 0 when unknown (e.g. the hop failed)."""
+        ...
+
+    def on_chain_end(self, chain_key: str, now: float) -> None:
+        """The chain will send no more hops (when the caller knows it)."""
+        ...
+
+
+class BaselinePolicy:
+    """FCFS + round-robin: the reference that chain-aware is measured against."""
+
+    name = "baseline"
+
+    def __init__(self) -> None:
+        self._next: dict[str, int] = {}  # pool -> round-robin position
+
+    def admit(
+        self,
+        hop: HopView,
+        workers: Sequence[WorkerView],
+        queued: Sequence[QueuedHop],
+        now: float,
+    ) -> Admission:
+        return ACCEPT
+
+    def order(self, queued: Sequence[QueuedHop], now: float) -> Iterable[QueuedHop]:
+        return queued  # the queue is kept in arrival order
+
+    def choose_worker(
+        self, queued: QueuedHop, workers: Sequence[WorkerView], now: float
+    ) -> str | None:
+        if not workers:
+            return None
+        ordered = sorted(workers, key=lambda w: w.worker_id)
+        start = self._next.get(queued.pool, 0)
+        for offset in range(len(ordered)):
+            index = (start + offset) % len(ordered)
+            if ordered[index].has_slot:
+                self._next[queued.pool] = index + 1
+                return ordered[index].worker_id
+        return None
+
+    def engine_priority(self, queued: QueuedHop, now: float) -> int:
+        return 0
+
+    def on_dispatch(self, queued: QueuedHop, worker_id: str, now: float) -> None:
+        return None
+
+    def on_finish(
+        self, queued: QueuedHop, now: float, context_tokens: int, service_s: float
+    ) -> None:
+        return None
+
+    def on_chain_end(self, chain_key: str, now: float) -> None:
+        return None
+
+
+def make_policy(name: str, **options: object) -> Policy:
+    """`baseline` or `chain-aware` (options: fields of ChainAwareConfig)."""
+    if name == "baseline":
+        return BaselinePolicy()
+    if name == "chain-aware":
+        from inferx.scheduling.chain_aware import ChainAwareConfig, ChainAwarePolicy
+
+        return ChainAwarePolicy(ChainAwareConfig(**options))  # type: ignore[arg-type]
+    raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")

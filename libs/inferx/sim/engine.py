@@ -1,0 +1,259 @@
+"""Iteration-level model of a continuous-batching engine (vLLM V1 with chunked prefill).
+
+Pure: no clock, no I/O. A driver calls `plan(max_steps)` to schedule the next
+iteration(s), advances its clock by `plan.steps * plan.step_s` (or fewer steps when
+something arrives meanwhile) and calls `commit(plan, steps, now)`. Both the
+virtual-time simulator and the live `sim` worker drive this same model.
+
+Each iteration:
+  * running sequences in priority order each take one decode token or a prefill chunk
+    from the step's token budget; when KV memory runs out for a decode, the lowest
+    priority (then newest) running sequence is preempted (recompute, as vLLM does);
+  * waiting sequences are admitted in priority order while there is budget, a free
+    sequence slot and KV memory for their uncached prompt (prefix-cache hits are free);
+  * the step costs `EngineProfile.step_ms(decodes, prefill tokens, context tokens)`.
+Stretches of pure decoding with nothing to admit are planned as one multi-step plan
+(the batch cannot change until a sequence finishes), which keeps simulation fast.
+With every priority equal the order is arrival order: plain FCFS.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from inferx.sim.kv import KvPool, Segment
+from inferx.sim.profile import EngineProfile
+
+
+@dataclass(eq=False)
+class SimRequest:
+    request_id: str
+    prompt: tuple[Segment, ...]
+    output_tokens: int
+    priority: int = 0  # lower runs first (vLLM's convention)
+    # Cached (unpinned) when the request finishes, so the next hop of the chain hits.
+    output_segments: tuple[Segment, ...] = ()
+    # Engine state.
+    seq: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_left: int = 0
+    generated: int = 0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    preemptions: int = 0
+    _held: list[str] = field(default_factory=list)
+    _private: int = 0
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return (self.priority, self.seq)
+
+    @property
+    def context_tokens(self) -> int:
+        return self.prompt_tokens + self.generated
+
+
+@dataclass
+class Plan:
+    steps: int
+    step_s: float
+    decodes: list[SimRequest]
+    prefills: list[tuple[SimRequest, int]]
+
+    @property
+    def duration_s(self) -> float:
+        return self.steps * self.step_s
+
+
+@dataclass
+class StepResult:
+    tokens: dict[str, int]  # request_id -> tokens produced by this commit
+    first_tokens: list[SimRequest]
+    finished: list[SimRequest]
+
+
+class EngineModel:
+    def __init__(self, profile: EngineProfile) -> None:
+        self.profile = profile
+        self.kv = KvPool(profile.kv_capacity_tokens)
+        self.waiting: list[SimRequest] = []
+        self.running: list[SimRequest] = []
+        self.preemptions = 0
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
+        self._seq = itertools.count()
+
+    # ----- requests -------------------------------------------------------------------
+
+    def add(self, request: SimRequest) -> None:
+        request.seq = next(self._seq)
+        request.prompt_tokens = sum(s.tokens for s in request.prompt)
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> bool:
+        for group in (self.waiting, self.running):
+            for request in group:
+                if request.request_id == request_id:
+                    group.remove(request)
+                    self._free(request)
+                    return True
+        return False
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    # ----- scheduling -----------------------------------------------------------------
+
+    def plan(self, max_steps: int = 1 << 30) -> Plan | None:
+        """Schedule the next iteration (or a stretch of identical decode iterations)."""
+        budget = self.profile.max_batched_tokens
+        decodes: list[SimRequest] = []
+        prefills: list[tuple[SimRequest, int]] = []
+        self.running.sort(key=lambda r: r.order)
+        for request in list(self.running):
+            if request not in self.running:
+                continue  # preempted below to make room for a more important one
+            if budget <= 0:
+                break
+            if request.prefill_left > 0:
+                chunk = min(request.prefill_left, budget)
+                prefills.append((request, chunk))
+                budget -= chunk
+                continue
+            # A decode needs one more token of KV; preempt from the back if memory is out.
+            while not self.kv.make_room(len(decodes) + 1):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is request:
+                    break
+                decodes = [d for d in decodes if d is not victim]
+                prefills = [(r, c) for r, c in prefills if r is not victim]
+            if request in self.running:
+                decodes.append(request)
+                budget -= 1
+        self.waiting.sort(key=lambda r: r.order)
+        while self.waiting and budget > 0 and len(self.running) < self.profile.max_num_seqs:
+            request = self.waiting[0]
+            if not self._admit(request, reserve=len(decodes)):
+                break
+            self.waiting.pop(0)
+            self.running.append(request)
+            chunk = min(request.prefill_left, budget)
+            prefills.append((request, chunk))
+            budget -= chunk
+        if not decodes and not prefills:
+            return None
+        steps = 1
+        if not prefills:
+            # Nothing can change until a sequence finishes (waiting ones are blocked on
+            # slots or memory, which only a finish frees): plan the stretch at once.
+            remaining = min(r.output_tokens - r.generated for r in decodes)
+            memory = self.kv.available // len(decodes)
+            steps = max(1, min(remaining, memory, max_steps))
+        context = sum(r.context_tokens for r in decodes) + len(decodes) * (steps - 1) // 2
+        prefill_tokens = sum(chunk for _, chunk in prefills)
+        step_ms = self.profile.step_ms(len(decodes), prefill_tokens, context)
+        return Plan(steps, step_ms / 1000, decodes, prefills)
+
+    def commit(self, plan: Plan, steps: int, now: float) -> StepResult:
+        """Apply `steps` (<= plan.steps) iterations of `plan`, ending at time `now`."""
+        steps = max(1, min(steps, plan.steps))
+        tokens: dict[str, int] = {}
+        first: list[SimRequest] = []
+        done: list[SimRequest] = []
+        if plan.decodes:
+            self.kv.make_room(len(plan.decodes) * steps)
+        for request in plan.decodes:
+            if request not in self.running:
+                continue
+            request.generated += steps
+            request._private += steps
+            self.kv.alloc_private(steps)
+            tokens[request.request_id] = steps
+            if request.generated >= request.output_tokens:
+                done.append(request)
+        for request, chunk in plan.prefills:
+            if request not in self.running:
+                continue
+            request.prefill_left -= chunk
+            if request.prefill_left == 0:
+                # The iteration that completes the prefill also samples the first token.
+                request.generated += 1
+                if request.first_token_at is None:
+                    request.first_token_at = now
+                    first.append(request)
+                tokens[request.request_id] = 1
+                if request.generated >= request.output_tokens:
+                    done.append(request)
+        for request in done:
+            self.running.remove(request)
+            request.finished_at = now
+            self._free(request)
+            self._cache_output(request)
+        return StepResult(tokens, first, done)
+
+    # ----- memory ---------------------------------------------------------------------
+
+    def _admit(self, request: SimRequest, reserve: int) -> bool:
+        """Pin the cached prefix, allocate the rest; False (nothing held) if it won't fit."""
+        hits: list[str] = []
+        cached = 0
+        for segment in request.prompt:
+            if segment.key is None or segment.key not in self.kv:
+                break
+            self.kv.acquire(segment.key)
+            hits.append(segment.key)
+            cached += segment.tokens
+        rest = request.prompt[len(hits) :]
+        need = sum(s.tokens for s in rest if s.key is None or s.key not in self.kv)
+        need += request.generated + reserve  # recompute after preemption; room for decodes
+        if not self.kv.make_room(need):
+            for key in hits:
+                self.kv.release(key)
+            return False
+        held = list(hits)
+        private = request.generated
+        for segment in rest:
+            if segment.key is None:
+                private += segment.tokens
+            elif segment.key in self.kv:
+                # Cached, but after a miss: not usable as a prefix; recompute into it.
+                self.kv.acquire(segment.key)
+                held.append(segment.key)
+            else:
+                self.kv.insert(segment.key, segment.tokens, pinned=True)
+                held.append(segment.key)
+        self.kv.alloc_private(private)
+        request._held, request._private = held, private
+        # The last prompt token is always computed: its logits give the first token.
+        uncached = request.prompt_tokens - cached
+        request.prefill_left = max(1, uncached + request.generated)
+        if request.preemptions == 0:
+            request.cached_tokens = cached
+            self.prompt_tokens_total += request.prompt_tokens
+            self.cached_tokens_total += cached
+        return True
+
+    def _free(self, request: SimRequest) -> None:
+        for key in request._held:
+            self.kv.release(key)
+        self.kv.free_private(request._private)
+        request._held, request._private = [], 0
+
+    def _preempt(self, request: SimRequest) -> None:
+        self.running.remove(request)
+        self._free(request)
+        request.preemptions += 1
+        self.preemptions += 1
+        self.waiting.append(request)
+
+    def _cache_output(self, request: SimRequest) -> None:
+        for segment in request.output_segments:
+            if segment.key is None or segment.key in self.kv:
+                continue
+            if not self.kv.make_room(segment.tokens):
+                break
+            self.kv.insert(segment.key, segment.tokens, pinned=False)
