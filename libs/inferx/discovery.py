@@ -9,7 +9,7 @@ import aetcd
 import grpc
 from google.protobuf import json_format
 
-from inferx import etcd
+from inferx import etcd, telemetry
 from inferx.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,9 @@ class ChannelPool:
     def get(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = grpc.aio.insecure_channel(
+                address, options=CHANNEL_OPTIONS, interceptors=telemetry.client_interceptors()
+            )
             self._channels[address] = channel
         return channel
 

@@ -7,9 +7,11 @@ Shutdown on SIGTERM/SIGINT, in this order and for these reasons:
   1. health NOT_SERVING   -- load balancers and health-checking callers stop sending;
   2. revoke the lease     -- the registration vanishes at once, so the scheduler stops
                              dispatching here without waiting for the TTL;
-  3. drain in-flight RPCs -- bounded by --drain-timeout-s, so a hop already running
+  3. a short grace       -- --deregister-grace-s: calls already on their way (sent
+                             before callers saw the lease go) are still accepted;
+  4. drain in-flight RPCs -- bounded by --drain-timeout-s, so a hop already running
                              finishes instead of failing;
-  4. component cleanup, close etcd, exit 0.
+  5. component cleanup, close etcd, exit 0.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from google.protobuf import json_format
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from inferx import __version__
+from inferx import __version__, telemetry
 from inferx.errors import InferxError, Internal, abort_with
 from inferx.etcd import LeaseKeeper, make_client, service_key
 from inferx.settings import ServiceSettings, load_settings
@@ -175,9 +177,20 @@ async def _serve(
         settings.instance_id or f"{kind}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     )
     log.info("starting %s %s with %s", kind, instance_id, settings.model_dump_json())
+    try:
+        telemetry.setup_tracing(
+            kind,
+            instance_id,
+            settings.trace_exporter,
+            otlp_endpoint=settings.otlp_endpoint,
+            trace_file=settings.trace_file,
+        )
+    except telemetry.TelemetryError as exc:
+        raise StartupError(str(exc)) from None
 
     server = grpc.aio.server(
-        interceptors=[ErrorMappingInterceptor()],
+        # Tracing outermost: its span also covers the status the error mapping sets.
+        interceptors=[telemetry.server_interceptor(), ErrorMappingInterceptor()],
         options=[("grpc.so_reuseport", 0)],
     )
     health_servicer = health.aio.HealthServicer()
@@ -225,7 +238,7 @@ async def _serve(
     await asyncio.wait({warm_up, waiter}, return_when=asyncio.FIRST_COMPLETED)
     if warm_up.done() and warm_up.exception() is not None:
         exc = warm_up.exception()
-        await _shutdown(kind, server, health_servicer, leases, component, etcd, 0.0)
+        await _shutdown(kind, server, health_servicer, leases, component, etcd, 0.0, 0.0)
         raise StartupError(f"warm-up failed: {exc}")
 
     if not stop.is_set():
@@ -249,7 +262,16 @@ async def _serve(
         warm_up.cancel()
 
     log.info("%s shutting down: draining for up to %.1fs", kind, settings.drain_timeout_s)
-    await _shutdown(kind, server, health_servicer, leases, component, etcd, settings.drain_timeout_s)
+    await _shutdown(
+        kind,
+        server,
+        health_servicer,
+        leases,
+        component,
+        etcd,
+        settings.drain_timeout_s,
+        settings.deregister_grace_s,
+    )
 
 
 async def _shutdown(
@@ -260,9 +282,13 @@ async def _shutdown(
     component: ServiceComponent,
     etcd: aetcd.Client,
     grace_s: float,
+    deregister_grace_s: float,
 ) -> None:
     await health_servicer.enter_graceful_shutdown()
     await leases.close(revoke=True)
+    # Callers learn of the revoked lease through their etcd watch a moment later; keep
+    # accepting calls that were already on their way meanwhile, so none is refused.
+    await asyncio.sleep(deregister_grace_s)
     await server.stop(grace_s)
     try:
         await component.stop()

@@ -32,6 +32,9 @@ class ServiceSettings(BaseSettings):
         0, ge=0, le=65535, description="Prometheus /metrics port (0 = pick a free port)"
     )
     lease_ttl_s: int = Field(10, ge=2, le=300, description="etcd lease TTL in seconds")
+    deregister_grace_s: float = Field(
+        1.0, ge=0, le=30, description="on SIGTERM, keep accepting calls this long after deregistering"
+    )
     drain_timeout_s: float = Field(
         15.0, ge=0, description="on SIGTERM, how long in-flight RPCs may take to finish"
     )

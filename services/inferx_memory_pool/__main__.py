@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import Gauge
 from pydantic import Field
 
 from inferx import etcd
@@ -13,11 +12,8 @@ from inferx.pools import PoolDirectory
 from inferx.server import ServiceComponent, ServiceRuntime, run_service
 from inferx.settings import ServiceSettings
 from inferx.v1 import memory_pool_pb2, memory_pool_pb2_grpc
+from inferx_memory_pool import metrics
 from inferx_memory_pool.ledger import InsufficientCapacity, KvLedger, UnknownWorker
-
-KV_CAPACITY = Gauge("inferx_memory_kv_capacity_tokens", "KV capacity reported by workers", ["pool"])
-KV_RESERVED = Gauge("inferx_memory_kv_reserved_tokens", "KV tokens reserved by running hops", ["pool"])
-REFUSED = Gauge("inferx_memory_reservations_refused", "Reservations refused since start")
 
 
 class MemoryPoolSettings(ServiceSettings):
@@ -35,14 +31,7 @@ class MemoryPoolServicer(memory_pool_pb2_grpc.MemoryPoolServicer):
         self.ledger = ledger
 
     def _publish(self) -> None:
-        capacity: dict[str, int] = {}
-        reserved: dict[str, int] = {}
-        for row in self.ledger.snapshot():
-            capacity[row.pool] = capacity.get(row.pool, 0) + row.capacity_tokens
-            reserved[row.pool] = reserved.get(row.pool, 0) + row.reserved_tokens
-        for pool, tokens in capacity.items():
-            KV_CAPACITY.labels(pool).set(tokens)
-            KV_RESERVED.labels(pool).set(reserved[pool])
+        metrics.publish(self.ledger.snapshot())
 
     async def Reserve(self, request, context):
         if request.tokens <= 0:
@@ -54,8 +43,9 @@ class MemoryPoolServicer(memory_pool_pb2_grpc.MemoryPoolServicer):
         except UnknownWorker as exc:
             raise NotFound(str(exc)) from None
         except InsufficientCapacity as exc:
-            REFUSED.inc()
+            metrics.RESERVATIONS.labels("refused").inc()
             raise ResourceExhausted(str(exc), retry_after_s=0.5) from None
+        metrics.RESERVATIONS.labels("granted").inc()
         self._publish()
         return memory_pool_pb2.Reservation(
             reservation_id=res.reservation_id, worker_id=res.worker_id, tokens=res.tokens

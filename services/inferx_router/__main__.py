@@ -13,6 +13,7 @@ from inferx.pools import PoolDirectory
 from inferx.server import ServiceComponent, ServiceRuntime, run_service
 from inferx.settings import ServiceSettings
 from inferx.v1 import router_pb2, router_pb2_grpc
+from inferx_router import metrics, records
 from inferx_router.chain_store import ChainStore
 from inferx_router.knowledge import KnowledgeBase
 from inferx_router.load import LoadMonitor
@@ -33,6 +34,9 @@ class RouterSettings(ServiceSettings):
     max_active_runs: int = Field(
         256, gt=0, description="runs in progress at once; more are refused with RESOURCE_EXHAUSTED"
     )
+    recent_runs: int = Field(
+        1000, ge=0, description="finished runs kept for `inferx trace` and `inferx stats`"
+    )
 
 
 class RouterComponent(ServiceComponent):
@@ -50,6 +54,8 @@ class RouterComponent(ServiceComponent):
             error = str(exc)
             log.warning("vector_search disabled: %s", exc)
         self.tools = ToolRouter(runtime.etcd, self.services, self.channels, knowledge, error)
+        records.RECENT.capacity = settings.recent_runs
+        metrics.watch_breakers(self.tools.breakers.states)
         self.mirrors = [
             self.store.mirror,
             self.services.mirror,

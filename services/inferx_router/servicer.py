@@ -10,7 +10,7 @@ import grpc
 
 from inferx.chain.validate import load_chain_text, required_inputs
 from inferx.discovery import ChannelPool, ServiceLocator
-from inferx.errors import InvalidArgument, ResourceExhausted, Unavailable
+from inferx.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from inferx.pools import PoolDirectory, no_worker_message
 from inferx.v1 import (
     memory_pool_pb2,
@@ -20,6 +20,7 @@ from inferx.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
+from inferx_router import records
 from inferx_router.chain_store import ChainStore, StoredVersion
 from inferx_router.load import LoadMonitor
 from inferx_router.runner import ChainRun
@@ -218,6 +219,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if not self._services.instances("cache"):
             reply.problems.append("no cache registered (tool results are not cached)")
         return reply
+
+    # ----- recent runs (observability) ----------------------------------------------
+
+    async def GetRun(self, request, context):
+        return records.run_trace_message(records.RECENT.find(request.run_id, request.chain))
+
+    async def GetChainStats(self, request, context):
+        if not request.chain:
+            raise InvalidArgument("chain: required")
+        kept = records.RECENT.of_chain(request.chain, request.last)
+        if not kept:
+            raise NotFound(f"no recent runs of chain '{request.chain}' are kept by this router")
+        return records.chain_stats_message(records.chain_stats(request.chain, kept))
 
 
 def _version_message(

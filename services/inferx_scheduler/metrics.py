@@ -12,3 +12,13 @@ QUEUE_WAIT_SECONDS = Histogram(
 DISPATCHES = Counter("inferx_scheduler_dispatches_total", "Hops dispatched", ["pool", "worker"])
 HOP_ERRORS = Counter("inferx_scheduler_hop_errors_total", "Hops that failed", ["pool", "code"])
 SHED = Counter("inferx_scheduler_shed_total", "Hops refused because a queue was full", ["pool"])
+
+# Queue depth by tier as well as pool (issue #6). Kept apart from QUEUE_DEPTH so the
+# existing pool-only calls stay valid; the servicer sets it where it sets QUEUE_DEPTH.
+QUEUED_BY_TIER = Gauge("inferx_scheduler_queued_hops", "Hops waiting for a worker, by tier", ["pool", "tier"])
+
+
+def set_queued_by_tier(pool: str, counts: dict[str, int]) -> None:
+    """`counts`: tier name (realtime|standard|batch) -> hops of that tier queued in `pool`."""
+    for tier in ("realtime", "standard", "batch"):
+        QUEUED_BY_TIER.labels(pool, tier).set(counts.get(tier, 0))

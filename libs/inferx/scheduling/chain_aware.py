@@ -228,9 +228,7 @@ class ChainAwarePolicy:
             return 1 - max(used / worker.kv_capacity_tokens, worker.slot_load)
         return 1 - worker.slot_load
 
-    def choose_worker(
-        self, queued: QueuedHop, workers: Sequence[WorkerView], now: float
-    ) -> str | None:
+    def choose_worker(self, queued: QueuedHop, workers: Sequence[WorkerView], now: float) -> str | None:
         hop = queued.hop
         if self._held_back(hop, self.load(workers)) and not self._starved(queued, now):
             return None
@@ -242,9 +240,7 @@ class ChainAwarePolicy:
             if self._fits(home, hop, home=True):
                 return home.worker_id
             moving_cost_s = state.context_tokens / self.config.prefill_tokens_per_s
-            patience = min(
-                self.config.max_affinity_wait_s, moving_cost_s * self.config.affinity_wait_factor
-            )
+            patience = min(self.config.max_affinity_wait_s, moving_cost_s * self.config.affinity_wait_factor)
             if now - queued.enqueued_at < patience:
                 return None  # cheaper to wait for the warm worker than to re-prefill
         candidates = [w for w in workers if self._fits(w, hop, home=False)]
@@ -267,9 +263,7 @@ class ChainAwarePolicy:
         state.worker_id = worker_id
         state.in_flight += 1
 
-    def on_finish(
-        self, queued: QueuedHop, now: float, context_tokens: int, service_s: float
-    ) -> None:
+    def on_finish(self, queued: QueuedHop, now: float, context_tokens: int, service_s: float) -> None:
         state = self._chains.get(queued.hop.chain_key)
         if state is None or queued.worker_id is None:
             return

@@ -35,9 +35,7 @@ class Policy(Protocol):
         """The pool's queued hops, most urgent first."""
         ...
 
-    def choose_worker(
-        self, queued: QueuedHop, workers: Sequence[WorkerView], now: float
-    ) -> str | None:
+    def choose_worker(self, queued: QueuedHop, workers: Sequence[WorkerView], now: float) -> str | None:
         """The worker to run the hop now, or None to keep it queued for now."""
         ...
 
@@ -47,9 +45,7 @@ class Policy(Protocol):
 
     def on_dispatch(self, queued: QueuedHop, worker_id: str, now: float) -> None: ...
 
-    def on_finish(
-        self, queued: QueuedHop, now: float, context_tokens: int, service_s: float
-    ) -> None:
+    def on_finish(self, queued: QueuedHop, now: float, context_tokens: int, service_s: float) -> None:
         """The hop left its worker; `context_tokens` (prompt + output) now sit in that
         worker's prefix cache. Both are 0 when unknown (e.g. the hop failed)."""
         ...
@@ -79,9 +75,7 @@ class BaselinePolicy:
     def order(self, queued: Sequence[QueuedHop], now: float) -> Iterable[QueuedHop]:
         return queued  # the queue is kept in arrival order
 
-    def choose_worker(
-        self, queued: QueuedHop, workers: Sequence[WorkerView], now: float
-    ) -> str | None:
+    def choose_worker(self, queued: QueuedHop, workers: Sequence[WorkerView], now: float) -> str | None:
         if not workers:
             return None
         ordered = sorted(workers, key=lambda w: w.worker_id)
@@ -99,9 +93,7 @@ class BaselinePolicy:
     def on_dispatch(self, queued: QueuedHop, worker_id: str, now: float) -> None:
         return None
 
-    def on_finish(
-        self, queued: QueuedHop, now: float, context_tokens: int, service_s: float
-    ) -> None:
+    def on_finish(self, queued: QueuedHop, now: float, context_tokens: int, service_s: float) -> None:
         return None
 
     def on_chain_end(self, chain_key: str, now: float) -> None:

@@ -1,11 +1,11 @@
 """Per-pool hop queues and worker slots: which queued hop goes to which worker next.
 
-Pure: no I/O and no clock of its own. The scheduler service calls `submit`, then
-`assign` whenever something changes (a hop arrived, a hop finished, the worker set
-changed), and `finished` when a hop leaves a worker.
-
-Policy here is the foundation's: first come first served inside a pool, each hop to
-the least-loaded worker (in-flight / max concurrency) that has a free slot.
+Pure: no I/O and no clock of its own. The scheduler service (and the simulator)
+calls `submit`, then `assign` whenever something changes (a hop arrived, a hop
+finished, the worker set changed), and `finished` when a hop leaves a worker. The
+decisions (admission, order, worker choice, engine priority) belong to a `Policy`;
+this class keeps the books: queues, in-flight hops and KV estimates per worker.
+The default policy is `baseline` (FCFS, round-robin), the service's is chain-aware.
 """
 
 from __future__ import annotations
@@ -14,25 +14,22 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+from inferx.scheduling.policy import BaselinePolicy, Policy
+from inferx.scheduling.views import HopView, QueuedHop, WorkerSlots, WorkerView
+
+__all__ = ["DispatchQueue", "QueueFull", "Rejected", "QueuedHop", "WorkerSlots"]
+
 
 class QueueFull(Exception):
     """The pool's queue is at its bound; the caller should retry later."""
 
 
-@dataclass(frozen=True)
-class WorkerSlots:
-    worker_id: str
-    max_concurrency: int
+class Rejected(Exception):
+    """The policy's admission control refused the hop (load shedding)."""
 
-
-@dataclass(eq=False)
-class QueuedHop:
-    pool: str
-    run_id: str
-    hop_id: str
-    enqueued_at: float
-    seq: int = 0
-    worker_id: str | None = None  # set once assigned
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass
@@ -42,20 +39,33 @@ class PoolState:
 
 
 class DispatchQueue:
-    policy_name = "fcfs-least-loaded"
-
-    def __init__(self, max_queued_per_pool: int = 1024) -> None:
+    def __init__(self, max_queued_per_pool: int = 1024, policy: Policy | None = None) -> None:
         self.max_queued_per_pool = max_queued_per_pool
+        self.policy: Policy = policy or BaselinePolicy()
         self._pools: dict[str, PoolState] = {}
+        self._workers: dict[str, list[WorkerSlots]] = {}  # last known, for admission
         self._in_flight: dict[str, int] = {}
+        self._kv_in_flight: dict[str, int] = {}
         self._dispatched: dict[str, int] = {}
         self._seq = itertools.count()
+        self._now = 0.0
 
-    def submit(self, pool: str, run_id: str, hop_id: str, now: float) -> QueuedHop:
+    @property
+    def policy_name(self) -> str:
+        return self.policy.name
+
+    def submit(
+        self, pool: str, run_id: str, hop_id: str, now: float, view: HopView | None = None
+    ) -> QueuedHop:
+        self._now = max(self._now, now)
         state = self._pools.setdefault(pool, PoolState())
         if len(state.queue) >= self.max_queued_per_pool:
             raise QueueFull(f"pool '{pool}' has {len(state.queue)} hops queued (the bound)")
-        hop = QueuedHop(pool, run_id, hop_id, now, next(self._seq))
+        view = view or HopView(pool, run_id, hop_id)
+        admission = self.policy.admit(view, self.worker_views(pool), state.queue, now)
+        if not admission.accept:
+            raise Rejected(admission.reason, admission.retry_after_s)
+        hop = QueuedHop(pool, run_id, hop_id, now, next(self._seq), view=view)
         state.queue.append(hop)
         return hop
 
@@ -70,31 +80,77 @@ class DispatchQueue:
         except ValueError:
             return False
 
-    def assign(self, workers_by_pool: dict[str, list[WorkerSlots]]) -> list[QueuedHop]:
-        """Move queued hops onto free worker slots; returns the hops just assigned."""
+    def worker_views(self, pool: str) -> list[WorkerView]:
+        return [
+            WorkerView(
+                w.worker_id,
+                w.max_concurrency,
+                self._in_flight.get(w.worker_id, 0),
+                w.kv_capacity_tokens,
+                self._kv_in_flight.get(w.worker_id, 0),
+            )
+            for w in self._workers.get(pool, [])
+        ]
+
+    def assign(
+        self, workers_by_pool: dict[str, list[WorkerSlots]], now: float | None = None
+    ) -> list[QueuedHop]:
+        """Move queued hops onto workers as the policy decides; returns the hops assigned."""
+        now = self._now if now is None else max(self._now, now)
+        self._now = now
+        self._workers = {pool: list(workers) for pool, workers in workers_by_pool.items()}
         assigned: list[QueuedHop] = []
         for pool, state in self._pools.items():
-            workers = workers_by_pool.get(pool, [])
-            while state.queue:
-                worker = self._least_loaded_with_room(workers)
-                if worker is None:
-                    break
-                hop = state.queue.popleft()
-                hop.worker_id = worker.worker_id
-                self._in_flight[worker.worker_id] = self._in_flight.get(worker.worker_id, 0) + 1
-                self._dispatched[worker.worker_id] = self._dispatched.get(worker.worker_id, 0) + 1
-                state.running += 1
+            if not state.queue:
+                continue
+            views = {v.worker_id: v for v in self.worker_views(pool)}
+            if not any(v.has_slot for v in views.values()):
+                continue
+            for hop in list(self.policy.order(state.queue, now)):
+                worker_id = self.policy.choose_worker(hop, list(views.values()), now)
+                if worker_id is None or worker_id not in views:
+                    continue
+                hop.engine_priority = self.policy.engine_priority(hop, now)
+                self._start(state, hop, worker_id, now)
+                views[worker_id] = views[worker_id].with_hop(hop.hop.kv_tokens)
                 assigned.append(hop)
+                if not any(v.has_slot for v in views.values()):
+                    break
         return assigned
 
-    def finished(self, hop: QueuedHop) -> None:
+    def _start(self, state: PoolState, hop: QueuedHop, worker_id: str, now: float) -> None:
+        if state.queue and state.queue[0] is hop:
+            state.queue.popleft()  # the common case, FCFS: O(1)
+        else:
+            state.queue.remove(hop)
+        hop.worker_id = worker_id
+        self._in_flight[worker_id] = self._in_flight.get(worker_id, 0) + 1
+        self._kv_in_flight[worker_id] = self._kv_in_flight.get(worker_id, 0) + hop.hop.kv_tokens
+        self._dispatched[worker_id] = self._dispatched.get(worker_id, 0) + 1
+        state.running += 1
+        self.policy.on_dispatch(hop, worker_id, now)
+
+    def finished(
+        self,
+        hop: QueuedHop,
+        now: float | None = None,
+        *,
+        context_tokens: int = 0,
+        service_s: float = 0.0,
+    ) -> None:
+        """The hop left its worker (done, failed or cancelled); free its slot."""
         if hop.worker_id is None:
             return
+        now = self._now if now is None else max(self._now, now)
+        self._now = now
         count = self._in_flight.get(hop.worker_id, 0)
         self._in_flight[hop.worker_id] = max(0, count - 1)
+        kv = self._kv_in_flight.get(hop.worker_id, 0)
+        self._kv_in_flight[hop.worker_id] = max(0, kv - hop.hop.kv_tokens)
         state = self._pools.get(hop.pool)
         if state is not None:
             state.running = max(0, state.running - 1)
+        self.policy.on_finish(hop, now, context_tokens, service_s)
 
     def drain_pool(self, pool: str) -> list[QueuedHop]:
         """Remove and return every queued hop of a pool (e.g. its last worker left)."""
@@ -121,24 +177,3 @@ class DispatchQueue:
 
     def dispatched(self, worker_id: str) -> int:
         return self._dispatched.get(worker_id, 0)
-
-    def _least_loaded_with_room(self, workers: list[WorkerSlots]) -> WorkerSlots | None:
-        best: WorkerSlots | None = None
-        best_load = 0.0
-        for worker in workers:
-            in_flight = self._in_flight.get(worker.worker_id, 0)
-            capacity = max(worker.max_concurrency, 1)
-            if in_flight >= capacity:
-                continue
-            load = in_flight / capacity
-            # Ties go to the worker that has served fewer hops, spreading cold starts.
-            if (
-                best is None
-                or load < best_load
-                or (
-                    load == best_load
-                    and self._dispatched.get(worker.worker_id, 0) < self._dispatched.get(best.worker_id, 0)
-                )
-            ):
-                best, best_load = worker, load
-        return best

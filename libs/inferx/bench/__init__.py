@@ -1,0 +1,1 @@
+"""Benchmarks of scheduling policies: metrics shared by simulator and live runs."""

@@ -1,0 +1,1 @@
+"""Simulated GPU engines, agent-chain workloads and virtual-time replay (SIMULATED)."""

@@ -1,0 +1,54 @@
+"""Prometheus metrics of the memory-pool: KV capacity, reservations and how full each
+pool and worker is (the `> 85%` alert reads the usage ratios). Labels: pool, worker."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import Counter, Gauge
+
+from inferx_memory_pool.ledger import WorkerLedger
+
+KV_CAPACITY = Gauge("inferx_memory_kv_capacity_tokens", "KV capacity reported by workers", ["pool"])
+KV_RESERVED = Gauge("inferx_memory_kv_reserved_tokens", "KV tokens reserved by running hops", ["pool"])
+KV_USAGE = Gauge("inferx_memory_kv_usage_ratio", "Reserved / capacity KV tokens of each pool", ["pool"])
+WORKER_KV_USAGE = Gauge(
+    "inferx_memory_worker_kv_usage_ratio", "Reserved / capacity KV tokens of each worker", ["pool", "worker"]
+)
+ACTIVE = Gauge("inferx_memory_active_reservations", "Reservations currently held", ["pool"])
+RESERVATIONS = Counter(
+    "inferx_memory_reservations_total", "Reservation requests by result (granted|refused)", ["result"]
+)
+for _result in ("granted", "refused"):  # both series exist from the start: rate() needs them
+    RESERVATIONS.labels(_result)
+
+
+_workers_seen: set[tuple[str, str]] = set()
+
+
+def publish(rows: Iterable[WorkerLedger]) -> None:
+    """Set every gauge from a ledger snapshot (after each change)."""
+    capacity: dict[str, int] = {}
+    reserved: dict[str, int] = {}
+    active: dict[str, int] = {}
+    workers: set[tuple[str, str]] = set()
+    for row in rows:
+        capacity[row.pool] = capacity.get(row.pool, 0) + row.capacity_tokens
+        reserved[row.pool] = reserved.get(row.pool, 0) + row.reserved_tokens
+        active[row.pool] = active.get(row.pool, 0) + row.reservations
+        workers.add((row.pool, row.worker_id))
+        WORKER_KV_USAGE.labels(row.pool, row.worker_id).set(_ratio(row.reserved_tokens, row.capacity_tokens))
+    # A worker that left must not keep alerting with its last value.
+    for gone in _workers_seen - workers:
+        WORKER_KV_USAGE.remove(*gone)
+    _workers_seen.clear()
+    _workers_seen.update(workers)
+    for pool, tokens in capacity.items():
+        KV_CAPACITY.labels(pool).set(tokens)
+        KV_RESERVED.labels(pool).set(reserved[pool])
+        KV_USAGE.labels(pool).set(_ratio(reserved[pool], tokens))
+        ACTIVE.labels(pool).set(active[pool])
+
+
+def _ratio(part: int, whole: int) -> float:
+    return part / whole if whole > 0 else 0.0

@@ -1,0 +1,359 @@
+"""The router's memory of its recent runs, for `inferx trace` and `inferx stats`
+without a tracing backend.
+
+Pure logic (no I/O): a bounded store of finished runs, each node's place in time,
+the critical path, and per-node percentiles with the node that makes the P99.
+
+Timing model: a node starts when its last dependency finishes (that is how ChainRun
+schedules it) and runs for its reported latency, so start and end offsets -- and
+the critical path -- follow from the DAG and the latencies alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from inferx.chain.schema import ChainConfig
+from inferx.errors import InvalidArgument, NotFound
+from inferx.v1 import router_pb2
+
+DEFAULT_CAPACITY = 1000
+KEEP_OUTPUT_CHARS = 200  # enough to recognise an answer, bounded memory per run
+MIN_PREFIX = 4
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    chain: str
+    tier: str
+    started_unix_ms: int
+    trace_id: str
+    depends_on: Mapping[str, tuple[str, ...]]
+    finished: router_pb2.ChainFinished
+
+
+@dataclass(frozen=True)
+class NodeTiming:
+    node_id: str
+    start_ms: float
+    end_ms: float
+    critical: bool
+
+
+def node_timings(
+    hops: Sequence[router_pb2.NodeFinished], depends_on: Mapping[str, Sequence[str]]
+) -> list[NodeTiming]:
+    """Start/end offsets of every hop (in `hops` order) and whether it is on the
+    critical path: the chain of nodes, each gating the next, that ends last."""
+    latency = {hop.node_id: hop.latency_ms for hop in hops}
+    end: dict[str, float] = {}
+
+    def finish(node_id: str, seen: tuple[str, ...] = ()) -> float:
+        if node_id in end:
+            return end[node_id]
+        if node_id in seen:  # a cycle cannot be configured; do not loop if it were
+            return 0.0
+        deps = [d for d in depends_on.get(node_id, ()) if d in latency]
+        start = max((finish(d, (*seen, node_id)) for d in deps), default=0.0)
+        end[node_id] = start + latency.get(node_id, 0.0)
+        return end[node_id]
+
+    for hop in hops:
+        finish(hop.node_id)
+    critical: set[str] = set()
+    current = max(end, key=lambda n: end[n], default=None)
+    while current is not None:
+        critical.add(current)
+        deps = [d for d in depends_on.get(current, ()) if d in end]
+        current = max(deps, key=lambda d: end[d], default=None)
+    return [
+        NodeTiming(
+            hop.node_id,
+            end[hop.node_id] - latency[hop.node_id],
+            end[hop.node_id],
+            hop.node_id in critical,
+        )
+        for hop in hops
+    ]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default); 0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+@dataclass(frozen=True)
+class Percentiles:
+    p50: float
+    p90: float
+    p99: float
+    max: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Percentiles:
+        return cls(
+            percentile(values, 0.5),
+            percentile(values, 0.9),
+            percentile(values, 0.99),
+            max(values, default=0.0),
+        )
+
+
+@dataclass(frozen=True)
+class NodeStats:
+    node_id: str
+    node_type: str
+    samples: int
+    latency: Percentiles
+    queue: Percentiles
+    errors: int
+    retries: int
+    degraded: int
+    cache_hits: int
+    critical_ratio: float  # share of runs where it was on the critical path
+    p99_contribution_ms: float  # mean excess over its median in the tail runs
+    p99_share: float  # of the tail's total excess, 0..1
+
+
+@dataclass(frozen=True)
+class ChainStats:
+    chain: str
+    runs: int
+    ok: int
+    slo_met: int
+    slo_ms: float
+    latency: Percentiles
+    nodes: list[NodeStats] = field(default_factory=list)
+    top_node: str = ""  # the node that contributes most to the P99
+
+
+def chain_stats(chain: str, records: Sequence[RunRecord]) -> ChainStats:
+    """Per-node P50/P90/P99 over `records`, and which node makes the chain's P99.
+
+    The tail runs are those at or above the chain's P99. In each, every node on the
+    critical path contributes its latency above its own median (jitter that a node
+    off the critical path has cannot delay the chain). The node with the largest mean
+    contribution is the one to fix; with no tail excess at all (identical runs), it is
+    the node with the widest P99-P50 spread.
+    """
+    runs = [r.finished for r in records]
+    totals = [f.latency_ms for f in runs]
+    chain_p = Percentiles.of(totals)
+    order: list[str] = []
+    per_node: dict[str, list[router_pb2.NodeFinished]] = {}
+    for finished in runs:
+        for hop in finished.hops:
+            if hop.node_id not in per_node:
+                order.append(hop.node_id)
+                per_node[hop.node_id] = []
+            per_node[hop.node_id].append(hop)
+    ran = {n: [h for h in hops if h.status != "skipped" or h.latency_ms > 0] for n, hops in per_node.items()}
+    median = {n: percentile([h.latency_ms for h in hops], 0.5) for n, hops in ran.items()}
+    timings = [
+        {t.node_id: t for t in node_timings(r.finished.hops, r.depends_on)} for r in records
+    ]
+    tail = [i for i, total in enumerate(totals) if total >= chain_p.p99]
+    excess: dict[str, float] = dict.fromkeys(order, 0.0)
+    for i in tail:
+        for hop in runs[i].hops:
+            timing = timings[i].get(hop.node_id)
+            if timing is not None and timing.critical:
+                excess[hop.node_id] += max(0.0, hop.latency_ms - median.get(hop.node_id, 0.0))
+    contribution = {n: excess[n] / len(tail) for n in order} if tail else dict.fromkeys(order, 0.0)
+    total_excess = sum(contribution.values())
+    nodes = []
+    for node_id in order:
+        hops = per_node[node_id]
+        nodes.append(
+            NodeStats(
+                node_id=node_id,
+                node_type=hops[-1].node_type,
+                samples=len(ran[node_id]),
+                latency=Percentiles.of([h.latency_ms for h in ran[node_id]]),
+                queue=Percentiles.of([h.queue_ms for h in ran[node_id] if h.model]),
+                errors=sum(1 for h in hops if h.status not in ("ok", "skipped")),
+                retries=sum(h.retries for h in hops),
+                degraded=sum(1 for h in hops if h.degradation),
+                cache_hits=sum(1 for h in hops if h.cache_hit),
+                critical_ratio=(
+                    sum(1 for t in timings if node_id in t and t[node_id].critical) / len(records)
+                    if records
+                    else 0.0
+                ),
+                p99_contribution_ms=contribution[node_id],
+                p99_share=contribution[node_id] / total_excess if total_excess > 0 else 0.0,
+            )
+        )
+    return ChainStats(
+        chain=chain,
+        runs=len(runs),
+        ok=sum(1 for f in runs if f.status == "ok"),
+        slo_met=sum(1 for f in runs if f.slo_met),
+        slo_ms=runs[-1].slo_ms if runs else 0.0,
+        latency=chain_p,
+        nodes=nodes,
+        top_node=_top_node(nodes),
+    )
+
+
+def _top_node(nodes: Sequence[NodeStats]) -> str:
+    if not nodes:
+        return ""
+    best = max(nodes, key=lambda n: n.p99_contribution_ms)
+    if best.p99_contribution_ms > 0:
+        return best.node_id
+    widest = max(nodes, key=lambda n: n.latency.p99 - n.latency.p50)
+    return widest.node_id if widest.latency.p99 > widest.latency.p50 else ""
+
+
+class RunStore:
+    """The last `capacity` finished runs, oldest evicted first."""
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        self._runs: OrderedDict[str, RunRecord] = OrderedDict()
+        self._capacity = capacity
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @capacity.setter
+    def capacity(self, value: int) -> None:
+        self._capacity = max(value, 0)
+        self._evict()
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def add(self, record: RunRecord) -> None:
+        self._runs[record.finished.run_id] = record
+        self._runs.move_to_end(record.finished.run_id)
+        self._evict()
+
+    def _evict(self) -> None:
+        while len(self._runs) > self._capacity:
+            self._runs.popitem(last=False)
+
+    def find(self, run_id: str = "", chain: str = "") -> RunRecord:
+        """By full id or unique prefix; with no id, the latest run (of `chain`, if given)."""
+        if not run_id:
+            for record in reversed(self._runs.values()):
+                if not chain or record.chain == chain:
+                    return record
+            where = f" of chain '{chain}'" if chain else ""
+            raise NotFound(f"no recent run{where} is kept by this router")
+        if run_id in self._runs:
+            return self._runs[run_id]
+        if len(run_id) < MIN_PREFIX:
+            raise InvalidArgument(f"run id '{run_id}': give at least {MIN_PREFIX} characters")
+        matches = [r for key, r in self._runs.items() if key.startswith(run_id)]
+        if len(matches) > 1:
+            raise InvalidArgument(f"run id '{run_id}' matches {len(matches)} runs; give more characters")
+        if not matches:
+            raise NotFound(
+                f"run '{run_id}' is not among the last {self._capacity} runs of this router "
+                "(raise --recent-runs to keep more)"
+            )
+        return matches[0]
+
+    def of_chain(self, chain: str, last: int = 0) -> list[RunRecord]:
+        """The chain's kept runs, oldest first; `last` > 0 keeps only the newest `last`."""
+        runs = [r for r in self._runs.values() if r.chain == chain]
+        return runs[-last:] if last > 0 else runs
+
+
+# The router's store; __main__ sets its capacity from --recent-runs.
+RECENT = RunStore()
+
+
+def record_run(
+    config: ChainConfig,
+    finished: router_pb2.ChainFinished,
+    *,
+    tier: str,
+    trace_id: str = "",
+    store: RunStore = RECENT,
+) -> RunRecord:
+    """Keep a finished run (outputs shortened: the store is for timings, not answers)."""
+    kept = router_pb2.ChainFinished()
+    kept.CopyFrom(finished)
+    kept.output = _shorten(kept.output)
+    for hop in kept.hops:
+        hop.output = _shorten(hop.output)
+    record = RunRecord(
+        chain=config.name,
+        tier=tier,
+        started_unix_ms=int(time.time() * 1000 - finished.latency_ms),
+        trace_id=trace_id,
+        depends_on={node.id: tuple(node.depends_on) for node in config.nodes},
+        finished=kept,
+    )
+    store.add(record)
+    return record
+
+
+def _shorten(text: str) -> str:
+    return text if len(text) <= KEEP_OUTPUT_CHARS else text[: KEEP_OUTPUT_CHARS - 1] + "…"
+
+
+# ----- protobuf ----------------------------------------------------------------------------
+
+
+def run_trace_message(record: RunRecord) -> router_pb2.RunTrace:
+    reply = router_pb2.RunTrace(
+        chain=record.chain,
+        tier=record.tier,
+        started_unix_ms=record.started_unix_ms,
+        trace_id=record.trace_id,
+        finished=record.finished,
+    )
+    for timing in node_timings(record.finished.hops, record.depends_on):
+        reply.timings.add(
+            node_id=timing.node_id,
+            start_ms=timing.start_ms,
+            end_ms=timing.end_ms,
+            critical=timing.critical,
+            depends_on=record.depends_on.get(timing.node_id, ()),
+        )
+    return reply
+
+
+def _percentiles_message(p: Percentiles) -> router_pb2.LatencyPercentiles:
+    return router_pb2.LatencyPercentiles(p50_ms=p.p50, p90_ms=p.p90, p99_ms=p.p99, max_ms=p.max)
+
+
+def chain_stats_message(stats: ChainStats) -> router_pb2.ChainStats:
+    reply = router_pb2.ChainStats(
+        chain=stats.chain,
+        runs=stats.runs,
+        ok=stats.ok,
+        slo_met=stats.slo_met,
+        slo_ms=stats.slo_ms,
+        latency=_percentiles_message(stats.latency),
+        top_node=stats.top_node,
+    )
+    for node in stats.nodes:
+        reply.nodes.add(
+            node_id=node.node_id,
+            node_type=node.node_type,
+            samples=node.samples,
+            latency=_percentiles_message(node.latency),
+            queue=_percentiles_message(node.queue),
+            errors=node.errors,
+            retries=node.retries,
+            degraded=node.degraded,
+            cache_hits=node.cache_hits,
+            critical_ratio=node.critical_ratio,
+            p99_contribution_ms=node.p99_contribution_ms,
+            p99_share=node.p99_share,
+        )
+    return reply

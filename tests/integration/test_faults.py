@@ -1,0 +1,237 @@
+"""Fault injection with real etcd and services as processes. Each scenario runs a batch
+of at least 20 concurrent chains and asserts every chain either completes or ends with
+an explicit error status (none hangs, none vanishes), plus the specific outcome."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import signal
+from pathlib import Path
+
+import grpc
+import pytest
+
+from inferx import etcd
+from inferx.client import InferxClient
+from inferx.devstack import LocalStack, read_models_file, wait_serving
+from inferx.etcd import make_client
+from inferx.toolkit import IdempotencyRecords
+from inferx.v1 import tool_pb2, tool_pb2_grpc
+from tests.conftest import EXAMPLES, dump_logs, make_stack
+from tests.integration.faults import ToolServer, describe, run_batch
+
+pytestmark = pytest.mark.integration
+
+BATCH = 20
+
+
+@pytest.fixture
+def stack(tmp_path: Path):
+    """A fresh stack per scenario (they break things): etcd, services, 2 sim workers."""
+    stack = make_stack(tmp_path)
+    try:
+        stack.start_core()
+        stack.load_models(read_models_file(EXAMPLES / "models.yaml"))
+        for _ in range(2):
+            stack.start_worker("tiny-llama", "sim", ["--sim-speed", "2"])
+        for worker in stack.workers:
+            wait_serving(worker, 60)
+        stack.put_chains([EXAMPLES / "chains" / "customer_service_agent.yaml"])
+        yield stack
+    except BaseException:
+        dump_logs(stack)
+        raise
+    finally:
+        stack.stop()
+
+
+def queries(n: int = BATCH) -> list[dict[str, str]]:
+    return [{"query": f"Where is my order number {i}?"} for i in range(n)]
+
+
+async def test_sigterm_of_a_worker_fails_no_hop(stack: LocalStack) -> None:
+    async def terminate_soon() -> None:
+        await asyncio.sleep(0.4)
+        stack.workers[0].signal(signal.SIGTERM)
+
+    killer = asyncio.create_task(terminate_soon())
+    outcomes = await run_batch(stack, "customer_service_agent", queries(40), stagger_s=0.02)
+    await killer
+    assert all(o.ok for o in outcomes), describe(outcomes)
+    assert stack.workers[0].popen.wait(30) == 0  # drained and exited cleanly
+    workers_used = {h.worker_id for o in outcomes for h in o.finished.hops if h.worker_id}
+    assert len(workers_used) == 2  # both served until the drain
+
+
+async def test_chains_go_on_while_etcd_is_down_and_registrations_come_back(stack: LocalStack) -> None:
+    async with make_client(stack.etcd_endpoint) as client:
+        before = {kv.key for kv in await client.get_prefix(etcd.SERVICES.encode())}
+    assert len(before) == 6  # router, scheduler, memory-pool, cache, 2 workers
+    stack.etcd.stop()
+    try:
+        # Longer than every lease TTL (3 s here): services keep what they hold.
+        for _ in range(3):
+            outcomes = await run_batch(stack, "customer_service_agent", queries())
+            assert all(o.ok for o in outcomes), describe(outcomes)
+            await asyncio.sleep(5)
+    finally:
+        stack.fresh_etcd = False
+        stack.start_etcd()
+
+    async def restored() -> bool:
+        async with make_client(stack.etcd_endpoint) as client:
+            try:
+                now = {kv.key for kv in await client.get_prefix(etcd.SERVICES.encode())}
+            except etcd.ETCD_DOWN_ERRORS:
+                return False
+            return now == before or len(now) == len(before)
+
+    for _ in range(60):
+        if await restored():
+            break
+        await asyncio.sleep(0.5)
+    else:
+        raise AssertionError("registrations were not restored after etcd came back")
+    outcomes = await run_batch(stack, "customer_service_agent", queries())
+    assert all(o.ok for o in outcomes), describe(outcomes)
+    for proc in [*stack.services.values(), *stack.workers]:
+        assert proc.alive(), f"{proc.name} died during the etcd outage"
+
+
+async def test_cache_killed_chains_finish_uncached(stack: LocalStack) -> None:
+    stack.services["cache"].signal(signal.SIGKILL)
+    stack.services["cache"].popen.wait(5)
+    outcomes = await run_batch(stack, "customer_service_agent", queries())
+    assert all(o.ok for o in outcomes), describe(outcomes)
+    for o in outcomes:
+        tool = next(h for h in o.finished.hops if h.node_id == "knowledge_retrieval")
+        assert tool.cache_unavailable and not tool.cache_hit
+
+
+SLOW_TOOL_CHAIN = """
+agent_chain:
+  name: slow_tool_chain
+  slo: {end_to_end_latency_p99: 2s}
+  inputs: [q]
+  nodes:
+    - id: lookup
+      type: tool_call
+      tool: slow_lookup
+      timeout: 300ms
+      retries: 1
+      fallback_output: "no live data; answer from general knowledge"
+      arguments: {q: "{{ inputs.q }}"}
+    - id: answer
+      type: model_inference
+      model: qwen-7b
+      timeout: 1s
+      max_tokens: 4
+      depends_on: [lookup]
+      prompt: "Context: {{ nodes.lookup.output }} Question: {{ inputs.q }}"
+"""
+
+
+class SlowTool(tool_pb2_grpc.ToolServiceServicer):
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def Invoke(self, request, context):
+        self.calls += 1
+        await asyncio.sleep(5)  # far beyond the node's timeout
+        return tool_pb2.ToolResponse(result_json='"late"')
+
+
+async def test_tool_that_times_out_takes_the_fallback_within_the_slo(sim_stack: LocalStack) -> None:
+    async with ToolServer(sim_stack, "slow_lookup", SlowTool()):
+        async with InferxClient(sim_stack.router_address) as client:
+            await client.put_chain(SLOW_TOOL_CHAIN)
+        outcomes = await run_batch(sim_stack, "slow_tool_chain", [{"q": f"q{i}"} for i in range(BATCH)])
+    assert all(o.ok for o in outcomes), describe(outcomes)
+    for o in outcomes:
+        lookup = o.finished.hops[0]
+        assert lookup.degradation == "static_fallback" and lookup.degradation_reason == "timeout"
+        assert lookup.output.startswith("no live data")
+        assert o.finished.hops[1].status == "ok"
+        assert o.finished.slo_met, o.finished.latency_ms
+
+
+PAY_CHAIN = """
+agent_chain:
+  name: pay_chain
+  slo: {end_to_end_latency_p99: 5s}
+  inputs: [amount]
+  nodes:
+    - id: charge
+      type: tool_call
+      tool: payments
+      idempotent: false
+      timeout: 2s
+      arguments: {amount: "{{ inputs.amount }}"}
+"""
+
+
+class FlakyPayments(tool_pb2_grpc.ToolServiceServicer):
+    """Charges, then loses the first reply for every 4th amount: the classic
+    double-charge trap. (Losing every reply would, rightly, open the circuit breaker.)"""
+
+    def __init__(self, records: IdempotencyRecords) -> None:
+        self.records = records
+        self.charges: collections.Counter[str] = collections.Counter()
+        self.replies_lost: set[str] = set()
+        self.lost_amounts: set[str] = set()
+
+    async def Invoke(self, request, context):
+        key = request.idempotency_key
+
+        async def charge() -> dict:
+            self.charges[key] += 1
+            return {"charged": json.loads(request.arguments_json)["amount"]}
+
+        result = await self.records.run_once("payments", key, charge)
+        amount = json.loads(request.arguments_json)["amount"]
+        if int(amount) % 4 == 0 and key not in self.replies_lost:
+            self.replies_lost.add(key)
+            self.lost_amounts.add(amount)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset after charging")
+        return tool_pb2.ToolResponse(result_json=json.dumps(result))
+
+
+async def test_non_idempotent_tool_failing_after_its_side_effect_acts_once(sim_stack: LocalStack) -> None:
+    records = IdempotencyRecords(sim_stack.services["cache"].address)
+    payments = FlakyPayments(records)
+    try:
+        async with ToolServer(sim_stack, "payments", payments, idempotency_keys=True):
+            async with InferxClient(sim_stack.router_address) as client:
+                await client.put_chain(PAY_CHAIN)
+            amounts = [{"amount": str(i)} for i in range(BATCH)]
+            outcomes = await run_batch(sim_stack, "pay_chain", amounts, stagger_s=0.03)
+    finally:
+        await records.close()
+    assert all(o.ok for o in outcomes), describe(outcomes)
+    assert len(payments.charges) == BATCH
+    assert set(payments.charges.values()) == {1}  # every run charged exactly once
+    assert len(payments.lost_amounts) == BATCH // 4
+    for inputs, o in zip(amounts, outcomes, strict=True):
+        lost = inputs["amount"] in payments.lost_amounts
+        assert o.finished.hops[0].retries == (1 if lost else 0)
+        assert json.loads(o.finished.hops[0].output) == {"charged": inputs["amount"]}
+
+
+async def test_non_idempotent_tool_without_key_support_is_not_retried(sim_stack: LocalStack) -> None:
+    records = IdempotencyRecords(sim_stack.services["cache"].address)
+    payments = FlakyPayments(records)
+    try:
+        async with ToolServer(sim_stack, "payments", payments, idempotency_keys=False):
+            async with InferxClient(sim_stack.router_address) as client:
+                await client.put_chain(PAY_CHAIN)
+            amounts = [{"amount": str(i)} for i in range(BATCH)]
+            outcomes = await run_batch(sim_stack, "pay_chain", amounts, stagger_s=0.03)
+    finally:
+        await records.close()
+    assert set(payments.charges.values()) == {1}
+    for inputs, o in zip(amounts, outcomes, strict=True):
+        lost = inputs["amount"] in payments.lost_amounts
+        assert o.finished.status == ("error" if lost else "ok")
+        assert o.finished.hops[0].retries == 0
