@@ -112,5 +112,16 @@ class InferxClient:
             self._stub.RollbackChain, router_pb2.RollbackChainRequest(name=name, to_version=to_version)
         )
 
+    async def invalidate_tool_cache(
+        self, tool: str, arguments_json: str = ""
+    ) -> router_pb2.InvalidateToolCacheResponse:
+        return await self._unary(
+            self._stub.InvalidateToolCache,
+            router_pb2.InvalidateToolCacheRequest(tool=tool, arguments_json=arguments_json),
+        )
+
+    async def tool_cache_stats(self) -> router_pb2.ToolCacheStats:
+        return await self._unary(self._stub.GetToolCacheStats, router_pb2.ToolCacheStatsRequest())
+
     async def status(self) -> router_pb2.SystemStatus:
         return await self._unary(self._stub.GetStatus, router_pb2.GetStatusRequest(), timeout_s=10.0)

@@ -262,21 +262,24 @@ class LocalStack:
             *extra,
         ]
 
-    def start_service(self, kind: str, extra: Sequence[str] = ()) -> ManagedProcess:
-        port = self.ports.service_port(kind)
+    def start_service(self, kind: str, extra: Sequence[str] = (), *, replica: int = 0) -> ManagedProcess:
+        """Start one service; replica > 0 starts another instance (any free port),
+        registered as services[f"{kind}-{replica}"]."""
+        port = self.ports.service_port(kind) if replica == 0 else free_port()
+        name = kind if replica == 0 else f"{kind}-{replica}"
         metrics_port = self._metrics_port()
         extra = list(extra)
         if kind == "router" and self.knowledge_base is not None:
             extra += ["--knowledge-base", str(self.knowledge_base)]
         proc = ManagedProcess(
-            kind,
+            name,
             self._service_argv(kind, port, metrics_port, extra),
-            self.state_dir / "logs" / f"{kind}.log",
+            self.state_dir / "logs" / f"{name}.log",
             address=f"127.0.0.1:{port}",
             metrics_port=metrics_port,
         )
         proc.start()
-        self.services[kind] = proc
+        self.services[name] = proc
         return proc
 
     def start_worker(
@@ -357,9 +360,8 @@ class LocalStack:
         """Workers first (they drain), then the services, etcd last."""
         for proc in reversed(self.workers):
             proc.stop()
-        for kind in reversed(SERVICE_KINDS):
-            if kind in self.services:
-                self.services[kind].stop()
+        for proc in reversed(list(self.services.values())):
+            proc.stop()
         if self.etcd is not None:
             self.etcd.stop()
 

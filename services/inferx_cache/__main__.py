@@ -12,8 +12,8 @@ from pydantic import Field
 from inferx.errors import InvalidArgument
 from inferx.server import ServiceComponent, ServiceRuntime, run_service
 from inferx.settings import ServiceSettings
+from inferx.ttlcache import TtlLruStore
 from inferx.v1 import cache_pb2, cache_pb2_grpc
-from inferx_cache.store import TtlLruStore
 
 LOOKUPS = Counter("inferx_cache_lookups_total", "Cache look-ups", ["result"])
 ENTRIES = Gauge("inferx_cache_entries", "Entries held")
@@ -73,6 +73,13 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             evictions=s.evictions,
             expirations=s.expirations,
         )
+
+    async def Invalidate(self, request, context):
+        if not request.key and not request.prefix:
+            raise InvalidArgument("key or prefix: one is required")
+        removed = self.store.invalidate(request.key, request.prefix)
+        self._gauges()
+        return cache_pb2.InvalidateResponse(removed=removed)
 
 
 def _require_key(key: str) -> None:

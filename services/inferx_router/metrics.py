@@ -31,7 +31,9 @@ CHAIN_SLO = Counter(
     ["chain", "tier", "result"],
 )
 SLO_TARGET = Gauge(
-    "inferx_chain_slo_target_ratio", "The chain's availability target (fraction of runs meeting the SLO)", ["chain"]
+    "inferx_chain_slo_target_ratio",
+    "The chain's availability target (fraction of runs meeting the SLO)",
+    ["chain"],
 )
 SLO_LATENCY = Gauge("inferx_chain_slo_latency_seconds", "The chain's end-to-end latency SLO", ["chain"])
 NODE_SECONDS = Histogram(

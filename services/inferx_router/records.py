@@ -158,9 +158,7 @@ def chain_stats(chain: str, records: Sequence[RunRecord]) -> ChainStats:
             per_node[hop.node_id].append(hop)
     ran = {n: [h for h in hops if h.status != "skipped" or h.latency_ms > 0] for n, hops in per_node.items()}
     median = {n: percentile([h.latency_ms for h in hops], 0.5) for n, hops in ran.items()}
-    timings = [
-        {t.node_id: t for t in node_timings(r.finished.hops, r.depends_on)} for r in records
-    ]
+    timings = [{t.node_id: t for t in node_timings(r.finished.hops, r.depends_on)} for r in records]
     tail = [i for i, total in enumerate(totals) if total >= chain_p.p99]
     excess: dict[str, float] = dict.fromkeys(order, 0.0)
     for i in tail:

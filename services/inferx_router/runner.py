@@ -28,6 +28,7 @@ from typing import Any
 
 import grpc
 
+from inferx import telemetry
 from inferx.chain.schema import ChainConfig, NodeSpec
 from inferx.chain.template import render
 from inferx.chain.validate import sinks
@@ -35,7 +36,7 @@ from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.errors import InferxError, InvalidArgument, NotFound, Unavailable, from_rpc_error
 from inferx.resilience import Degradation, NodeFallbacks, RetryBudget, backoff_s, degradation_ladder
 from inferx.v1 import common_pb2, router_pb2, scheduler_pb2, scheduler_pb2_grpc
-from inferx_router import metrics
+from inferx_router import metrics, records
 from inferx_router.chain_store import StoredVersion
 from inferx_router.load import LoadMonitor
 from inferx_router.tools import SESSION_MEMORY, CircuitOpen, ToolCall, ToolRouter
@@ -132,14 +133,24 @@ class ChainRun:
         """Execute every node; always ends with a ChainFinished event."""
         nodes = {node.id: node for node in self.config.nodes}
         self._outcomes = {node_id: NodeOutcome(router_pb2.NodeFinished(node_id=node_id)) for node_id in nodes}
-        try:
-            await asyncio.gather(*(self._run_node(node) for node in nodes.values()))
-        finally:
-            finished = self._finish()
-            self._emit(chain_finished=finished)
-            self.events.put_nowait(None)
-        if finished.status == "ok" and self.session_id:
-            await self._tools.remember(self.session_id, {"inputs": self.inputs, "output": finished.output})
+        # One trace per run: node spans (and the hops' gRPC spans) are children of this one.
+        attributes = {
+            "inferx.run_id": self.run_id,
+            "inferx.chain": self.config.name,
+            "inferx.chain.version": self.chain.version,
+            "inferx.tier": metrics.tier_name(self.tier),
+        }
+        with telemetry.span(f"chain {self.config.name}", attributes) as span:
+            try:
+                await asyncio.gather(*(self._run_node(node) for node in nodes.values()))
+            finally:
+                finished = self._finish()
+                span.set_attributes({"inferx.status": finished.status, "inferx.slo_met": finished.slo_met})
+                self._emit(chain_finished=finished)
+                self.events.put_nowait(None)
+            if finished.status == "ok" and self.session_id:
+                turn = {"inputs": self.inputs, "output": finished.output}
+                await self._tools.remember(self.session_id, turn)
         return finished
 
     def _finish(self) -> router_pb2.ChainFinished:
@@ -166,7 +177,9 @@ class ChainRun:
             error="; ".join(f"{hop.node_id}: {hop.error}" for hop in failed if hop.error),
             retries_used=self.budget.used,
         )
-        metrics.observe_chain(self.config.name, str(self.config.tier), finished)
+        tier = metrics.tier_name(self.tier)
+        metrics.observe_chain(self.config.name, tier, finished, slo_target=self.config.slo.availability)
+        records.record_run(self.config, finished, tier=tier, trace_id=telemetry.trace_id_of())
         return finished
 
     # ----- one node ------------------------------------------------------------------
@@ -187,8 +200,11 @@ class ChainRun:
                 return
             self._emit(node_started=router_pb2.NodeStarted(node_id=node.id, node_type=node.type))
             started = time.perf_counter()
-            await self._execute(node, result)
-            result.latency_ms = (time.perf_counter() - started) * 1000
+            node_attributes = {"inferx.node": node.id, "inferx.node.type": node.type}
+            with telemetry.span(f"node {node.id}", node_attributes) as span:
+                await self._execute(node, result)
+                result.latency_ms = (time.perf_counter() - started) * 1000
+                telemetry.finish_node_span(span, result)
             if result.status == "ok":
                 self._outputs[node.id] = result.output
             metrics.observe_node(self.config.name, node.id, result)
@@ -238,10 +254,12 @@ class ChainRun:
         attempt = 0
         while True:
             try:
-                if node.type == "model_inference":
-                    await self._model_hop(node, result, model)
-                else:
-                    await self._tool_call(node, result)
+                kind = "model" if node.type == "model_inference" else "tool"
+                with telemetry.span(f"{kind} attempt", {"inferx.attempt": attempt + 1}):
+                    if node.type == "model_inference":
+                        await self._model_hop(node, result, model)
+                    else:
+                        await self._tool_call(node, result)
                 return
             except NOT_RETRYABLE:
                 raise
@@ -341,15 +359,19 @@ class ChainRun:
         )
         # The deadline the caller set (node timeout or chain budget) travels downstream.
         timeout = max(min(node.timeout_ms / 1000, self._remaining_s()), 0.001)
+        hop = telemetry.HopSpans()  # queue wait / dispatch / engine spans from the reported timings
         try:
             async for event in stub.SubmitHop(request, timeout=timeout):
                 if event.kind == scheduler_pb2.HopEvent.KIND_DISPATCHED:
                     result.worker_id = event.worker_id
+                    hop.dispatched()
                 elif event.kind == scheduler_pb2.HopEvent.KIND_FINISHED:
                     result.output = event.text
                     result.usage.CopyFrom(event.usage)
                     result.queue_ms = event.queue_ms
                     result.worker_id = event.worker_id
+                    hop.finished(event, tier=metrics.tier_name(self.tier))
+                    metrics.observe_hop(metrics.tier_name(self.tier), event)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise TimeoutError from None
@@ -383,6 +405,8 @@ class ChainRun:
         outcome = await self._tools.call(call, cacheable=node.cacheable, cache_ttl_s=node.cache_ttl_ms / 1000)
         result.output = tool_output_text(outcome.value)
         result.cache_hit = outcome.cache_hit
+        if node.cacheable:
+            metrics.observe_tool_cache(tool, hit=outcome.cache_hit, unavailable=outcome.cache_unavailable)
         result.cache_unavailable = outcome.cache_unavailable
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 
 import grpc
@@ -24,7 +25,7 @@ from inferx_router import records
 from inferx_router.chain_store import ChainStore, StoredVersion
 from inferx_router.load import LoadMonitor
 from inferx_router.runner import ChainRun
-from inferx_router.tools import ToolRouter
+from inferx_router.tools import ToolRouter, cache_key, stale_key
 
 log = logging.getLogger("inferx.router")
 
@@ -177,6 +178,37 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 stored = await self._store.resolve(name, active)
                 summary.nodes = len(stored.config.nodes)
                 summary.slo_ms = stored.config.slo.latency_p99_ms
+        return reply
+
+    # ----- tool cache -----------------------------------------------------------------
+
+    async def InvalidateToolCache(self, request, context):
+        if not request.tool:
+            raise InvalidArgument("tool: must not be empty")
+        if request.arguments_json:
+            try:
+                arguments = json.loads(request.arguments_json)
+            except ValueError as exc:
+                raise InvalidArgument(f"arguments_json: not JSON ({exc})") from None
+            if not isinstance(arguments, dict):
+                raise InvalidArgument("arguments_json: must be a JSON object")
+            version = self._tools.resolve(request.tool).version
+            key = cache_key(request.tool, version, arguments)
+            removed, replicas = await self._tools.cache.invalidate(key=key)
+            await self._tools.cache.invalidate(key=stale_key(key))
+        else:
+            removed, replicas = await self._tools.cache.invalidate(prefix=f"tool:{request.tool}:")
+            await self._tools.cache.invalidate(prefix=f"stale:tool:{request.tool}:")
+        return router_pb2.InvalidateToolCacheResponse(removed=removed, replicas=replicas)
+
+    async def GetToolCacheStats(self, request, context):
+        reply = router_pb2.ToolCacheStats(
+            local=self._tools.cache.local_stats(), single_flight_joins=self._tools.single_flight_joins
+        )
+        for address, stats, error in await self._tools.cache.replica_stats():
+            row = reply.replicas.add(address=address, error=error)
+            if stats is not None:
+                row.stats.CopyFrom(stats)
         return reply
 
     # ----- status -------------------------------------------------------------------

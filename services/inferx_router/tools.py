@@ -3,6 +3,7 @@ tool-result cache in front of both."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -18,8 +19,9 @@ from inferx import etcd
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.errors import InferxError, InvalidArgument, NotFound, Unavailable, from_rpc_error
 from inferx.resilience import BreakerBoard, BreakerState
-from inferx.v1 import cache_pb2, cache_pb2_grpc, tool_pb2, tool_pb2_grpc
+from inferx.v1 import cache_pb2, tool_pb2, tool_pb2_grpc
 from inferx_router.knowledge import KnowledgeBase
+from inferx_router.tool_cache import TieredCache
 
 log = logging.getLogger("inferx.router.tools")
 
@@ -91,7 +93,11 @@ class ToolRouter:
     ) -> None:
         self._services = services
         self._channels = channels
+        self.cache = TieredCache(services, channels)
         self.breakers = BreakerBoard()
+        # Single flight: identical cacheable calls in progress share one tool call.
+        self._in_flight: dict[str, asyncio.Future[Any]] = {}
+        self.single_flight_joins = 0
         self.remote = etcd.PrefixMirror(client, etcd.TOOLS)
         self._knowledge = knowledge
         self._knowledge_error = knowledge_error
@@ -168,9 +174,41 @@ class ToolRouter:
         key = cache_key(call.tool, tool.version, call.arguments) if cacheable else ""
         cache_down = False
         if key:
-            cached, cache_down = await self._cache_get(key)
+            cached, cache_down = await self.cache.get(key)
             if cached is not None:
                 return ToolResult(json.loads(cached), cache_hit=True)
+            leader = self._in_flight.get(key)
+            if leader is not None:
+                self.single_flight_joins += 1
+                return ToolResult(await asyncio.shield(leader), cache_hit=True)
+            self._in_flight[key] = asyncio.get_running_loop().create_future()
+        try:
+            value = await self._invoke_guarded(tool, call)
+        except BaseException as exc:
+            if key:
+                self._settle(key, error=exc)
+            raise
+        if key:
+            self._settle(key, value=value)
+            encoded = json.dumps(value).encode()
+            cache_down = not await self.cache.put(key, encoded, cache_ttl_s) or cache_down
+            await self.cache.put(stale_key(key), encoded, STALE_TTL_S, use_l1=False)
+        return ToolResult(value, cache_unavailable=cache_down)
+
+    def _settle(self, key: str, *, value: Any = None, error: BaseException | None = None) -> None:
+        future = self._in_flight.pop(key, None)
+        if future is None or future.done():
+            return
+        if error is None:
+            future.set_result(value)
+            return
+        if isinstance(error, asyncio.CancelledError):
+            # The leader's own node gave up; the others did not: they see a retryable error.
+            error = Unavailable("the shared tool call was abandoned by its caller")
+        future.set_exception(error)
+        future.add_done_callback(lambda f: f.exception())  # no "never retrieved" noise
+
+    async def _invoke_guarded(self, tool: ResolvedTool, call: ToolCall) -> Any:
         breaker = self.breakers.get(tool.target)
         if not breaker.allow(time.monotonic()):
             raise CircuitOpen(f"circuit open for {tool.target}: recent calls failed")
@@ -180,11 +218,7 @@ class ToolRouter:
             breaker.record(False, time.monotonic())
             raise
         breaker.record(True, time.monotonic())
-        if key:
-            encoded = json.dumps(value).encode()
-            cache_down = not await self._cache_put(key, encoded, cache_ttl_s) or cache_down
-            await self._cache_put(stale_key(key), encoded, STALE_TTL_S)
-        return ToolResult(value, cache_unavailable=cache_down)
+        return value
 
     async def stale_result(self, tool_name: str, arguments: dict[str, Any]) -> tuple[bool, Any]:
         """The last good result of this call, however old (a degraded answer)."""
@@ -192,52 +226,15 @@ class ToolRouter:
             tool = self.resolve(tool_name)
         except NotFound:
             return False, None
-        found, _ = await self._cache_get(stale_key(cache_key(tool_name, tool.version, arguments)))
+        found, _ = await self.cache.get(
+            stale_key(cache_key(tool_name, tool.version, arguments)), use_l1=False
+        )
         return (True, json.loads(found)) if found is not None else (False, None)
-
-    # ----- cache service (best effort: chains continue without it) --------------------
-
-    def _cache_stub(self) -> cache_pb2_grpc.CacheStub | None:
-        address = self._services.pick("cache")
-        return cache_pb2_grpc.CacheStub(self._channels.get(address)) if address else None
-
-    async def _cache_get(self, key: str) -> tuple[bytes | None, bool]:
-        """(value or None, whether the cache was unavailable)."""
-        stub = self._cache_stub()
-        if stub is None:
-            return None, True
-        try:
-            reply = await stub.Get(cache_pb2.CacheGetRequest(key=key), timeout=0.5)
-        except grpc.aio.AioRpcError as exc:
-            log.warning("cache get failed (%s); calling the tool", exc.code().name)
-            return None, True
-        return (reply.value if reply.hit else None), False
-
-    async def _cache_put(self, key: str, value: bytes, ttl_s: float) -> bool:
-        stub = self._cache_stub()
-        if stub is None:
-            return False
-        try:
-            await stub.Put(cache_pb2.CachePutRequest(key=key, value=value, ttl_s=ttl_s), timeout=0.5)
-            return True
-        except grpc.aio.AioRpcError as exc:
-            log.warning("cache put failed (%s)", exc.code().name)
-            return False
 
     async def remember(self, session_id: str, turn: dict[str, Any], ttl_s: float = 86_400.0) -> None:
         """Append a finished turn to the session's memory (kept in the cache service)."""
-        stub = self._cache_stub()
-        if stub is None or not session_id:
-            return
-        try:
-            await stub.Append(
-                cache_pb2.CacheAppendRequest(
-                    key=memory_key(session_id), value=json.dumps(turn).encode(), ttl_s=ttl_s
-                ),
-                timeout=1.0,
-            )
-        except grpc.aio.AioRpcError as exc:
-            log.warning("could not store session memory (%s)", exc.code().name)
+        if session_id:
+            await self.cache.append(memory_key(session_id), json.dumps(turn).encode(), ttl_s)
 
     # ----- built-in tools -----------------------------------------------------------
 

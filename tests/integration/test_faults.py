@@ -235,3 +235,31 @@ async def test_non_idempotent_tool_without_key_support_is_not_retried(sim_stack:
         lost = inputs["amount"] in payments.lost_amounts
         assert o.finished.status == ("error" if lost else "ok")
         assert o.finished.hops[0].retries == 0
+
+
+LONG_HOP_CHAIN = """
+agent_chain:
+  name: long_hop_chain
+  slo: {end_to_end_latency_p99: 10s}
+  inputs: [q]
+  nodes:
+    - {id: ramble, type: model_inference, model: qwen-7b, timeout: 300ms, max_tokens: 2000,
+       prompt: "Talk at length about {{ inputs.q }}"}
+"""
+
+
+async def test_abandoned_hop_stops_using_the_engine(sim_stack: LocalStack) -> None:
+    """The node timeout travels as the gRPC deadline to the worker, whose engine request
+    is aborted: nothing keeps generating for a caller that has gone."""
+    from inferx.v1 import worker_pb2, worker_pb2_grpc
+
+    async with InferxClient(sim_stack.router_address) as client:
+        await client.put_chain(LONG_HOP_CHAIN)
+    outcomes = await run_batch(sim_stack, "long_hop_chain", [{"q": str(i)} for i in range(BATCH)])
+    assert all(o.finished.status == "timeout" or o.finished.status == "error" for o in outcomes)
+    assert all(o.finished.hops[0].status == "timeout" for o in outcomes), describe(outcomes)
+    await asyncio.sleep(0.5)
+    for worker in sim_stack.workers:
+        async with grpc.aio.insecure_channel(worker.address) as channel:
+            load = await worker_pb2_grpc.ModelWorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest())
+        assert load.running == 0 and load.waiting == 0, (worker.name, load)

@@ -1,6 +1,6 @@
 """The cache service's store: TTL, LRU eviction under a byte bound, bounded lists."""
 
-from inferx_cache.store import TtlLruStore
+from inferx.ttlcache import TtlLruStore
 
 
 def test_hit_miss_and_ttl() -> None:
@@ -50,3 +50,13 @@ def test_sweep_drops_expired() -> None:
     store.put("b", b"2", now=0, ttl_s=5)
     assert store.sweep(now=2) == 1
     assert len(store) == 1 and store.bytes_used == 1
+
+
+def test_invalidate_by_key_and_prefix() -> None:
+    store = TtlLruStore()
+    for key in ("tool:a:1:x", "tool:a:2:y", "tool:b:1:z"):
+        store.put(key, b"v", now=0)
+    assert store.invalidate(key="tool:b:1:z") == 1
+    assert store.invalidate(key="missing") == 0
+    assert store.invalidate(prefix="tool:a:") == 2
+    assert len(store) == 0 and store.bytes_used == 0

@@ -16,6 +16,7 @@ from google.protobuf import json_format
 from rich.console import Console
 from rich.table import Table
 
+from inferx.cli import observe
 from inferx.client import DEFAULT_ROUTER, InferxClient
 from inferx.errors import InferxError
 from inferx.v1 import router_pb2
@@ -299,6 +300,44 @@ async def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_cache_invalidate(args: argparse.Namespace) -> int:
+    async with InferxClient(args.router) as client:
+        reply = await client.invalidate_tool_cache(args.tool, args.arguments or "")
+    if args.json:
+        print(json.dumps(_msg_json(reply)))
+    else:
+        what = "that result" if args.arguments else "every result"
+        out.print(
+            f"dropped {what} of tool '{args.tool}': {reply.removed} entries "
+            f"from {reply.replicas} cache replica(s) and this router's local tier"
+        )
+    return 0
+
+
+async def cmd_cache_stats(args: argparse.Namespace) -> int:
+    async with InferxClient(args.router) as client:
+        stats = await client.tool_cache_stats()
+    if args.json:
+        print(json.dumps(_msg_json(stats), indent=2))
+        return 0
+    table = Table(title="tool cache", title_justify="left")
+    for column in ("tier", "entries", "bytes", "hits", "misses", "hit rate", "evictions"):
+        table.add_column(column)
+    rows = [("L1 router", stats.local, "")] + [(f"L2 {r.address}", r.stats, r.error) for r in stats.replicas]
+    for name, s, error in rows:
+        if error:
+            table.add_row(name, f"[red]{error}[/red]", "", "", "", "", "")
+            continue
+        looked = s.hits + s.misses
+        rate = f"{s.hits / looked:.0%}" if looked else "-"
+        table.add_row(
+            name, str(s.entries), f"{s.bytes:,}", str(s.hits), str(s.misses), rate, str(s.evictions)
+        )
+    out.print(table)
+    out.print(f"identical concurrent misses served by one call: {stats.single_flight_joins}")
+    return 0
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from inferx.devstack import run_foreground
 
@@ -368,6 +407,15 @@ def build_parser() -> argparse.ArgumentParser:
     rollback.add_argument("--to", type=int, default=0, help="version (default: the one before)")
     rollback.set_defaults(handler=cmd_chain_rollback)
 
+    cache = sub.add_parser("cache", help="the tool-result cache")
+    cache_sub = cache.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
+    invalidate = cache_sub.add_parser("invalidate", parents=[common], help="drop a tool's cached results")
+    invalidate.add_argument("tool")
+    invalidate.add_argument("--arguments", metavar="JSON", help="only the result of these arguments")
+    invalidate.set_defaults(handler=cmd_cache_invalidate)
+    cache_stats = cache_sub.add_parser("stats", parents=[common], help="hits, misses, evictions per tier")
+    cache_stats.set_defaults(handler=cmd_cache_stats)
+
     status = sub.add_parser("status", parents=[common], help="services, workers, queues, KV memory")
     status.set_defaults(handler=cmd_status)
 
@@ -375,6 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--engine", choices=("vllm", "sim"), default="vllm")
     up.add_argument("--workers", type=int, default=1, help="model-workers to start")
     up.set_defaults(handler=cmd_up)
+    observe.register(sub)
     return parser
 
 

@@ -71,7 +71,9 @@ def node_details(hop: router_pb2.NodeFinished) -> list[str]:
         parts.append(f"{hop.model} on {hop.worker_id}" if hop.worker_id else hop.model)
         parts.append(f"queue {fmt_ms(hop.queue_ms)} · run {fmt_ms(max(hop.latency_ms - hop.queue_ms, 0))}")
         u = hop.usage
-        parts.append(f"tokens {u.prompt_tokens} in ({u.cached_prompt_tokens} cached) / {u.completion_tokens} out")
+        parts.append(
+            f"tokens {u.prompt_tokens} in ({u.cached_prompt_tokens} cached) / {u.completion_tokens} out"
+        )
     elif hop.tool:
         parts.append(f"tool {hop.tool}")
         if hop.status == "ok":
@@ -183,9 +185,7 @@ def stats_lines(stats: router_pb2.ChainStats, width: int = WIDTH) -> list[Text]:
         lines.extend(Text(line, "dim") for line in wrap_parts(extra, width))
     lines.append(Text(""))
     if stats.top_node:
-        lines.append(
-            Text(f"▶ {stats.top_node} contributes most to the P99 (times in ms)", "bold red")
-        )
+        lines.append(Text(f"▶ {stats.top_node} contributes most to the P99 (times in ms)", "bold red"))
     lines.append(
         Text(
             "p99 share: a node's latency above its median in the slowest 1% of runs,\n"
@@ -229,9 +229,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     trace.add_argument("--chain", help="without RUN_ID: the latest run of this chain")
     trace.set_defaults(handler=cmd_trace)
 
-    stats = sub.add_parser(
-        "stats", parents=[common], help="per-node P50/P90/P99 of a chain's recent runs"
-    )
+    stats = sub.add_parser("stats", parents=[common], help="per-node P50/P90/P99 of a chain's recent runs")
     stats.add_argument("chain")
     stats.add_argument("--last", type=int, default=0, metavar="N", help="only the newest N runs")
     stats.set_defaults(handler=cmd_stats)

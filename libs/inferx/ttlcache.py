@@ -89,6 +89,15 @@ class TtlLruStore:
         self.stats.expirations += len(expired)
         return len(expired)
 
+    def invalidate(self, key: str = "", prefix: str = "") -> int:
+        """Drop `key`, or every key starting with `prefix`; returns how many went."""
+        doomed = [key] if key and key in self._entries else []
+        if prefix:
+            doomed = [k for k in self._entries if k.startswith(prefix)]
+        for k in doomed:
+            self._remove(k)
+        return len(doomed)
+
     def _set(self, key: str, entry: Entry) -> None:
         if key in self._entries:
             self._remove(key)

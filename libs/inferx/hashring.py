@@ -1,0 +1,40 @@
+"""Consistent hashing of cache keys onto cache replicas (pure).
+
+Each replica owns many points on a ring (virtual nodes) so keys spread evenly; adding
+a replica moves only the keys that now fall to it (about 1/N of them), so a scaled-out
+cache keeps most of its hits.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+from collections.abc import Iterable
+
+
+def _point(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+class HashRing:
+    def __init__(self, members: Iterable[str] = (), *, vnodes: int = 160) -> None:
+        self._vnodes = vnodes
+        self._points: list[int] = []
+        self._owners: list[str] = []
+        self.members: frozenset[str] = frozenset()
+        self.set_members(members)
+
+    def set_members(self, members: Iterable[str]) -> None:
+        members = frozenset(members)
+        if members == self.members:
+            return
+        pairs = sorted((_point(f"{m}#{i}"), m) for m in members for i in range(self._vnodes))
+        self._points = [p for p, _ in pairs]
+        self._owners = [m for _, m in pairs]
+        self.members = members
+
+    def owner(self, key: str) -> str | None:
+        if not self._points:
+            return None
+        index = bisect.bisect(self._points, _point(key)) % len(self._points)
+        return self._owners[index]
