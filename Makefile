@@ -8,9 +8,9 @@ STAMP := $(VENV)/.installed
 MODEL_DIR := .inferx/models/tiny-llama
 PYTEST_ARGS ?=
 
-.PHONY: setup proto model etcd run test test-unit test-integration test-e2e lint bench clean
+.PHONY: setup proto model etcd promtool check-deploy run test test-unit test-integration test-e2e lint bench clean
 
-setup: $(STAMP) proto etcd model
+setup: $(STAMP) proto etcd promtool model
 
 # vLLM: the CUDA build where an NVIDIA GPU is present, the CPU build otherwise.
 # The CPU build pulls torchvision/torchaudio/torchcodec that do not match its torch
@@ -36,6 +36,15 @@ model: $(STAMP)
 
 etcd:
 	@bash deploy/scripts/ensure-etcd.sh
+
+# The tests check every /metrics page and the alert rules with promtool.
+promtool:
+	@bash deploy/scripts/ensure-promtool.sh
+
+# Offline checks of deploy/ (the tests run them too).
+check-deploy: promtool
+	promtool check config deploy/prometheus/prometheus.yml
+	promtool test rules deploy/prometheus/alerts_test.yml
 
 run: setup
 	$(VENV)/bin/inferx up

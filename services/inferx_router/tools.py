@@ -19,7 +19,7 @@ from inferx import etcd
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.errors import InferxError, InvalidArgument, NotFound, Unavailable, from_rpc_error
 from inferx.resilience import BreakerBoard, BreakerState
-from inferx.v1 import cache_pb2, tool_pb2, tool_pb2_grpc
+from inferx.v1 import tool_pb2, tool_pb2_grpc
 from inferx_router.knowledge import KnowledgeBase
 from inferx_router.tool_cache import TieredCache
 
@@ -252,15 +252,9 @@ class ToolRouter:
     async def _session_memory(self, call: ToolCall) -> Any:
         if not call.session_id:
             return []
-        stub = self._cache_stub()
-        if stub is None:
-            raise Unavailable("session memory needs the cache service, and none is registered")
         limit = call.arguments.get("limit", 5)
-        try:
-            reply = await stub.GetList(
-                cache_pb2.CacheGetRequest(key=memory_key(call.session_id)), timeout=1.0
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc, target="cache") from None
-        turns = [json.loads(v) for v in reply.values]
+        values = await self.cache.get_list(memory_key(call.session_id))
+        if values is None:
+            raise Unavailable("session memory needs the cache service, which cannot be reached")
+        turns = [json.loads(v) for v in values]
         return turns[-int(limit) :] if limit else turns

@@ -37,10 +37,13 @@ def _name(node_id: str, width: int = NAME_W) -> str:
 
 
 def wrap_parts(parts: Sequence[str], width: int, indent: str = "    ") -> list[str]:
-    """Join `parts` with ' · ' into lines of at most `width` characters."""
+    """Join `parts` with ' · ' into lines of at most `width` characters (a part too
+    long for a line of its own is cut)."""
     lines: list[str] = []
     current = ""
+    room = width - len(indent)
     for part in parts:
+        part = part if len(part) <= room else part[: room - 1] + "…"
         candidate = f"{current} · {part}" if current else part
         if current and len(indent) + len(candidate) > width:
             lines.append(indent + current)
@@ -186,13 +189,8 @@ def stats_lines(stats: router_pb2.ChainStats, width: int = WIDTH) -> list[Text]:
     lines.append(Text(""))
     if stats.top_node:
         lines.append(Text(f"▶ {stats.top_node} contributes most to the P99 (times in ms)", "bold red"))
-    lines.append(
-        Text(
-            "p99 share: a node's latency above its median in the slowest 1% of runs,\n"
-            "counted only while it was on the critical path.",
-            "dim",
-        )
-    )
+    lines.append(Text("p99 share: a node's latency above its median in the slowest 1% of runs,", "dim"))
+    lines.append(Text("counted only while it was on the critical path.", "dim"))
     return lines
 
 
