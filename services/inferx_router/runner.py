@@ -355,7 +355,12 @@ class ChainRun:
             ),
             model=model,
             prompt=prompt,
-            sampling=common_pb2.SamplingOptions(max_tokens=node.max_tokens, temperature=node.temperature),
+            sampling=common_pb2.SamplingOptions(
+                max_tokens=node.max_tokens,
+                temperature=node.temperature,
+                max_context_tokens=node.max_context_tokens or 0,
+                truncate_context=node.context_overflow == "truncate",
+            ),
         )
         # The deadline the caller set (node timeout or chain budget) travels downstream.
         timeout = max(min(node.timeout_ms / 1000, self._remaining_s()), 0.001)

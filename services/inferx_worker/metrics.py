@@ -11,6 +11,9 @@ CACHED_PROMPT_TOKENS = Counter(
     "inferx_worker_cached_prompt_tokens_total", "Prompt tokens served from the prefix cache"
 )
 COMPLETION_TOKENS = Counter("inferx_worker_completion_tokens_total", "Tokens generated")
+CONTEXT_TRUNCATIONS = Counter(
+    "inferx_worker_context_truncations_total", "Prompts cut to fit max_context_tokens"
+)
 ENGINE_SECONDS = Histogram(
     "inferx_worker_engine_seconds",
     "Engine time per request",

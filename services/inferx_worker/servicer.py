@@ -7,6 +7,7 @@ import uuid
 
 import grpc
 
+from inferx.context_guard import ContextTooLong, check_or_truncate
 from inferx.errors import InvalidArgument, Unavailable
 from inferx.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from inferx_worker import metrics
@@ -22,6 +23,7 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServicer):
         if not request.prompt:
             raise InvalidArgument("prompt: must not be empty")
         max_tokens = request.sampling.max_tokens or 64
+        prompt = await self._guard_context(request.prompt, request.sampling, max_tokens)
         engine_request = EngineRequest(
             request_id=":".join(
                 (
@@ -30,7 +32,7 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServicer):
                     uuid.uuid4().hex[:8],
                 )
             ),
-            prompt=request.prompt,
+            prompt=prompt,
             max_tokens=max_tokens,
             temperature=request.sampling.temperature,
             top_p=request.sampling.top_p or 1.0,
@@ -65,6 +67,23 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServicer):
                 )
         finally:
             metrics.REQUESTS_RUNNING.dec()
+
+    async def _guard_context(self, prompt: str, sampling, max_tokens: int) -> str:
+        if not sampling.max_context_tokens:
+            return prompt
+        try:
+            guarded, dropped = check_or_truncate(
+                prompt,
+                max_context_tokens=sampling.max_context_tokens,
+                max_tokens=max_tokens,
+                count=self._engine.count_tokens,
+                truncate=sampling.truncate_context,
+            )
+        except ContextTooLong as exc:
+            raise InvalidArgument(f"context guard: {exc}") from None
+        if dropped:
+            metrics.CONTEXT_TRUNCATIONS.inc()
+        return guarded
 
     async def _guarded(self, request: EngineRequest):
         """The engine's failures as status codes: a request the engine rejects (e.g. a

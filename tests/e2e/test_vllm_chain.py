@@ -83,3 +83,30 @@ async def test_prompt_longer_than_the_model_allows_fails_the_hop_clearly(
     assert "INVALID_ARGUMENT" in intent.error or "maximum" in intent.error.lower()
     generation = next(h for h in finished.hops if h.node_id == "response_generation")
     assert generation.status == "skipped"
+
+
+GUARDED = """
+agent_chain:
+  name: guarded_vllm
+  slo: {end_to_end_latency_p99: 10s}
+  inputs: [history]
+  nodes:
+    - id: reply
+      type: model_inference
+      model: qwen-7b
+      timeout: 5s
+      max_tokens: 8
+      max_context_tokens: 128
+      context_overflow: truncate
+      prompt: "SYSTEM: be brief\\n{{ inputs.history }}\\nUSER: and now?"
+"""
+
+
+async def test_context_guard_truncates_with_the_models_tokenizer(vllm_stack: LocalStack) -> None:
+    history = "\n".join(f"turn {i}: the customer asked about order {i} and its refund" for i in range(40))
+    async with InferxClient(vllm_stack.router_address) as client:
+        await client.put_chain(GUARDED)
+        events = [e async for e in client.run_chain("guarded_vllm", {"history": history})]
+    hop = events[-1].chain_finished.hops[0]
+    assert hop.status == "ok", hop.error
+    assert 0 < hop.usage.prompt_tokens <= 128 - 8

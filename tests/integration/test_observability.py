@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import time
@@ -23,13 +24,19 @@ from inferx.client import InferxClient
 from inferx.devstack import LocalStack, read_models_file, wait_serving
 from inferx.v1 import router_pb2, router_pb2_grpc
 from tests.conftest import EXAMPLES, ROOT, dump_logs, make_stack
-from tests.unit.test_telemetry_metrics import promtool
 
 pytestmark = pytest.mark.integration
 
 CHAIN = "customer_service_agent"
 MODEL_NODES = ("intent_recognition", "response_generation")
 INFERX = str(Path(sys.executable).with_name("inferx"))
+
+
+def promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.fail("promtool not found: run `make setup` (deploy/scripts/ensure-promtool.sh installs it)")
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +284,7 @@ async def test_inferx_trace_and_stats_from_the_routers_recent_runs(traced) -> No
     lines = shown.stdout.splitlines()
     assert all(len(line) <= 80 for line in lines), max(lines, key=len)
     assert f"run {finished.run_id}" in shown.stdout
-    rows = [line for line in lines if "█" in line]
+    rows = [line for line in lines if "█" in line and line.endswith(" ms")]
     assert len(rows) == 3 and sum(row.startswith("* ") for row in rows) == 2  # the critical path
     assert next(r for r in rows if "response_generation" in r).startswith("* ")
     assert "critical path" in lines[-1]

@@ -69,6 +69,7 @@ TYPE_NODE_KEYS: dict[str, tuple[str, ...]] = {
         "max_tokens",
         "temperature",
         "max_context_tokens",
+        "context_overflow",
     ),
     "tool_call": ("tool", "arguments"),
     "memory_retrieval": ("tool", "arguments", "limit"),
@@ -170,6 +171,7 @@ class NodeSpec(BaseModel):
     retries: int = Field(0, ge=0, le=10)
     idempotent: bool = True
     max_context_tokens: int | None = Field(None, gt=0)
+    context_overflow: Literal["reject", "truncate"] = "reject"
     cache_ttl_ms: DurationMs = Field(300_000.0, alias="cache_ttl")
     priority: Literal["high", "medium", "normal", "low"] = "normal"
     cacheable: bool = False

@@ -48,7 +48,10 @@ class ChainAwareConfig:
     buckets: tuple[int, ...] = (1024, 4096, 16384)  # prefill tokens: < each is a bucket
     starvation_s: float = 10.0
     tier_starvation_s: float = 120.0
-    kv_budget: float = 0.9
+    kv_budget: float = 0.9  # of a worker's KV the hops running there may pin
+    # Realtime protection: other tiers' running contexts stay under this share of KV,
+    # because every decode step reads them all (step time grows with it).
+    shared_kv_share: float = 0.5
     prefill_tokens_per_s: float = 15_000.0  # what moving a context to a new worker costs
     affinity_wait_factor: float = 1.0
     max_affinity_wait_s: float = 5.0
@@ -78,6 +81,7 @@ class ChainAwarePolicy:
         self.config = config or ChainAwareConfig()
         self._chains: OrderedDict[str, ChainState] = OrderedDict()  # least recent first
         self._idle_resident: dict[str, int] = {}  # worker -> context of idle chains homed there
+        self._pass_load: float | None = None
 
     # ----- chain state ------------------------------------------------------------------
 
@@ -158,8 +162,22 @@ class ChainAwarePolicy:
             queued.seq,
         )
 
-    def order(self, queued: Sequence[QueuedHop], now: float) -> Iterable[QueuedHop]:
+    def order(
+        self, queued: Sequence[QueuedHop], workers: Sequence[WorkerView], now: float
+    ) -> Iterable[QueuedHop]:
+        # Load is taken once per pass: hops held back stay held back for this pass.
+        self._pass_load = self.load(workers)
         return sorted(queued, key=lambda q: self.sort_key(q, now))
+
+    def wake_at(self, queued: QueuedHop, now: float) -> float | None:
+        """When waiting alone may change this hop's fate (affinity patience runs out,
+        the starvation bounds pass); None if only other events can."""
+        times = [queued.enqueued_at + self.config.tier_starvation_s]
+        state = self._chains.get(queued.hop.chain_key)
+        if state is not None and state.worker_id is not None:
+            times.append(queued.enqueued_at + self._patience(state))
+        future = [t for t in times if t > now]
+        return min(future) if future else None
 
     def engine_priority(self, queued: QueuedHop, now: float) -> int:
         key = self.sort_key(queued, now)
@@ -210,17 +228,19 @@ class ChainAwarePolicy:
 
     # ----- worker choice ----------------------------------------------------------------
 
-    def _fits(self, worker: WorkerView, hop: HopView, home: bool) -> bool:
+    def _fits(self, worker: WorkerView, hop: HopView, placing: bool) -> bool:
+        """Room for the hop: a slot, KV for it next to what runs there and, when placing
+        a chain on a new worker, next to the contexts idle chains keep cached there."""
         if not worker.has_slot:
             return False
         if not worker.kv_capacity_tokens or worker.in_flight == 0:
             return True
-        resident = self.resident(worker.worker_id)
-        if home:  # the chain's own cached context is part of the hop's prompt
-            state = self._chains.get(hop.chain_key)
-            resident -= state.context_tokens if state else 0
-        budget = worker.kv_capacity_tokens * self.config.kv_budget
-        return worker.kv_in_flight + max(resident, 0) + hop.kv_tokens <= budget
+        capacity = worker.kv_capacity_tokens
+        running = worker.kv_in_flight + hop.kv_tokens
+        if hop.tier_rank != TIER_REALTIME and running > capacity * self.config.shared_kv_share:
+            return False
+        resident = self.resident(worker.worker_id) if placing else 0
+        return running + resident <= capacity * self.config.kv_budget
 
     def _headroom(self, worker: WorkerView) -> float:
         if worker.kv_capacity_tokens:
@@ -228,22 +248,29 @@ class ChainAwarePolicy:
             return 1 - max(used / worker.kv_capacity_tokens, worker.slot_load)
         return 1 - worker.slot_load
 
-    def choose_worker(self, queued: QueuedHop, workers: Sequence[WorkerView], now: float) -> str | None:
+    def _patience(self, state: ChainState) -> float:
+        moving_cost_s = state.context_tokens / self.config.prefill_tokens_per_s
+        return min(
+            self.config.max_affinity_wait_s, moving_cost_s * self.config.affinity_wait_factor
+        )
+
+    def choose_worker(
+        self, queued: QueuedHop, workers: Sequence[WorkerView], now: float
+    ) -> str | None:
         hop = queued.hop
-        if self._held_back(hop, self.load(workers)) and not self._starved(queued, now):
+        load = self._pass_load if self._pass_load is not None else self.load(workers)
+        if self._held_back(hop, load) and not self._starved(queued, now):
             return None
         state = self._chains.get(hop.chain_key)
         home = None
         if state is not None and state.worker_id is not None:
             home = next((w for w in workers if w.worker_id == state.worker_id), None)
-        if home is not None:
-            if self._fits(home, hop, home=True):
+        if home is not None and state is not None:
+            if self._fits(home, hop, placing=False):
                 return home.worker_id
-            moving_cost_s = state.context_tokens / self.config.prefill_tokens_per_s
-            patience = min(self.config.max_affinity_wait_s, moving_cost_s * self.config.affinity_wait_factor)
-            if now - queued.enqueued_at < patience:
+            if now - queued.enqueued_at < self._patience(state):
                 return None  # cheaper to wait for the warm worker than to re-prefill
-        candidates = [w for w in workers if self._fits(w, hop, home=False)]
+        candidates = [w for w in workers if self._fits(w, hop, placing=True)]
         if not candidates:
             return None
         best = max(candidates, key=lambda w: (self._headroom(w), -w.in_flight, w.worker_id))

@@ -31,8 +31,15 @@ class Policy(Protocol):
         """Called once when the hop arrives; a refusal means RESOURCE_EXHAUSTED."""
         ...
 
-    def order(self, queued: Sequence[QueuedHop], now: float) -> Iterable[QueuedHop]:
-        """The pool's queued hops, most urgent first."""
+    def order(
+        self, queued: Sequence[QueuedHop], workers: Sequence[WorkerView], now: float
+    ) -> Iterable[QueuedHop]:
+        """The pool's queued hops, most urgent first (one assignment pass)."""
+        ...
+
+    def wake_at(self, queued: QueuedHop, now: float) -> float | None:
+        """When a hop left queued may be dispatched just because time passed (None:
+        only an arrival, a finish or a worker change can dispatch it)."""
         ...
 
     def choose_worker(self, queued: QueuedHop, workers: Sequence[WorkerView], now: float) -> str | None:
@@ -72,8 +79,13 @@ class BaselinePolicy:
     ) -> Admission:
         return ACCEPT
 
-    def order(self, queued: Sequence[QueuedHop], now: float) -> Iterable[QueuedHop]:
+    def order(
+        self, queued: Sequence[QueuedHop], workers: Sequence[WorkerView], now: float
+    ) -> Iterable[QueuedHop]:
         return queued  # the queue is kept in arrival order
+
+    def wake_at(self, queued: QueuedHop, now: float) -> float | None:
+        return None
 
     def choose_worker(self, queued: QueuedHop, workers: Sequence[WorkerView], now: float) -> str | None:
         if not workers:

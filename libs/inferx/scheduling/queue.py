@@ -49,6 +49,9 @@ class DispatchQueue:
         self._dispatched: dict[str, int] = {}
         self._seq = itertools.count()
         self._now = 0.0
+        # After `assign`: the earliest time a still-queued hop may go without any other
+        # event (affinity patience, starvation bounds); the caller should assign again.
+        self.next_wake: float | None = None
 
     @property
     def policy_name(self) -> str:
@@ -100,13 +103,14 @@ class DispatchQueue:
         self._now = now
         self._workers = {pool: list(workers) for pool, workers in workers_by_pool.items()}
         assigned: list[QueuedHop] = []
+        self.next_wake = None
         for pool, state in self._pools.items():
             if not state.queue:
                 continue
             views = {v.worker_id: v for v in self.worker_views(pool)}
             if not any(v.has_slot for v in views.values()):
                 continue
-            for hop in list(self.policy.order(state.queue, now)):
+            for hop in list(self.policy.order(state.queue, list(views.values()), now)):
                 worker_id = self.policy.choose_worker(hop, list(views.values()), now)
                 if worker_id is None or worker_id not in views:
                     continue
@@ -116,6 +120,12 @@ class DispatchQueue:
                 assigned.append(hop)
                 if not any(v.has_slot for v in views.values()):
                     break
+            else:
+                # Every worker kept a slot free: some hops wait on time, not on a slot.
+                for hop in state.queue:
+                    wake = self.policy.wake_at(hop, now)
+                    if wake is not None and (self.next_wake is None or wake < self.next_wake):
+                        self.next_wake = wake
         return assigned
 
     def _start(self, state: PoolState, hop: QueuedHop, worker_id: str, now: float) -> None:

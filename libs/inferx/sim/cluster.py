@@ -25,7 +25,7 @@ from inferx.sim.profile import EngineProfile
 from inferx.sim.trace import Trace, TraceChain
 
 POOL = "sim"
-TICK_S = 0.05  # re-evaluate queued hops that wait on time (affinity patience, aging)
+TICK_S = 0.01  # resolution of time-based re-evaluation (affinity patience, aging)
 
 
 def hop_segments(chain: TraceChain, k: int) -> tuple[tuple[Segment, ...], tuple[Segment, ...]]:
@@ -100,7 +100,7 @@ class ClusterSim:
         events: list[tuple[float, int, str, object]] = []
         order = itertools.count()
         flights: dict[str, _InFlight] = {}
-        tick_pending = False
+        tick_at: float | None = None
         horizon = self.trace.window_s * self.horizon_factor
         chains = []
         for spec in self.trace.chains:
@@ -135,7 +135,7 @@ class ClusterSim:
                     push(worker.started + steps * plan.step_s, "step", (worker, worker.version))
 
         def dispatch(now: float) -> None:
-            nonlocal tick_pending
+            nonlocal tick_at
             for queued in queue.assign(slots, now):
                 flight = flights[f"{queued.run_id}:{queued.hop_id}"]
                 flight.dispatched_at = now
@@ -149,9 +149,10 @@ class ClusterSim:
                     output_segments=output,
                 )
                 deliver(by_id[queued.worker_id or ""], request, now)
-            if not tick_pending and queue.queued(POOL):
-                tick_pending = True
-                push(now + TICK_S, "tick", None)
+            wake = queue.next_wake
+            if wake is not None and (tick_at is None or wake < tick_at or tick_at <= now):
+                tick_at = max(wake, now + TICK_S)
+                push(tick_at, "tick", None)
 
         def finish_chain(chain: _Chain, now: float, status: str) -> None:
             nonlocal done
@@ -230,7 +231,6 @@ class ClusterSim:
                 if version == worker.version:
                     step_done(worker, now)
             else:
-                tick_pending = False
                 dispatch(now)
         for chain in chains:
             if chain.record.status == "running":

@@ -23,7 +23,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from inferx.sim.kv import KvPool, Segment
-from inferx.sim.profile import EngineProfile
+from inferx.sim.profile import EngineProfile, prefill_pairs
 
 
 @dataclass(eq=False)
@@ -155,7 +155,10 @@ class EngineModel:
             steps = max(1, min(remaining, memory, max_steps))
         context = sum(r.context_tokens for r in decodes) + len(decodes) * (steps - 1) // 2
         prefill_tokens = sum(chunk for _, chunk in prefills)
-        step_ms = self.profile.step_ms(len(decodes), prefill_tokens, context)
+        pairs = sum(
+            prefill_pairs(r.prompt_tokens + r.generated - r.prefill_left, chunk) for r, chunk in prefills
+        )
+        step_ms = self.profile.step_ms(len(decodes), prefill_tokens, context, pairs)
         return Plan(steps, step_ms / 1000, decodes, prefills)
 
     def commit(self, plan: Plan, steps: int, now: float) -> StepResult:

@@ -14,6 +14,10 @@ Sources:
   * kv_read_ms_per_1k_tokens: KV bytes a decode step must read. Llama-3-8B keeps
     32 layers x 8 KV heads x 128 dims x 2 (K,V) x 2 bytes = 128 KiB per token; at the
     ~1.6 TB/s an A100 sustains that is 0.08 ms per 1,000 context tokens in the batch.
+  * prefill_attention_ms: attention makes prefill cost grow with the context a chunk
+    attends to: 4 x 32 layers x 4096 dims = 0.52 GFLOP per (new token, context token)
+    pair, ~2.6 ms per million pairs at the ~200 TFLOP/s FlashAttention reaches on an
+    A100. Re-prefilling a 32k context costs ~2.1 s linear + ~1.3 s attention.
   * kv_capacity_tokens: 80 GB x 0.9 (vLLM's gpu_memory_utilization) - 16 GB weights
     - ~4 GB activations = ~52 GiB of KV cache / 128 KiB per token = 425,984 tokens.
   * block_size 16, max_num_seqs 256, max_batched_tokens 8192: vLLM's defaults for an
@@ -41,6 +45,7 @@ class EngineProfile(BaseModel):
     decode_step_ms: float = Field(10.0, gt=0)
     batch_slowdown: float = Field(0.13, ge=0, description="step growth from batch 1 to 32")
     kv_read_ms_per_1k_tokens: float = Field(0.08, ge=0)
+    prefill_attention_ms: float = Field(2.6, ge=0, description="per 1e6 token pairs")
     kv_capacity_tokens: int = Field(425_984, gt=0)
     block_size: int = Field(16, gt=0)
     max_num_seqs: int = Field(256, gt=0)
@@ -50,23 +55,34 @@ class EngineProfile(BaseModel):
         """Weight-bound part of a decode step for `batch` sequences."""
         return self.decode_step_ms * (1 + self.batch_slowdown * (max(batch, 1) - 1) / 31)
 
-    def step_ms(self, decodes: int, prefill_tokens: int, context_tokens: int) -> float:
-        """One engine iteration: the decode batch, the prefill chunks it carries, and the
-        KV the decoding sequences read (their whole contexts)."""
+    def step_ms(
+        self, decodes: int, prefill_tokens: int, context_tokens: int, prefill_pairs: float = 0
+    ) -> float:
+        """One engine iteration: the decode batch, the prefill chunks it carries (and the
+        context they attend to: `prefill_pairs` new x context token pairs), and the KV
+        the decoding sequences read (their whole contexts)."""
         ms = self.decode_ms(decodes) if decodes else 0.0
         ms += prefill_tokens / self.prefill_tokens_per_s * 1000
+        ms += self.prefill_attention_ms * prefill_pairs / 1e6
         ms += self.kv_read_ms_per_1k_tokens * context_tokens / 1000
         return ms
 
     def alone_hop_s(self, uncached_tokens: int, context_tokens: int, output_tokens: int) -> float:
         """A hop alone on an idle engine: prefill its uncached tokens, then decode one
         sequence whose context grows from `context_tokens`. Used for SLOs and slowdown."""
-        prefill_s = uncached_tokens / self.prefill_tokens_per_s
+        start = max(context_tokens - uncached_tokens, 0)
+        pairs = prefill_pairs(start, uncached_tokens)
+        prefill_s = self.step_ms(0, uncached_tokens, 0, pairs) / 1000
         # The step that finishes the prefill also samples the first token.
         decode_steps = max(output_tokens - 1, 0)
         mean_ctx = context_tokens + output_tokens / 2
         decode_s = decode_steps * self.step_ms(1, 0, int(mean_ctx)) / 1000
         return prefill_s + decode_s
+
+
+def prefill_pairs(start: int, tokens: int) -> float:
+    """(new token, context token) pairs when `tokens` are prefilled after `start`."""
+    return tokens * (start + tokens / 2)
 
 
 def load_profile(path: str | Path | None) -> EngineProfile:

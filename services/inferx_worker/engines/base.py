@@ -58,6 +58,10 @@ class Engine(abc.ABC):
     def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
         """Stream the completion. Cancelling the iteration aborts the request."""
 
+    def count_tokens(self, prompt: str) -> int:
+        """Prompt tokens as this engine counts them (an estimate unless overridden)."""
+        return max(1, len(prompt) // 4)
+
     @abc.abstractmethod
     def capacity(self) -> EngineCapacity: ...
 

@@ -73,6 +73,9 @@ class SimEngine(Engine):
         used = len(self._blocks) * self.params.block_size
         return EngineLoad(self._running, self._waiting, min(1.0, used / self.params.kv_capacity_tokens))
 
+    def count_tokens(self, prompt: str) -> int:
+        return len(_tokens(prompt, self.params.chars_per_token))
+
     def step_ms(self, batch: int) -> float:
         p = self.params
         return p.decode_step_ms * (1 + p.batch_slowdown * (max(batch, 1) - 1) / 31)

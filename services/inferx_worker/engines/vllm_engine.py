@@ -239,6 +239,10 @@ class VllmEngine(Engine):
 
     # ------------------------------------------------------------------ reporting
 
+    def count_tokens(self, prompt: str) -> int:
+        """Exact: the model's own (Rust, fast) tokenizer."""
+        return len(self._require_engine().get_tokenizer().encode(prompt))
+
     def capacity(self) -> EngineCapacity:
         self._require_engine()
         assert self._capacity is not None
