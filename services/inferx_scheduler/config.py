@@ -1,5 +1,7 @@
 """Options of `inferx-scheduler` (flags or INFERX_* environment variables)."""
 
+from typing import Literal
+
 from pydantic import Field
 
 from inferx.settings import ServiceSettings
@@ -8,3 +10,8 @@ from inferx.settings import ServiceSettings
 class SchedulerSettings(ServiceSettings):
     max_queued_per_pool: int = Field(1024, gt=0, description="bound of each pool's hop queue")
     reserve_kv: bool = Field(True, description="reserve KV capacity in the memory-pool per hop")
+    policy: Literal["baseline", "chain-aware"] = Field(
+        "chain-aware",
+        description="chain-aware (tiers, chain progress, affinity, admission) or baseline "
+        "(FCFS, round-robin)",
+    )

@@ -29,16 +29,42 @@ log = logging.getLogger("inferx.scheduler")
 Event = scheduler_pb2.HopEvent
 
 
+def hop_view(pool: str, request: scheduler_pb2.HopRequest) -> HopView:
+    """What the policy sees of a hop. The chain deadline arrives as unix time; the
+    queue runs on the monotonic clock, so it is converted here (I/O side)."""
+    ctx = request.context
+    deadline = None
+    if ctx.chain_deadline_unix_ms:
+        deadline = time.monotonic() + ctx.chain_deadline_unix_ms / 1000 - time.time()
+    return HopView(
+        pool=pool,
+        run_id=ctx.run_id,
+        hop_id=ctx.hop_id,
+        session_id=ctx.session_id,
+        tier=int(ctx.tier),
+        node_priority=ctx.priority,
+        prompt_tokens=estimate_tokens(request.prompt),
+        max_tokens=request.sampling.max_tokens or 64,
+        deadline=deadline,
+        hop_index=ctx.hop_index,
+        remaining_critical_path_s=ctx.remaining_critical_path_ms / 1000,
+        remaining_hops=ctx.remaining_hops if ctx.HasField("remaining_hops") else None,
+    )
+
+
 class HopDispatcher:
-    """Glue between the pure DispatchQueue and the live world (futures, etcd view)."""
+    """Glue between the pure DispatchQueue + Policy and the live world (futures, etcd)."""
 
-    def __init__(self, directory: PoolDirectory, max_queued_per_pool: int) -> None:
+    def __init__(self, directory: PoolDirectory, max_queued_per_pool: int, policy: str = "baseline") -> None:
         self.directory = directory
-        self.queue = DispatchQueue(max_queued_per_pool)
+        self.queue = DispatchQueue(max_queued_per_pool, make_policy(policy))
         self._waiters: dict[int, asyncio.Future[str]] = {}
+        self._wake: asyncio.TimerHandle | None = None
 
-    def submit(self, pool: str, run_id: str, hop_id: str) -> tuple[QueuedHop, asyncio.Future[str]]:
-        hop = self.queue.submit(pool, run_id, hop_id, time.monotonic())
+    def submit(
+        self, pool: str, run_id: str, hop_id: str, view: HopView | None = None
+    ) -> tuple[QueuedHop, asyncio.Future[str]]:
+        hop = self.queue.submit(pool, run_id, hop_id, time.monotonic(), view)
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._waiters[hop.seq] = future
         metrics.QUEUE_DEPTH.labels(pool).set(self.queue.queued(pool))
@@ -50,16 +76,22 @@ class HopDispatcher:
         if self.queue.cancel(hop):
             metrics.QUEUE_DEPTH.labels(hop.pool).set(self.queue.queued(hop.pool))
 
-    def finished(self, hop: QueuedHop) -> None:
-        self.queue.finished(hop)
+    def finished(self, hop: QueuedHop, context_tokens: int = 0, service_s: float = 0.0) -> None:
+        self.queue.finished(hop, time.monotonic(), context_tokens=context_tokens, service_s=service_s)
         self.dispatch()
 
     def dispatch(self) -> None:
         slots = {
-            pool: [WorkerSlots(w.worker_id, w.max_concurrency or 1) for w in workers.values()]
+            pool: [
+                WorkerSlots(w.worker_id, w.max_concurrency or 1, w.kv_capacity_tokens)
+                for w in workers.values()
+            ]
             for pool, workers in self.directory.workers_by_pool.items()
         }
-        for hop in self.queue.assign(slots):
+        now = time.monotonic()
+        assigned = self.queue.assign(slots, now)
+        self._schedule_wake(now)
+        for hop in assigned:
             future = self._waiters.pop(hop.seq, None)
             if future is None or future.done():
                 self.queue.finished(hop)  # its caller left meanwhile
@@ -73,6 +105,22 @@ class HopDispatcher:
                     future = self._waiters.pop(hop.seq, None)
                     if future is not None and not future.done():
                         future.set_exception(Unavailable(f"all workers of pool '{pool}' left"))
+
+    def _schedule_wake(self, now: float) -> None:
+        """Some queued hops wait on time alone (affinity patience, starvation bounds):
+        look again then, even if nothing else happens."""
+        wake = self.queue.next_wake
+        if wake is None:
+            return
+        if self._wake is not None:
+            if self._wake.when() <= asyncio.get_running_loop().time() + (wake - now):
+                return
+            self._wake.cancel()
+        self._wake = asyncio.get_running_loop().call_later(max(wake - now, 0.005), self._woken)
+
+    def _woken(self) -> None:
+        self._wake = None
+        self.dispatch()
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):

@@ -30,6 +30,16 @@ def make_engine(settings: WorkerSettings) -> Engine:
                 max_concurrency=settings.max_num_seqs,
             )
         )
+    if settings.engine == "openai":
+        from inferx_worker.engines.openai_engine import OpenAIEngine
+
+        return OpenAIEngine(
+            settings.openai_base_url,
+            settings.model_path,
+            api_key=settings.openai_api_key,
+            kv_capacity_tokens=settings.openai_kv_capacity_tokens,
+            max_concurrency=settings.max_num_seqs,
+        )
     from inferx_worker.engines.vllm_engine import VllmEngine
 
     path = Path(settings.model_path)

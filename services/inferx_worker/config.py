@@ -13,12 +13,22 @@ DEFAULT_MODEL_PATH = ".inferx/models/tiny-llama"
 
 class WorkerSettings(ServiceSettings):
     model: str = Field(..., description="the model pool this worker serves, e.g. qwen-7b")
-    engine: Literal["vllm", "sim"] = Field(
-        "vllm", description="vllm (in-process AsyncLLM) or sim (SIMULATED latency model)"
+    engine: Literal["vllm", "openai", "sim"] = Field(
+        "vllm",
+        description="vllm (in-process AsyncLLM), openai (an OpenAI-compatible server), "
+        "or sim (SIMULATED latency model)",
+    )
+    openai_base_url: str = Field(
+        "http://127.0.0.1:8000", description="openai: the server's base URL (without /v1)"
+    )
+    openai_api_key: str = Field("", description="openai: bearer token, if the server wants one")
+    openai_kv_capacity_tokens: int = Field(
+        100_000, gt=0, description="openai: KV capacity to register (the server does not report it)"
     )
     model_path: str = Field(
         DEFAULT_MODEL_PATH,
-        description="model directory or hub id for vllm (default: the generated tiny model)",
+        description="vllm: model directory or hub id (default: the generated tiny model); "
+        "openai: the model name the server serves",
     )
     dummy_weights: Literal["auto", "yes", "no"] = Field(
         "auto", description="random weights (auto: yes when the directory has no weight files)"

@@ -16,7 +16,7 @@ from google.protobuf import json_format
 from rich.console import Console
 from rich.table import Table
 
-from inferx.cli import observe
+from inferx.cli import bench, observe
 from inferx.client import DEFAULT_ROUTER, InferxClient
 from inferx.errors import InferxError
 from inferx.v1 import router_pb2
@@ -424,6 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--workers", type=int, default=1, help="model-workers to start")
     up.set_defaults(handler=cmd_up)
     observe.register(sub)
+    bench.register(sub)
     return parser
 
 

@@ -250,13 +250,9 @@ class ChainAwarePolicy:
 
     def _patience(self, state: ChainState) -> float:
         moving_cost_s = state.context_tokens / self.config.prefill_tokens_per_s
-        return min(
-            self.config.max_affinity_wait_s, moving_cost_s * self.config.affinity_wait_factor
-        )
+        return min(self.config.max_affinity_wait_s, moving_cost_s * self.config.affinity_wait_factor)
 
-    def choose_worker(
-        self, queued: QueuedHop, workers: Sequence[WorkerView], now: float
-    ) -> str | None:
+    def choose_worker(self, queued: QueuedHop, workers: Sequence[WorkerView], now: float) -> str | None:
         hop = queued.hop
         load = self._pass_load if self._pass_load is not None else self.load(workers)
         if self._held_back(hop, load) and not self._starved(queued, now):

@@ -1,0 +1,115 @@
+"""Human output of `inferx bench` / `inferx sim` (rich tables) and the JSON form."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from inferx.bench.metrics import Comparison, Stats, Summary
+
+ROWS: tuple[tuple[str, str, str], ...] = (
+    # (label, Stats field, format)
+    ("chains", "chains", "int"),
+    ("completed", "completed", "int"),
+    ("shed", "shed", "int"),
+    ("latency P50", "latency_p50_s", "s"),
+    ("latency P90", "latency_p90_s", "s"),
+    ("latency P99", "latency_p99_s", "s"),
+    ("slowdown P50", "slowdown_p50", "x"),
+    ("slowdown P99", "slowdown_p99", "x"),
+    ("SLO attainment", "slo_attainment", "%"),
+    ("goodput (chains/s)", "goodput_per_s", "f3"),
+    ("hop TTFT P50", "ttft_p50_s", "s"),
+    ("hop TTFT P99", "ttft_p99_s", "s"),
+    ("prefix-cache hits", "prefix_hit_rate", "%"),
+    ("preemptions", "preemptions", "int"),
+)
+
+
+def fmt(value: float, kind: str) -> str:
+    if isinstance(value, float) and math.isnan(value):
+        return "-"
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    if kind == "int":
+        return f"{int(value):,}"
+    if kind == "s":
+        return f"{value:,.2f} s" if value < 100 else f"{value:,.0f} s"
+    if kind == "x":
+        return f"{value:.2f}x"
+    if kind == "%":
+        return f"{value * 100:.1f}%"
+    return f"{value:.3f}"
+
+
+def stats_table(title: str, columns: dict[str, Stats], ratio: bool) -> Table:
+    table = Table(title=title, title_justify="left")
+    table.add_column("metric")
+    names = list(columns)
+    for name in names:
+        table.add_column(name, justify="right")
+    if ratio and len(names) == 2:
+        table.add_column(f"{names[1]} / {names[0]}", justify="right")
+    for label, attr, kind in ROWS:
+        values = [getattr(columns[name], attr) for name in names]
+        row = [label] + [fmt(v, kind) for v in values]
+        if ratio and len(names) == 2:
+            base, cand = values
+            ok = base not in (0, None) and not (isinstance(base, float) and math.isinf(base))
+            row.append(f"{cand / base:.2f}" if ok and kind not in ("int",) else "")
+        table.add_row(*row)
+    return table
+
+
+def print_report(
+    console: Console, summaries: list[Summary], comparison: Comparison | None, header: str
+) -> None:
+    console.print(header)
+    ratio = comparison is not None
+    console.print(stats_table("all chains", {s.policy: s.overall for s in summaries}, ratio))
+    tiers = [t for t in ("realtime", "standard", "batch") if t in summaries[0].tiers]
+    for tier in tiers:
+        columns = {s.policy: s.tiers[tier] for s in summaries if tier in s.tiers}
+        console.print(stats_table(f"tier {tier}", columns, ratio))
+    for s in summaries:
+        console.print(
+            f"{s.policy}: {s.source}, {s.workers} workers, {s.rate_per_s:.3f} chains/s over "
+            f"{s.window_s:,.0f} s, last chain done at {s.makespan_s:,.0f} s "
+            f"(wall {s.wall_s:.1f} s)",
+            style="dim",
+        )
+    if comparison is not None:
+        console.print(
+            f"[bold]{comparison.candidate} vs {comparison.baseline}[/bold]: "
+            f"P99 ratio {comparison.p99_ratio:.2f}, goodput ratio "
+            f"{comparison.goodput_ratio:.2f}x, realtime SLO attainment "
+            f"{comparison.realtime_attainment * 100:.1f}%"
+        )
+        for target, met in comparison.targets.items():
+            mark = "[green]met[/green]" if met else "[red]not met[/red]"
+            console.print(f"  target {target}: {mark}")
+
+
+def to_json(
+    summaries: list[Summary], comparison: Comparison | None, context: dict[str, Any]
+) -> dict[str, Any]:
+    def clean(value: Any) -> Any:
+        # JSON has no inf/nan: misses and empty groups become null.
+        if isinstance(value, float) and (math.isinf(value) or math.isnan(value)):
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        return value
+
+    return clean(
+        {
+            **context,
+            "summaries": [s.model_dump() for s in summaries],
+            "comparison": comparison.model_dump() if comparison else None,
+        }
+    )

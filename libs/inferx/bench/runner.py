@@ -1,0 +1,99 @@
+"""Run a benchmark: pick the trace and the load, replay it once per policy (in the
+simulator or against a live stack), summarize and compare. I/O lives here and in
+live.py; the policies and the simulator stay pure."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+
+from inferx.bench.metrics import Comparison, RunRecord, Summary, compare, summarize
+from inferx.errors import InvalidArgument
+from inferx.scheduling.policy import POLICY_NAMES, make_policy
+from inferx.sim.cluster import ClusterSim
+from inferx.sim.profile import EngineProfile
+from inferx.sim.saturation import Saturation, find_saturation
+from inferx.sim.trace import Trace, read_trace
+
+DEFAULT_TRACE = Path(__file__).resolve().parents[3] / "benchmarks" / "default_trace.jsonl"
+
+# progress(total) -> a context manager yielding advance(done_count)
+ProgressFactory = Callable[[str, int], AbstractContextManager[Callable[[int], None]]]
+
+
+@dataclass
+class LoadChoice:
+    rate_per_s: float
+    how: str  # the sentence the report prints
+    saturation: Saturation | None = None
+
+
+def load_trace(path: str | None) -> Trace:
+    if path is None:
+        if not DEFAULT_TRACE.exists():
+            raise InvalidArgument(
+                f"no --trace given and the default trace {DEFAULT_TRACE} is missing "
+                "(generate one with `inferx workload -o FILE`)"
+            )
+        return read_trace(DEFAULT_TRACE)
+    return read_trace(path)
+
+
+def check_policies(names: list[str]) -> None:
+    for name in names:
+        if name not in POLICY_NAMES:
+            raise InvalidArgument(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
+
+
+def choose_load(
+    trace: Trace,
+    profile: EngineProfile,
+    workers: int,
+    rate: float | None,
+    load: float | None,
+    on_probe: Callable[[object], None] | None = None,
+) -> LoadChoice:
+    """An explicit --rate, else `load` x the baseline's saturation rate in the simulator."""
+    if rate is not None:
+        return LoadChoice(rate, f"{rate:.3f} chains/s (--rate)")
+    if load is None:
+        base = trace.meta.config.rate_per_s
+        return LoadChoice(base, f"{base:.3f} chains/s (the trace's own rate)")
+    saturation = find_saturation(trace, profile, workers, on_probe=on_probe)
+    chosen = saturation.rate_per_s * load
+    return LoadChoice(
+        chosen,
+        f"{chosen:.3f} chains/s = {load:.0%} of the baseline's saturation "
+        f"({saturation.rate_per_s:.3f} chains/s, {workers} simulated workers)",
+        saturation,
+    )
+
+
+def run_simulated(
+    trace: Trace,
+    policies: list[str],
+    profile: EngineProfile,
+    workers: int,
+    progress: ProgressFactory,
+) -> list[RunRecord]:
+    runs = []
+    for name in policies:
+        started = time.perf_counter()
+        with progress(f"simulating {name}", len(trace.chains)) as advance:
+            run = ClusterSim(trace, make_policy(name), profile, workers).run(advance)
+        run.wall_s = time.perf_counter() - started
+        runs.append(run)
+    return runs
+
+
+def conclude(runs: list[RunRecord]) -> tuple[list[Summary], Comparison | None]:
+    summaries = [summarize(run) for run in runs]
+    by_name = {s.policy: s for s in summaries}
+    comparison = None
+    if len(summaries) == 2 and "baseline" in by_name:
+        other = next(s for s in summaries if s.policy != "baseline")
+        comparison = compare(by_name["baseline"], other)
+    return summaries, comparison
