@@ -1,0 +1,39 @@
+// Run an InferX chain from Node.js and print each event as one JSON line.
+// Usage: node run_chain.js ROUTER_HOST:PORT CHAIN KEY=VALUE...
+const path = require("path");
+const grpc = require("@grpc/grpc-js");
+const protoLoader = require("@grpc/proto-loader");
+
+const [router, chain, ...pairs] = process.argv.slice(2);
+if (!router || !chain) {
+  console.error("usage: node run_chain.js ROUTER_HOST:PORT CHAIN KEY=VALUE...");
+  process.exit(2);
+}
+const protoRoot = path.resolve(__dirname, "../../../protos");
+const definition = protoLoader.loadSync("inferx/v1/router.proto", {
+  includeDirs: [protoRoot],
+  keepCase: true,
+  longs: Number,
+  defaults: true,
+  oneofs: true,
+});
+const inferx = grpc.loadPackageDefinition(definition).inferx.v1;
+const client = new inferx.Router(router, grpc.credentials.createInsecure());
+
+const inputs = {};
+for (const pair of pairs) {
+  const at = pair.indexOf("=");
+  if (at < 1) {
+    console.error(`bad input ${pair}: expected KEY=VALUE`);
+    process.exit(2);
+  }
+  inputs[pair.slice(0, at)] = pair.slice(at + 1);
+}
+
+const call = client.RunChain({ chain, inputs });
+call.on("data", (event) => console.log(JSON.stringify(event)));
+call.on("error", (err) => {
+  console.error(`${grpc.status[err.code]}: ${err.details}`);
+  process.exit(1);
+});
+call.on("end", () => process.exit(0));
