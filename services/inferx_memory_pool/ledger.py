@@ -38,14 +38,19 @@ class WorkerLedger:
     reserved_tokens: int
     usable_tokens: int
     reservations: int
+    engine_usage_ratio: float = 0.0
 
 
 class KvLedger:
-    def __init__(self, headroom_ratio: float = 0.2, reservation_ttl_s: float = 300.0) -> None:
+    def __init__(
+        self, headroom_ratio: float = 0.2, reservation_ttl_s: float = 300.0, high_usage_ratio: float = 0.85
+    ) -> None:
         if not 0.0 <= headroom_ratio < 1.0:
             raise ValueError("headroom_ratio must be in [0, 1)")
         self.headroom_ratio = headroom_ratio
         self.reservation_ttl_s = reservation_ttl_s
+        self.high_usage_ratio = high_usage_ratio
+        self._engine_usage: dict[str, float] = {}  # worker -> KV usage its engine reports
         self._capacity: dict[str, tuple[str, int]] = {}  # worker -> (pool, tokens)
         self._reservations: dict[str, Reservation] = {}
         self._ids = itertools.count(1)
@@ -56,6 +61,11 @@ class KvLedger:
         for rid, res in list(self._reservations.items()):
             if res.worker_id not in self._capacity:
                 del self._reservations[rid]
+        self._engine_usage = {w: r for w, r in self._engine_usage.items() if w in self._capacity}
+
+    def set_engine_usage(self, worker_id: str, ratio: float) -> None:
+        if worker_id in self._capacity:
+            self._engine_usage[worker_id] = ratio
 
     def usable(self, worker_id: str) -> int:
         _, capacity = self._capacity[worker_id]
@@ -65,13 +75,26 @@ class KvLedger:
         return sum(r.tokens for r in self._reservations.values() if r.worker_id == worker_id)
 
     def reserve(
-        self, worker_id: str, tokens: int, now: float, run_id: str = "", hop_id: str = ""
+        self,
+        worker_id: str,
+        tokens: int,
+        now: float,
+        run_id: str = "",
+        hop_id: str = "",
+        *,
+        protected: bool = False,
     ) -> Reservation:
         if tokens <= 0:
             raise ValueError("tokens must be positive")
         if worker_id not in self._capacity:
             raise UnknownWorker(f"unknown worker '{worker_id}'")
         self.expire(now)
+        engine_usage = self._engine_usage.get(worker_id, 0.0)
+        if not protected and engine_usage > self.high_usage_ratio:
+            raise InsufficientCapacity(
+                f"worker '{worker_id}' reports {engine_usage:.0%} KV usage, above the "
+                f"{self.high_usage_ratio:.0%} mark: only realtime work is admitted now"
+            )
         usable = self.usable(worker_id)
         reserved = self.reserved(worker_id)
         if reserved + tokens > usable:
@@ -106,6 +129,7 @@ class KvLedger:
                     sum(r.tokens for r in mine),
                     self.usable(worker_id),
                     len(mine),
+                    self._engine_usage.get(worker_id, 0.0),
                 )
             )
         return rows

@@ -15,6 +15,11 @@ KV_USAGE = Gauge("inferx_memory_kv_usage_ratio", "Reserved / capacity KV tokens 
 WORKER_KV_USAGE = Gauge(
     "inferx_memory_worker_kv_usage_ratio", "Reserved / capacity KV tokens of each worker", ["pool", "worker"]
 )
+ENGINE_KV_USAGE = Gauge(
+    "inferx_memory_engine_kv_usage_ratio",
+    "KV-cache usage each worker's engine reports (0..1)",
+    ["pool", "worker"],
+)
 ACTIVE = Gauge("inferx_memory_active_reservations", "Reservations currently held", ["pool"])
 RESERVATIONS = Counter(
     "inferx_memory_reservations_total", "Reservation requests by result (granted|refused)", ["result"]
@@ -38,9 +43,11 @@ def publish(rows: Iterable[WorkerLedger]) -> None:
         active[row.pool] = active.get(row.pool, 0) + row.reservations
         workers.add((row.pool, row.worker_id))
         WORKER_KV_USAGE.labels(row.pool, row.worker_id).set(_ratio(row.reserved_tokens, row.capacity_tokens))
+        ENGINE_KV_USAGE.labels(row.pool, row.worker_id).set(row.engine_usage_ratio)
     # A worker that left must not keep alerting with its last value.
     for gone in _workers_seen - workers:
         WORKER_KV_USAGE.remove(*gone)
+        ENGINE_KV_USAGE.remove(*gone)
     _workers_seen.clear()
     _workers_seen.update(workers)
     for pool, tokens in capacity.items():

@@ -243,6 +243,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         pool=row.pool,
                         capacity_tokens=row.capacity_tokens,
                         reserved_tokens=row.reserved_tokens,
+                        engine_kv_usage_ratio=row.engine_kv_usage_ratio,
                     )
             except grpc.aio.AioRpcError as exc:
                 reply.problems.append(f"memory-pool at {address}: {exc.code().name}")

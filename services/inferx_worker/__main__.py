@@ -28,6 +28,7 @@ def make_engine(settings: WorkerSettings) -> Engine:
                 decode_step_ms=settings.sim_decode_step_ms,
                 prefill_tokens_per_s=settings.sim_prefill_tokens_per_s,
                 max_concurrency=settings.max_num_seqs,
+                kv_capacity_tokens=settings.sim_kv_capacity_tokens,
             )
         )
     if settings.engine == "openai":

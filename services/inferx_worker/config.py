@@ -41,6 +41,7 @@ class WorkerSettings(ServiceSettings):
     sim_speed: float = Field(1.0, gt=0, description="sim: run this many times faster than real time")
     sim_decode_step_ms: float = Field(10.0, gt=0, description="sim: decode step at batch 1")
     sim_prefill_tokens_per_s: float = Field(15000.0, gt=0, description="sim: prefill throughput")
+    sim_kv_capacity_tokens: int = Field(262_144, gt=0, description="sim: KV-cache size in tokens")
     warm_up: bool = Field(True, description="run one short request before reporting ready")
 
     @field_validator("model")

@@ -232,3 +232,14 @@ def test_cli_reports_an_unreachable_router_clearly(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "UNAVAILABLE" in result.stderr and "127.0.0.1:1" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+async def test_memory_pool_reads_kv_usage_from_the_engines(sim_stack: LocalStack) -> None:
+    await run_to_end(sim_stack, "customer_service_agent", QUERY)
+    async with InferxClient(sim_stack.router_address) as client:
+        for _ in range(30):  # the memory-pool polls workers every second
+            status = await client.status()
+            if any(row.engine_kv_usage_ratio > 0 for row in status.memory):
+                break
+            await asyncio.sleep(0.2)
+    assert any(0 < row.engine_kv_usage_ratio < 1 for row in status.memory), status.memory

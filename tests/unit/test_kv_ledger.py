@@ -76,3 +76,17 @@ def test_accounting_never_goes_negative_or_over_usable(ops) -> None:
         ledger.release(rid)
     ledger.expire(now + 1000)
     assert all(row.reserved_tokens == 0 and row.reservations == 0 for row in ledger.snapshot())
+
+
+def test_high_engine_usage_admits_only_protected_work() -> None:
+    ledger = KvLedger(headroom_ratio=0.2, high_usage_ratio=0.85)
+    ledger.set_workers({"w": ("p", 1000)})
+    ledger.set_engine_usage("w", 0.9)
+    with pytest.raises(InsufficientCapacity, match="90% KV usage"):
+        ledger.reserve("w", 10, now=0)
+    assert ledger.reserve("w", 10, now=0, protected=True).tokens == 10
+    ledger.set_engine_usage("w", 0.5)
+    assert ledger.reserve("w", 10, now=0).tokens == 10
+    assert ledger.snapshot()[0].engine_usage_ratio == 0.5
+    ledger.set_engine_usage("ghost", 0.99)  # unknown workers are ignored
+    assert [row.worker_id for row in ledger.snapshot()] == ["w"]

@@ -271,7 +271,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
     out.print(services)
     reserved = {row.worker_id: row for row in status.memory}
     workers = Table(title="workers", title_justify="left")
-    for column in ("pool", "worker", "address", "engine", "KV tokens", "reserved"):
+    for column in ("pool", "worker", "address", "engine", "KV tokens", "reserved", "KV used"):
         workers.add_column(column)
     for worker in sorted(status.workers, key=lambda w: (w.pool, w.worker_id)):
         row = reserved.get(worker.worker_id)
@@ -282,6 +282,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
             worker.engine,
             f"{worker.kv_capacity_tokens:,}",
             f"{row.reserved_tokens:,}" if row else "?",
+            f"{row.engine_kv_usage_ratio:.0%}" if row else "?",
         )
     out.print(workers)
     queues = Table(title=f"queues (policy {status.scheduler_policy or '?'})", title_justify="left")
