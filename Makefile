@@ -59,7 +59,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check libs services tests
 
 bench: setup
-	$(VENV)/bin/inferx bench --engine sim
+	$(VENV)/bin/inferx bench --simulate --compare baseline chain-aware --load 0.8
 
 clean:
 	rm -rf $(VENV) libs/inferx/v1 .inferx build *.egg-info

@@ -16,7 +16,7 @@ class SchedulerComponent(ServiceComponent):
 
     def __init__(self, runtime: ServiceRuntime, settings: SchedulerSettings) -> None:
         self.directory = PoolDirectory()
-        self.dispatcher = HopDispatcher(self.directory, settings.max_queued_per_pool)
+        self.dispatcher = HopDispatcher(self.directory, settings.max_queued_per_pool, settings.policy)
         self.services = ServiceLocator(runtime.etcd)
         self.channels = ChannelPool()
 

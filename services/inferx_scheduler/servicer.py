@@ -6,13 +6,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
 
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.errors import InvalidArgument, ResourceExhausted, Unavailable, from_rpc_error
 from inferx.pools import PoolDirectory, no_worker_message
-from inferx.scheduling.queue import DispatchQueue, QueuedHop, QueueFull, WorkerSlots
+from inferx.scheduling.policy import make_policy
+from inferx.scheduling.queue import DispatchQueue, QueuedHop, QueueFull, Rejected, WorkerSlots
+from inferx.scheduling.views import HopView
 from inferx.tokens import estimate_tokens
 from inferx.v1 import (
     memory_pool_pb2,
@@ -123,6 +126,12 @@ class HopDispatcher:
         self.dispatch()
 
 
+@dataclass
+class _HopOutcome:
+    context_tokens: int = 0  # what the hop left in its worker's prefix cache
+    service_s: float = 0.0
+
+
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(
         self,
@@ -146,10 +155,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if not self._directory.workers_for(request.model):
             raise Unavailable(no_worker_message(request.model, pool))
         try:
-            hop, assigned = self._dispatcher.submit(pool, request.context.run_id, request.context.hop_id)
+            hop, assigned = self._dispatcher.submit(
+                pool, request.context.run_id, request.context.hop_id, hop_view(pool, request)
+            )
         except QueueFull as exc:
             metrics.SHED.labels(pool).inc()
             raise ResourceExhausted(str(exc), retry_after_s=1.0) from None
+        except Rejected as exc:
+            metrics.SHED.labels(pool).inc()
+            raise ResourceExhausted(str(exc), retry_after_s=exc.retry_after_s) from None
+        outcome = _HopOutcome()
         try:
             try:
                 worker_id = await assigned
@@ -163,12 +178,20 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if worker is None:
                 raise Unavailable(f"worker {worker_id} of pool '{pool}' left before the hop started")
             yield Event(kind=Event.KIND_DISPATCHED, worker_id=worker_id, queue_ms=queue_ms, pool=pool)
+            # The engine orders by the policy's priority (vLLM runs with priority
+            # scheduling); baseline sends 0 to every hop, so the engine is FCFS.
+            forwarded = scheduler_pb2.HopRequest()
+            forwarded.CopyFrom(request)
+            forwarded.context.priority = hop.engine_priority
             async for event in self._run_on_worker(
-                request, worker.address, worker_id, pool, queue_ms, context
+                forwarded, worker.address, worker_id, pool, queue_ms, context
             ):
+                if event.kind == Event.KIND_FINISHED:
+                    outcome.context_tokens = event.usage.prompt_tokens + event.usage.completion_tokens
+                    outcome.service_s = event.engine_ms / 1000
                 yield event
         finally:
-            self._dispatcher.finished(hop)
+            self._dispatcher.finished(hop, outcome.context_tokens, outcome.service_s)
 
     async def _run_on_worker(self, request, address, worker_id, pool, queue_ms, context):
         reservation = await self._reserve(worker_id, request)

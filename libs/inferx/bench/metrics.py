@@ -98,7 +98,9 @@ def percentile(values: list[float], q: float) -> float:
 
 def stats(chains: list[ChainRecord], window_s: float, preemptions: int) -> Stats:
     latencies = [c.latency_s if c.latency_s is not None else math.inf for c in chains]
-    slowdowns = [lat / c.alone_s if c.alone_s > 0 else math.inf for lat, c in zip(latencies, chains)]
+    slowdowns = [
+        lat / c.alone_s if c.alone_s > 0 else math.inf for lat, c in zip(latencies, chains, strict=True)
+    ]
     ttfts = [t for c in chains for t in c.ttft_s]
     prompt = sum(c.prompt_tokens for c in chains)
     met = sum(1 for c in chains if c.slo_met)

@@ -2,8 +2,8 @@
 
   inferx workload -o FILE         write a JSONL agent-chain workload
   inferx sim                      replay a trace in virtual time (SIMULATED engines)
-  inferx bench --engine sim       replay it against a live local stack it starts
-  inferx bench --router ADDR      ... against a running stack (its scheduler's policy)
+  inferx bench --simulate         the same as `inferx sim`
+  (live replay with --engine sim|vllm / --router is not implemented yet)
 By default both policies run on the default trace at 80% of the baseline's
 saturation load (found in the simulator) and the ratios are printed.
 """
@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from inferx.bench import runner
-from inferx.errors import InvalidArgument
+from inferx.errors import InferxError, InvalidArgument
 from inferx.sim.profile import load_profile
 from inferx.sim.trace import TraceConfig, generate, write_trace
 
@@ -124,13 +124,12 @@ def cmd_sim(args: argparse.Namespace) -> int:
 async def cmd_bench(args: argparse.Namespace) -> int:
     if args.simulate:
         return cmd_sim(args)
-    from inferx.bench import live
-
-    policies = _policies(args)
-    profile, trace, choice = _prepare(args)
-    runs = await live.run_live(args, trace, policies, profile, _progress_factory(not args.json))
-    where = live.describe(args)
-    return _finish(args, runs, choice, profile, trace, where)
+    # The live replay (a LocalStack per policy with `sim` or vLLM workers, hops sent
+    # closed-loop to the scheduler) is not built yet; say so instead of pretending.
+    raise InferxError(
+        "live replay (--engine/--router) is not implemented yet; "
+        "use `inferx sim` or `inferx bench --simulate` (virtual time, SIMULATED engines)"
+    )
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -199,7 +198,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     bench.add_argument(
         "--engine",
         choices=("sim", "vllm"),
-        help="start a local stack with this engine per policy (default: sim)",
+        help="live: start a local stack with this engine per policy (not implemented yet)",
     )
     bench.add_argument("--router", help="use a running stack (its scheduler's policy)")
     bench.add_argument(
