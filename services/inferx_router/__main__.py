@@ -31,6 +31,9 @@ class RouterSettings(ServiceSettings):
     degrade_load_threshold: float = Field(
         0.8, gt=0, le=10, description="pool load (running+queued / capacity) above which nodes degrade"
     )
+    tool_cache: bool = Field(
+        True, description="cache results of cacheable tool nodes (off: for A/B benchmarks)"
+    )
     max_active_runs: int = Field(
         256, gt=0, description="runs in progress at once; more are refused with RESOURCE_EXHAUSTED"
     )
@@ -53,7 +56,9 @@ class RouterComponent(ServiceComponent):
         except (OSError, ValueError) as exc:
             error = str(exc)
             log.warning("vector_search disabled: %s", exc)
-        self.tools = ToolRouter(runtime.etcd, self.services, self.channels, knowledge, error)
+        self.tools = ToolRouter(
+            runtime.etcd, self.services, self.channels, knowledge, error, caching=settings.tool_cache
+        )
         records.RECENT.capacity = settings.recent_runs
         metrics.watch_breakers(self.tools.breakers.states)
         self.mirrors = [

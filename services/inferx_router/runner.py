@@ -31,7 +31,7 @@ import grpc
 from inferx import telemetry
 from inferx.chain.schema import ChainConfig, NodeSpec
 from inferx.chain.template import render
-from inferx.chain.validate import sinks
+from inferx.chain.validate import sinks, topological_order
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.errors import InferxError, InvalidArgument, NotFound, Unavailable, from_rpc_error
 from inferx.resilience import Degradation, NodeFallbacks, RetryBudget, backoff_s, degradation_ladder
@@ -71,6 +71,20 @@ def default_prompt(node: NodeSpec, inputs: dict[str, str], outputs: dict[str, st
     lines += [f"[{dep}] {outputs.get(dep, '')}" for dep in node.depends_on]
     lines.append(f"Task ({node.id}):")
     return "\n".join(lines)
+
+
+def remaining_paths_ms(config: ChainConfig) -> dict[str, float]:
+    """For each node: the longest chain of node timeouts from it (included) to the end.
+    The scheduler uses it as the work still ahead of a run when it orders hops."""
+    dependents: dict[str, list[str]] = {node.id: [] for node in config.nodes}
+    for node in config.nodes:
+        for dep in node.depends_on:
+            dependents[dep].append(node.id)
+    longest: dict[str, float] = {}
+    for node_id in reversed(topological_order(config)):
+        after = max((longest[d] for d in dependents[node_id]), default=0.0)
+        longest[node_id] = config.node(node_id).timeout_ms + after
+    return longest
 
 
 def tool_output_text(value: Any) -> str:
@@ -118,6 +132,9 @@ class ChainRun:
         self._outputs: dict[str, str] = {}
         self._started = time.perf_counter()
         self._budget_s = self.config.slo.latency_p99_ms / 1000
+        self._ahead_ms = remaining_paths_ms(self.config)
+        self._model_hops_total = sum(node.type == "model_inference" for node in self.config.nodes)
+        self._model_hops_done = 0
         self._deadline_unix_ms = int(time.time() * 1000 + self.config.slo.latency_p99_ms)
 
     def _at_ms(self) -> float:
@@ -352,6 +369,9 @@ class ChainRun:
                 tier=self.tier,
                 priority=node.priority_rank,
                 chain_deadline_unix_ms=self._deadline_unix_ms,
+                hop_index=self._model_hops_done,
+                remaining_hops=max(self._model_hops_total - self._model_hops_done - 1, 0),
+                remaining_critical_path_ms=self._ahead_ms.get(node.id, 0.0),
             ),
             model=model,
             prompt=prompt,
@@ -375,6 +395,7 @@ class ChainRun:
                     result.usage.CopyFrom(event.usage)
                     result.queue_ms = event.queue_ms
                     result.worker_id = event.worker_id
+                    self._model_hops_done += 1
                     hop.finished(event, tier=metrics.tier_name(self.tier))
                     metrics.observe_hop(metrics.tier_name(self.tier), event)
         except grpc.aio.AioRpcError as exc:

@@ -90,10 +90,13 @@ class ToolRouter:
         channels: ChannelPool,
         knowledge: KnowledgeBase | None,
         knowledge_error: str = "",
+        *,
+        caching: bool = True,
     ) -> None:
         self._services = services
         self._channels = channels
         self.cache = TieredCache(services, channels)
+        self.caching = caching
         self.breakers = BreakerBoard()
         # Single flight: identical cacheable calls in progress share one tool call.
         self._in_flight: dict[str, asyncio.Future[Any]] = {}
@@ -171,7 +174,7 @@ class ToolRouter:
     async def call(self, call: ToolCall, *, cacheable: bool, cache_ttl_s: float) -> ToolResult:
         """One attempt: cache look-up, then the tool behind its circuit breaker."""
         tool = self.resolve(call.tool)
-        key = cache_key(call.tool, tool.version, call.arguments) if cacheable else ""
+        key = cache_key(call.tool, tool.version, call.arguments) if cacheable and self.caching else ""
         cache_down = False
         if key:
             cached, cache_down = await self.cache.get(key)
