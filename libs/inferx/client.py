@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from inferx import telemetry
 from inferx.discovery import CHANNEL_OPTIONS
 from inferx.errors import from_rpc_error
 from inferx.v1 import router_pb2, router_pb2_grpc
@@ -18,7 +19,10 @@ class InferxClient:
     def __init__(self, address: str = DEFAULT_ROUTER, *, timeout_s: float | None = None) -> None:
         self.address = address
         self._timeout_s = timeout_s
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        # An agent that set up OpenTelemetry gets its trace continued by ours.
+        self._channel = grpc.aio.insecure_channel(
+            address, options=CHANNEL_OPTIONS, interceptors=telemetry.client_interceptors()
+        )
         self._stub = router_pb2_grpc.RouterStub(self._channel)
 
     async def __aenter__(self) -> InferxClient:

@@ -95,6 +95,18 @@ class CircuitBreaker:
         if self.state == BreakerState.CLOSED and (too_many or too_often):
             self._open(now)
 
+    def force_open(self, now: float) -> None:
+        """Open (again) now, whatever the state: e.g. the target failed health checks."""
+        self._open(now)
+
+    def admits(self, now: float) -> bool:
+        """Whether calls may go now, without claiming the single probe `allow` hands
+        out: closed or half-open yes; open only once `open_s` has passed (it then turns
+        half-open, and the next recorded outcome closes or re-opens it)."""
+        if self.state == BreakerState.OPEN and now - self.opened_at >= self.open_s:
+            self.state = BreakerState.HALF_OPEN
+        return self.state != BreakerState.OPEN
+
     def _open(self, now: float) -> None:
         self.state = BreakerState.OPEN
         self.opened_at = now

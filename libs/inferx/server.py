@@ -190,7 +190,7 @@ async def _serve(
 
     server = grpc.aio.server(
         # Tracing outermost: its span also covers the status the error mapping sets.
-        interceptors=[telemetry.server_interceptor(), ErrorMappingInterceptor()],
+        interceptors=[*telemetry.server_interceptors(), ErrorMappingInterceptor()],
         options=[("grpc.so_reuseport", 0)],
     )
     health_servicer = health.aio.HealthServicer()

@@ -224,6 +224,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     self._channels.get(address)
                 ).GetSchedulerStatus(scheduler_pb2.SchedulerStatusRequest(), timeout=2.0)
                 reply.scheduler_policy = sched.policy
+                for worker_id, state in sched.worker_breakers.items():
+                    reply.circuit_breakers[f"worker:{worker_id}"] = state
+                if sched.conservative:
+                    reply.problems.append("scheduler cannot reach the memory-pool: half concurrency")
                 for pool in sched.pools:
                     reply.queues.add(pool=pool.pool, queued=pool.queued, running=pool.running)
             except grpc.aio.AioRpcError as exc:

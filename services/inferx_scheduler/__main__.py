@@ -8,6 +8,7 @@ from inferx.pools import PoolDirectory
 from inferx.server import ServiceComponent, ServiceRuntime, run_service
 from inferx.v1 import scheduler_pb2, scheduler_pb2_grpc
 from inferx_scheduler.config import SchedulerSettings
+from inferx_scheduler.health import WorkerHealth
 from inferx_scheduler.servicer import HopDispatcher, SchedulerServicer
 
 
@@ -16,9 +17,15 @@ class SchedulerComponent(ServiceComponent):
 
     def __init__(self, runtime: ServiceRuntime, settings: SchedulerSettings) -> None:
         self.directory = PoolDirectory()
-        self.dispatcher = HopDispatcher(self.directory, settings.max_queued_per_pool, settings.policy)
-        self.services = ServiceLocator(runtime.etcd)
         self.channels = ChannelPool()
+        self.health = WorkerHealth(
+            self.directory, self.channels, on_change=lambda: self.dispatcher.dispatch()
+        )
+        self.dispatcher = HopDispatcher(
+            self.directory, settings.max_queued_per_pool, settings.policy, usable=self.health.usable
+        )
+        self.services = ServiceLocator(runtime.etcd)
+        self._health_interval_s = settings.health_check_interval_s
 
         def on_workers(items: dict[str, bytes]) -> None:
             self.directory.update_workers(items)
@@ -27,7 +34,14 @@ class SchedulerComponent(ServiceComponent):
         self.workers = etcd.PrefixMirror(runtime.etcd, etcd.WORKERS, on_workers)
         self.models = etcd.PrefixMirror(runtime.etcd, etcd.MODELS, self.directory.update_models)
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(
-            SchedulerServicer(self.dispatcher, self.services, self.channels, settings.reserve_kv),
+            SchedulerServicer(
+                self.dispatcher,
+                self.services,
+                self.channels,
+                settings.reserve_kv,
+                self.health,
+                settings.max_redispatch,
+            ),
             runtime.server,
         )
 
@@ -36,8 +50,10 @@ class SchedulerComponent(ServiceComponent):
             mirror.start()
         for mirror in (self.workers, self.models, self.services.mirror):
             await mirror.wait_synced(timeout_s=30)
+        self.health.start(self._health_interval_s)
 
     async def stop(self) -> None:
+        await self.health.close()
         for mirror in (self.workers, self.models, self.services.mirror):
             await mirror.close()
         await self.channels.close()

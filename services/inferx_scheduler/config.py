@@ -10,6 +10,10 @@ from inferx.settings import ServiceSettings
 class SchedulerSettings(ServiceSettings):
     max_queued_per_pool: int = Field(1024, gt=0, description="bound of each pool's hop queue")
     reserve_kv: bool = Field(True, description="reserve KV capacity in the memory-pool per hop")
+    max_redispatch: int = Field(
+        2, ge=0, le=10, description="times a hop goes to another worker after its worker failed"
+    )
+    health_check_interval_s: float = Field(1.0, gt=0, description="how often each worker is health-checked")
     policy: Literal["baseline", "chain-aware"] = Field(
         "chain-aware",
         description="chain-aware (tiers, chain progress, affinity, admission) or baseline "

@@ -22,3 +22,8 @@ def set_queued_by_tier(pool: str, counts: dict[str, int]) -> None:
     """`counts`: tier name (realtime|standard|batch) -> hops of that tier queued in `pool`."""
     for tier in ("realtime", "standard", "batch"):
         QUEUED_BY_TIER.labels(pool, tier).set(counts.get(tier, 0))
+
+
+REDISPATCHES = Counter(
+    "inferx_scheduler_redispatches_total", "Hops sent to another worker after theirs failed", ["pool"]
+)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -26,6 +27,7 @@ from inferx.v1 import (
     worker_pb2_grpc,
 )
 from inferx_scheduler import metrics
+from inferx_scheduler.health import WorkerHealth
 
 log = logging.getLogger("inferx.scheduler")
 
@@ -58,11 +60,20 @@ def hop_view(pool: str, request: scheduler_pb2.HopRequest) -> HopView:
 class HopDispatcher:
     """Glue between the pure DispatchQueue + Policy and the live world (futures, etcd)."""
 
-    def __init__(self, directory: PoolDirectory, max_queued_per_pool: int, policy: str = "baseline") -> None:
+    def __init__(
+        self,
+        directory: PoolDirectory,
+        max_queued_per_pool: int,
+        policy: str = "baseline",
+        usable: Callable[[str], bool] | None = None,
+    ) -> None:
         self.directory = directory
         self.queue = DispatchQueue(max_queued_per_pool, make_policy(policy))
         self._waiters: dict[int, asyncio.Future[str]] = {}
         self._wake: asyncio.TimerHandle | None = None
+        self._usable = usable or (lambda worker_id: True)
+        # Without the memory-pool nobody guards KV capacity: run at half concurrency.
+        self.conservative = False
 
     def submit(
         self, pool: str, run_id: str, hop_id: str, view: HopView | None = None
@@ -84,10 +95,12 @@ class HopDispatcher:
         self.dispatch()
 
     def dispatch(self) -> None:
+        registered = {pool: bool(workers) for pool, workers in self.directory.workers_by_pool.items()}
         slots = {
             pool: [
-                WorkerSlots(w.worker_id, w.max_concurrency or 1, w.kv_capacity_tokens)
+                WorkerSlots(w.worker_id, self._concurrency(w.max_concurrency), w.kv_capacity_tokens)
                 for w in workers.values()
+                if self._usable(w.worker_id)  # circuit open: failed hops or health checks
             ]
             for pool, workers in self.directory.workers_by_pool.items()
         }
@@ -102,12 +115,16 @@ class HopDispatcher:
             future.set_result(hop.worker_id or "")
         for pool in self.queue.pools():
             metrics.QUEUE_DEPTH.labels(pool).set(self.queue.queued(pool))
-            if not slots.get(pool):
+            if not registered.get(pool):
                 # The pool's last worker left: fail its queued hops now, not at their deadline.
                 for hop in self.queue.drain_pool(pool):
                     future = self._waiters.pop(hop.seq, None)
                     if future is not None and not future.done():
                         future.set_exception(Unavailable(f"all workers of pool '{pool}' left"))
+
+    def _concurrency(self, max_concurrency: int) -> int:
+        limit = max_concurrency or 1
+        return max(1, limit // 2) if self.conservative else limit
 
     def _schedule_wake(self, now: float) -> None:
         """Some queued hops wait on time alone (affinity patience, starvation bounds):
@@ -132,6 +149,20 @@ class _HopOutcome:
     service_s: float = 0.0
 
 
+class WorkerFailed(Unavailable):
+    """The worker failed the hop itself (gone, crashed, refused): try another worker."""
+
+
+# Status codes of a worker call that say "this worker", not "this request", failed.
+WORKER_FAULTS = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.ABORTED,
+}
+MAX_RESERVATION_WAIT_S = 2.0
+
+
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(
         self,
@@ -139,12 +170,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         services: ServiceLocator,
         channels: ChannelPool,
         reserve_kv: bool,
+        health: WorkerHealth,
+        max_redispatch: int = 2,
     ) -> None:
         self._dispatcher = dispatcher
         self._directory = dispatcher.directory
         self._services = services
         self._channels = channels
         self._reserve_kv = reserve_kv
+        self._health = health
+        self._max_redispatch = max_redispatch
 
     async def SubmitHop(self, request: scheduler_pb2.HopRequest, context: grpc.aio.ServicerContext):
         if not request.model:
@@ -154,6 +189,21 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         pool = self._directory.pool_of(request.model)
         if not self._directory.workers_for(request.model):
             raise Unavailable(no_worker_message(request.model, pool))
+        # A worker that dies or fails mid-hop costs a re-dispatch to another one of the
+        # pool, not the hop: its breaker keeps new hops away from it meanwhile.
+        for attempt in range(self._max_redispatch + 1):
+            try:
+                async for event in self._dispatch_once(request, pool, context):
+                    yield event
+                return
+            except WorkerFailed as exc:
+                remaining = context.time_remaining()
+                if attempt == self._max_redispatch or (remaining is not None and remaining < 0.05):
+                    raise
+                metrics.REDISPATCHES.labels(pool).inc()
+                log.warning("re-dispatching %s/%s: %s", request.context.run_id, request.context.hop_id, exc)
+
+    async def _dispatch_once(self, request, pool: str, context: grpc.aio.ServicerContext):
         try:
             hop, assigned = self._dispatcher.submit(
                 pool, request.context.run_id, request.context.hop_id, hop_view(pool, request)
@@ -176,25 +226,30 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             metrics.DISPATCHES.labels(pool, worker_id).inc()
             worker = self._directory.workers_by_pool.get(pool, {}).get(worker_id)
             if worker is None:
-                raise Unavailable(f"worker {worker_id} of pool '{pool}' left before the hop started")
+                raise WorkerFailed(f"worker {worker_id} of pool '{pool}' left before the hop started")
             yield Event(kind=Event.KIND_DISPATCHED, worker_id=worker_id, queue_ms=queue_ms, pool=pool)
             # The engine orders by the policy's priority (vLLM runs with priority
             # scheduling); baseline sends 0 to every hop, so the engine is FCFS.
             forwarded = scheduler_pb2.HopRequest()
             forwarded.CopyFrom(request)
             forwarded.context.priority = hop.engine_priority
-            async for event in self._run_on_worker(
-                forwarded, worker.address, worker_id, pool, queue_ms, context
-            ):
-                if event.kind == Event.KIND_FINISHED:
-                    outcome.context_tokens = event.usage.prompt_tokens + event.usage.completion_tokens
-                    outcome.service_s = event.engine_ms / 1000
-                yield event
+            try:
+                async for event in self._run_on_worker(
+                    forwarded, worker.address, worker_id, pool, queue_ms, context
+                ):
+                    if event.kind == Event.KIND_FINISHED:
+                        outcome.context_tokens = event.usage.prompt_tokens + event.usage.completion_tokens
+                        outcome.service_s = event.engine_ms / 1000
+                    yield event
+            except WorkerFailed:
+                self._health.hop_failed(worker_id)
+                raise
+            self._health.hop_succeeded(worker_id)
         finally:
             self._dispatcher.finished(hop, outcome.context_tokens, outcome.service_s)
 
     async def _run_on_worker(self, request, address, worker_id, pool, queue_ms, context):
-        reservation = await self._reserve(worker_id, request)
+        reservation = await self._reserve(worker_id, request, context)
         stub = worker_pb2_grpc.ModelWorkerStub(self._channels.get(address))
         remaining = context.time_remaining()
         text_parts: list[str] = []
@@ -224,35 +279,63 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 )
         except grpc.aio.AioRpcError as exc:
             metrics.HOP_ERRORS.labels(pool, exc.code().name).inc()
+            if exc.code() in WORKER_FAULTS:
+                raise WorkerFailed(f"worker {worker_id} ({address}): {exc.details()}") from None
             error = from_rpc_error(exc, target=f"worker {worker_id} ({address})")
             error.message = f"worker {worker_id}: {error.message}"
             raise error from None
         finally:
             await self._release(reservation)
 
-    async def _reserve(self, worker_id: str, request: scheduler_pb2.HopRequest) -> str | None:
-        """Best effort: without a memory-pool, hops still run (and we say so in the log)."""
+    async def _reserve(self, worker_id: str, request: scheduler_pb2.HopRequest, context) -> str | None:
+        """Reserve the hop's KV before it runs. A refusal (no room, or usage above the
+        high mark for non-realtime work) makes the hop wait, briefly, then gives up with
+        RESOURCE_EXHAUSTED; a memory-pool that cannot be reached makes the scheduler
+        conservative (half concurrency) but does not stop the hop."""
         if not self._reserve_kv:
             return None
         address = self._services.pick("memory-pool")
         if address is None:
+            self._set_conservative(True, "no memory-pool is registered")
             return None
         tokens = estimate_tokens(request.prompt) + (request.sampling.max_tokens or 64)
         stub = memory_pool_pb2_grpc.MemoryPoolStub(self._channels.get(address))
-        try:
-            reply = await stub.Reserve(
-                memory_pool_pb2.ReserveRequest(
-                    worker_id=worker_id,
-                    tokens=tokens,
-                    run_id=request.context.run_id,
-                    hop_id=request.context.hop_id,
-                ),
-                timeout=2.0,
-            )
-            return reply.reservation_id
-        except grpc.aio.AioRpcError as exc:
-            log.warning("KV reservation on %s failed (%s); running the hop anyway", worker_id, exc.details())
-            return None
+        message = memory_pool_pb2.ReserveRequest(
+            worker_id=worker_id,
+            tokens=tokens,
+            run_id=request.context.run_id,
+            hop_id=request.context.hop_id,
+            tier=request.context.tier,
+        )
+        waited, delay = 0.0, 0.05
+        while True:
+            try:
+                reply = await stub.Reserve(message, timeout=2.0)
+                self._set_conservative(False, "")
+                return reply.reservation_id
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    self._set_conservative(True, f"memory-pool: {exc.code().name}")
+                    return None
+                remaining = context.time_remaining()
+                budget = (
+                    MAX_RESERVATION_WAIT_S
+                    if remaining is None
+                    else min(MAX_RESERVATION_WAIT_S, remaining - 0.1)
+                )
+                if waited + delay > budget:
+                    raise ResourceExhausted(f"KV memory: {exc.details()}", retry_after_s=1.0) from None
+                await asyncio.sleep(delay)
+                waited += delay
+                delay = min(delay * 2, 0.5)
+
+    def _set_conservative(self, on: bool, why: str) -> None:
+        if on != self._dispatcher.conservative:
+            if on:
+                log.warning("conservative admission (half concurrency): %s", why)
+            else:
+                log.info("memory-pool reachable again: full concurrency")
+            self._dispatcher.conservative = on
 
     async def _release(self, reservation_id: str | None) -> None:
         if not reservation_id:
@@ -269,7 +352,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def GetSchedulerStatus(self, request, context):
         queue = self._dispatcher.queue
         pools = sorted(set(queue.pools()) | set(self._directory.workers_by_pool))
-        reply = scheduler_pb2.SchedulerStatus(policy=queue.policy_name)
+        reply = scheduler_pb2.SchedulerStatus(
+            policy=queue.policy_name, conservative=self._dispatcher.conservative
+        )
+        reply.worker_breakers.update(self._health.states())
         reply.model_to_pool.update(self._directory.model_to_pool)
         for pool in pools:
             status = reply.pools.add(pool=pool, queued=queue.queued(pool), running=queue.running(pool))

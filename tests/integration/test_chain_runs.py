@@ -234,12 +234,29 @@ def test_cli_reports_an_unreachable_router_clearly(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+BUSY_CHAIN = """
+agent_chain:
+  name: busy_chain
+  slo: {end_to_end_latency_p99: 30s}
+  inputs: [q]
+  nodes:
+    - {id: long, type: model_inference, model: qwen-7b, timeout: 20s, max_tokens: 1500,
+       prompt: "Write at length about {{ inputs.q }}"}
+"""
+
+
 async def test_memory_pool_reads_kv_usage_from_the_engines(sim_stack: LocalStack) -> None:
-    await run_to_end(sim_stack, "customer_service_agent", QUERY)
+    """Usage is what the engines report for requests in flight (as vLLM does), read by
+    the memory-pool every second while hops run."""
     async with InferxClient(sim_stack.router_address) as client:
-        for _ in range(30):  # the memory-pool polls workers every second
+        await client.put_chain(BUSY_CHAIN)
+        runs = [asyncio.create_task(run_to_end(sim_stack, "busy_chain", {"q": str(i)})) for i in range(8)]
+        seen = 0.0
+        for _ in range(40):
+            await asyncio.sleep(0.1)
             status = await client.status()
-            if any(row.engine_kv_usage_ratio > 0 for row in status.memory):
+            seen = max([seen, *(row.engine_kv_usage_ratio for row in status.memory)])
+            if seen > 0:
                 break
-            await asyncio.sleep(0.2)
-    assert any(0 < row.engine_kv_usage_ratio < 1 for row in status.memory), status.memory
+        await asyncio.gather(*runs)
+    assert 0 < seen < 1

@@ -263,3 +263,72 @@ async def test_abandoned_hop_stops_using_the_engine(sim_stack: LocalStack) -> No
         async with grpc.aio.insecure_channel(worker.address) as channel:
             load = await worker_pb2_grpc.ModelWorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest())
         assert load.running == 0 and load.waiting == 0, (worker.name, load)
+
+
+async def test_kill_9_of_a_worker_mid_run_chains_finish_on_the_other(stack: LocalStack) -> None:
+    async def kill_soon() -> None:
+        await asyncio.sleep(0.4)
+        stack.workers[0].signal(signal.SIGKILL)
+
+    killer = asyncio.create_task(kill_soon())
+    outcomes = await run_batch(stack, "customer_service_agent", queries(40), stagger_s=0.02)
+    await killer
+    assert all(o.ok for o in outcomes), describe(outcomes)
+    survivor_hops = [h.worker_id for o in outcomes[-10:] for h in o.finished.hops if h.worker_id]
+    assert len(set(survivor_hops)) == 1  # the late runs all went to the surviving worker
+    async with InferxClient(stack.router_address) as client:
+        status = await client.status()
+    victim_breakers = [
+        state for target, state in status.circuit_breakers.items() if target.startswith("worker:")
+    ]
+    assert "open" in victim_breakers or len(status.workers) == 1
+
+
+@pytest.fixture
+def long_lease_stack(tmp_path: Path):
+    """Leases of a minute: only health checks can take a silent worker out quickly."""
+    stack = make_stack(tmp_path, lease_ttl_s=60)
+    try:
+        stack.start_core()
+        stack.load_models(read_models_file(EXAMPLES / "models.yaml"))
+        for _ in range(2):
+            stack.start_worker("tiny-llama", "sim", ["--sim-speed", "2"])
+        for worker in stack.workers:
+            wait_serving(worker, 60)
+        stack.put_chains([EXAMPLES / "chains" / "customer_service_agent.yaml"])
+        yield stack
+    except BaseException:
+        dump_logs(stack)
+        raise
+    finally:
+        for worker in stack.workers:
+            worker.signal(signal.SIGCONT)
+        stack.stop()
+
+
+async def test_worker_that_stops_answering_leaves_scheduling_before_its_lease_expires(
+    long_lease_stack: LocalStack,
+) -> None:
+    stack = long_lease_stack
+    frozen = stack.workers[0]
+    frozen.signal(signal.SIGSTOP)  # alive and registered, but answering nothing
+    await asyncio.sleep(5)  # three failed health checks, one per second
+    outcomes = await run_batch(stack, "customer_service_agent", queries())
+    assert all(o.ok for o in outcomes), describe(outcomes)
+    async with InferxClient(stack.router_address) as client:
+        status = await client.status()
+    assert len(status.workers) == 2  # still registered in etcd ...
+    frozen_id = next(w.worker_id for w in status.workers if w.address == frozen.address)
+    assert status.circuit_breakers[f"worker:{frozen_id}"] in ("open", "half_open")
+    used = {h.worker_id for o in outcomes for h in o.finished.hops if h.worker_id}
+    assert frozen_id not in used  # ... but no hop went to it
+
+
+async def test_memory_pool_down_chains_continue_conservatively(stack: LocalStack) -> None:
+    stack.services["memory-pool"].signal(signal.SIGKILL)
+    stack.services["memory-pool"].popen.wait(5)
+    outcomes = await run_batch(stack, "customer_service_agent", queries())
+    assert all(o.ok for o in outcomes), describe(outcomes)
+    async with InferxClient(stack.router_address) as client:
+        status = await client.status()
+    assert any("half concurrency" in p for p in status.problems), status.problems

@@ -17,6 +17,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
 from inferx import telemetry
@@ -189,6 +193,26 @@ async def test_one_run_is_one_span_tree_across_all_five_services_under_the_agent
     lookup = one("/inferx.v1.Cache/Get", "CLIENT", "inferx-router", "node knowledge_retrieval")
     served = one("/inferx.v1.Cache/Get", "SERVER", "inferx-cache", "node knowledge_retrieval")
     assert attempt in [parent(lookup), parent(parent(lookup))] and parent(served) is lookup
+
+
+async def test_an_agent_using_opentelemetry_and_our_sdk_continues_its_trace(traced) -> None:
+    stack, path = traced
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):  # OTel allows one provider per process
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    agent_spans = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(agent_spans))
+    with provider.get_tracer("agent").start_as_current_span("agent step") as step:
+        async with InferxClient(stack.router_address) as client:
+            events = [e async for e in client.run_chain(CHAIN, {"query": "Is there a warranty?"})]
+    assert events[-1].chain_finished.status == "ok"
+    trace_id = format(step.get_span_context().trace_id, "032x")
+    ours = spans_of(path, trace_id, until="/inferx.v1.Router/RunChain")
+    server = next(s for s in ours if s["name"] == "/inferx.v1.Router/RunChain")
+    client_span = next(s for s in agent_spans.get_finished_spans() if s.kind.name == "CLIENT")
+    assert server["parent_id"] == format(client_span.context.span_id, "016x")
+    assert client_span.parent.span_id == step.get_span_context().span_id
 
 
 async def test_without_a_traceparent_each_run_starts_its_own_trace(traced) -> None:

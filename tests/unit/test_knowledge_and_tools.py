@@ -35,6 +35,8 @@ def test_remaining_critical_path_per_node() -> None:
     from inferx.chain.validate import load_chain_text
     from inferx_router.runner import remaining_paths_ms
 
-    config = load_chain_text((ROOT / "examples" / "chains" / "customer_service_agent.yaml").read_text()).config
+    config = load_chain_text(
+        (ROOT / "examples" / "chains" / "customer_service_agent.yaml").read_text()
+    ).config
     ahead = remaining_paths_ms(config)
     assert ahead == {"intent_recognition": 3500, "knowledge_retrieval": 3300, "response_generation": 3000}

@@ -98,3 +98,16 @@ def test_overload_threshold() -> None:
     assert not overloaded(running=6, queued=2, capacity=10, threshold=0.8)
     assert overloaded(running=8, queued=1, capacity=10, threshold=0.8)
     assert overloaded(running=0, queued=0, capacity=0)
+
+
+def test_admits_without_claiming_the_probe_and_force_open_refreshes() -> None:
+    breaker = CircuitBreaker(open_s=5)
+    assert breaker.admits(0)
+    breaker.force_open(1)
+    assert not breaker.admits(3)
+    breaker.force_open(4)  # still failing: the open period starts again
+    assert not breaker.admits(8)
+    assert breaker.admits(9.5) and breaker.state == BreakerState.HALF_OPEN
+    assert breaker.admits(9.6)  # half-open admits traffic; the next outcome decides
+    breaker.record(False, 9.7)
+    assert breaker.state == BreakerState.OPEN

@@ -22,16 +22,20 @@ from inferx.settings import ServiceSettings, load_settings
 from inferx.v1 import cache_pb2, cache_pb2_grpc, common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 EXPORTER = InMemorySpanExporter()
+_attached_to: list[TracerProvider] = []
 
 
 @pytest.fixture
 def spans() -> InMemorySpanExporter:
-    """The process-wide provider (OTel allows one per process), emptied per test."""
-    current = trace.get_tracer_provider()
-    if not isinstance(current, TracerProvider):
+    """Spans of the process-wide provider (OTel allows one per process, and another
+    test module may have installed it first), emptied per test."""
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
         provider = TracerProvider()
-        provider.add_span_processor(SimpleSpanProcessor(EXPORTER))
         trace.set_tracer_provider(provider)
+    if provider not in _attached_to:
+        provider.add_span_processor(SimpleSpanProcessor(EXPORTER))
+        _attached_to.append(provider)
     EXPORTER.clear()
     return EXPORTER
 
@@ -51,6 +55,55 @@ def test_an_otlp_endpoint_alone_selects_otlp() -> None:
     assert telemetry.choose_exporter("", "http://jaeger:4317", env={}) == "otlp"
     assert telemetry.choose_exporter("", "", env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4317"}) == "otlp"
     assert telemetry.choose_exporter("console", "http://jaeger:4317", env={}) == "console"
+
+
+def test_without_a_recording_provider_no_interceptor_is_installed(monkeypatch) -> None:
+    monkeypatch.setattr(telemetry.trace, "get_tracer_provider", lambda: trace.ProxyTracerProvider())
+    assert not telemetry.enabled()
+    assert telemetry.server_interceptors() == [] and telemetry.client_interceptors() == []
+    monkeypatch.setattr(telemetry.trace, "get_tracer_provider", lambda: TracerProvider())
+    assert len(telemetry.server_interceptors()) == 1 and len(telemetry.client_interceptors()) == 4
+
+
+def test_an_otlp_endpoint_gets_our_spans_with_the_service_name() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+        def __init__(self) -> None:
+            self.requests: list = []
+
+        def Export(self, request, context):
+            self.requests.append(request)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    collector = Collector()
+    server = grpc.server(ThreadPoolExecutor(2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        provider = telemetry.setup_tracing(
+            "router", "r-7", "", otlp_endpoint=f"http://127.0.0.1:{port}", install=False
+        )
+        assert provider is not None
+        with provider.get_tracer("t").start_as_current_span("hello"):
+            pass
+        assert provider.force_flush(10_000)
+        provider.shutdown()
+    finally:
+        server.stop(None)
+    exported = [
+        (rs.resource, span.name)
+        for request in collector.requests
+        for rs in request.resource_spans
+        for scope in rs.scope_spans
+        for span in scope.spans
+    ]
+    assert [name for _, name in exported] == ["hello"]
+    resource = {a.key: a.value.string_value for a in exported[0][0].attributes}
+    assert resource["service.name"] == "inferx-router" and resource["service.instance.id"] == "r-7"
 
 
 def test_file_exporter_needs_a_path() -> None:
@@ -95,7 +148,7 @@ class Upstream(scheduler_pb2_grpc.SchedulerServicer):
 
 
 async def _server(add) -> tuple[grpc.aio.Server, str]:
-    server = grpc.aio.server(interceptors=[telemetry.server_interceptor(), ErrorMappingInterceptor()])
+    server = grpc.aio.server(interceptors=[*telemetry.server_interceptors(), ErrorMappingInterceptor()])
     add(server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

@@ -32,6 +32,11 @@ def fmt_ms(ms: float) -> str:
     return f"{ms:,.0f} ms" if ms >= 10 or ms == 0 else f"{ms:.1f} ms"
 
 
+def _num(ms: float) -> str:
+    """Milliseconds for a table column: sub-10 ms values keep a decimal."""
+    return f"{ms:,.0f}" if ms >= 10 or ms == 0 else f"{ms:.1f}"
+
+
 def _name(node_id: str, width: int = NAME_W) -> str:
     return node_id if len(node_id) <= width else node_id[: width - 1] + "…"
 
@@ -168,9 +173,10 @@ def stats_lines(stats: router_pb2.ChainStats, width: int = WIDTH) -> list[Text]:
     for node in stats.nodes:
         top = node.node_id == stats.top_node
         row = Text("▶ " if top else "  ", "bold red")
+        lat = node.latency
         row.append(
-            f"{_name(node.node_id):<{NAME_W}} {node.samples:>5} {node.latency.p50_ms:>8,.0f}"
-            f" {node.latency.p90_ms:>8,.0f} {node.latency.p99_ms:>8,.0f} {node.p99_share:>10.0%}",
+            f"{_name(node.node_id):<{NAME_W}} {node.samples:>5} {_num(lat.p50_ms):>8}"
+            f" {_num(lat.p90_ms):>8} {_num(lat.p99_ms):>8} {node.p99_share:>10.0%}",
             "bold red" if top else "",
         )
         lines.append(row)

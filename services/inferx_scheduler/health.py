@@ -1,0 +1,102 @@
+"""Which workers may take hops right now: one circuit breaker per worker, fed by hop
+failures and by active gRPC health checks, so a worker that stops answering leaves
+scheduling within seconds instead of when its etcd lease finally expires."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from inferx.discovery import ChannelPool
+from inferx.pools import PoolDirectory
+from inferx.resilience import BreakerBoard, BreakerState, CircuitBreaker
+
+log = logging.getLogger("inferx.scheduler.health")
+
+# A transport failure of a hop is strong evidence: one opens the breaker. Health
+# checks can be slow under load, so it takes several failed ones in a row.
+HOP_FAILURES_TO_OPEN = 1
+HEALTH_FAILURES_TO_OPEN = 3
+OPEN_S = 3.0
+
+
+class WorkerHealth:
+    def __init__(
+        self, directory: PoolDirectory, channels: ChannelPool, on_change: Callable[[], None]
+    ) -> None:
+        self._directory = directory
+        self._channels = channels
+        self._on_change = on_change
+        self.breakers = BreakerBoard(CircuitBreaker(failure_threshold=HOP_FAILURES_TO_OPEN, open_s=OPEN_S))
+        self._health_failures: dict[str, int] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def usable(self, worker_id: str, now: float | None = None) -> bool:
+        """Open breakers exclude a worker until OPEN_S passed; then one hop probes it."""
+        breaker = self.breakers.breakers.get(worker_id)
+        if breaker is None:
+            return True
+        return breaker.admits(now if now is not None else time.monotonic())
+
+    def hop_failed(self, worker_id: str) -> None:
+        breaker = self.breakers.get(worker_id)
+        before = breaker.state
+        breaker.force_open(time.monotonic())
+        if before != BreakerState.OPEN:
+            log.warning("worker %s failed a hop: no new hops for %.0fs", worker_id, OPEN_S)
+
+    def hop_succeeded(self, worker_id: str) -> None:
+        breaker = self.breakers.breakers.get(worker_id)
+        if breaker is not None:
+            breaker.record(True, time.monotonic())
+
+    def states(self) -> dict[str, str]:
+        return {w: s.name.lower() for w, s in self.breakers.states().items()}
+
+    def start(self, interval_s: float = 1.0) -> None:
+        self._task = asyncio.create_task(self._probe_forever(interval_s), name="worker-health")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _probe_forever(self, interval_s: float) -> None:
+        while True:
+            started = time.monotonic()
+            workers = self._directory.all_workers()
+            # One round per interval: each probe gets most of it, all run at once.
+            results = await asyncio.gather(*(self._probe(w.address, 0.8 * interval_s) for w in workers))
+            changed = False
+            for worker, ok in zip(workers, results, strict=True):
+                if ok:
+                    self._health_failures.pop(worker.worker_id, None)
+                    continue
+                failures = self._health_failures.get(worker.worker_id, 0) + 1
+                self._health_failures[worker.worker_id] = failures
+                if failures >= HEALTH_FAILURES_TO_OPEN:
+                    if self.usable(worker.worker_id):
+                        log.warning(
+                            "worker %s failed %d health checks: taking it out", worker.worker_id, failures
+                        )
+                        changed = True
+                    # Still failing: the open period starts again, no probe goes to it.
+                    self.breakers.get(worker.worker_id).force_open(time.monotonic())
+            if changed:
+                self._on_change()
+            await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
+
+    async def _probe(self, address: str, timeout_s: float) -> bool:
+        stub = health_pb2_grpc.HealthStub(self._channels.get(address))
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
