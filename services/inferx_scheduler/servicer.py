@@ -81,14 +81,14 @@ class HopDispatcher:
         hop = self.queue.submit(pool, run_id, hop_id, time.monotonic(), view)
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._waiters[hop.seq] = future
-        metrics.QUEUE_DEPTH.labels(pool).set(self.queue.queued(pool))
+        self._publish_depth(pool)
         self.dispatch()
         return hop, future
 
     def cancel(self, hop: QueuedHop) -> None:
         self._waiters.pop(hop.seq, None)
         if self.queue.cancel(hop):
-            metrics.QUEUE_DEPTH.labels(hop.pool).set(self.queue.queued(hop.pool))
+            self._publish_depth(hop.pool)
 
     def finished(self, hop: QueuedHop, context_tokens: int = 0, service_s: float = 0.0) -> None:
         self.queue.finished(hop, time.monotonic(), context_tokens=context_tokens, service_s=service_s)
@@ -114,13 +114,17 @@ class HopDispatcher:
                 continue
             future.set_result(hop.worker_id or "")
         for pool in self.queue.pools():
-            metrics.QUEUE_DEPTH.labels(pool).set(self.queue.queued(pool))
+            self._publish_depth(pool)
             if not registered.get(pool):
                 # The pool's last worker left: fail its queued hops now, not at their deadline.
                 for hop in self.queue.drain_pool(pool):
                     future = self._waiters.pop(hop.seq, None)
                     if future is not None and not future.done():
                         future.set_exception(Unavailable(f"all workers of pool '{pool}' left"))
+
+    def _publish_depth(self, pool: str) -> None:
+        metrics.QUEUE_DEPTH.labels(pool).set(self.queue.queued(pool))
+        metrics.set_queued_by_tier(pool, self.queue.queued_by_tier(pool))
 
     def _concurrency(self, max_concurrency: int) -> int:
         limit = max_concurrency or 1

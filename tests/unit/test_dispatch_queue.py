@@ -74,3 +74,15 @@ def test_no_worker_ever_exceeds_its_concurrency(ops) -> None:
             q.finished(running.pop(n % len(running)))
         assert q.in_flight("a") <= 2 and q.in_flight("b") <= 3
         assert q.running("p") == len(running)
+
+
+def test_queued_hops_counted_per_tier() -> None:
+    from inferx.scheduling.views import HopView
+
+    q = DispatchQueue()
+    q.submit("p", "r1", "a", 0, HopView("p", "r1", "a", tier=1))
+    q.submit("p", "r2", "b", 0, HopView("p", "r2", "b", tier=3))
+    q.submit("p", "r3", "c", 0, HopView("p", "r3", "c", tier=3))
+    q.submit("p", "r4", "d", 0)  # no tier: counted as standard
+    assert q.queued_by_tier("p") == {"realtime": 1, "batch": 2, "standard": 1}
+    assert q.queued_by_tier("other") == {}

@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from inferx.scheduling.policy import BaselinePolicy, Policy
-from inferx.scheduling.views import HopView, QueuedHop, WorkerSlots, WorkerView
+from inferx.scheduling.views import TIER_NAMES, HopView, QueuedHop, WorkerSlots, WorkerView
 
 __all__ = ["DispatchQueue", "QueueFull", "Rejected", "QueuedHop", "WorkerSlots"]
 
@@ -170,6 +170,15 @@ class DispatchQueue:
         hops = list(state.queue)
         state.queue.clear()
         return hops
+
+    def queued_by_tier(self, pool: str) -> dict[str, int]:
+        """Queued hops of `pool` per tier name (realtime, standard, batch)."""
+        counts: dict[str, int] = {}
+        state = self._pools.get(pool)
+        for hop in state.queue if state else ():
+            name = TIER_NAMES[hop.hop.tier_rank]
+            counts[name] = counts.get(name, 0) + 1
+        return counts
 
     def queued(self, pool: str) -> int:
         state = self._pools.get(pool)
