@@ -6,13 +6,14 @@ temporary state directory and a short lease TTL, and tear it down by process gro
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from inferx.devstack import LocalStack, StackPorts, read_models_file
+from inferx.devstack import LocalStack, StackPorts, read_models_file, wait_serving
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -36,23 +37,33 @@ def dump_logs(stack: LocalStack) -> None:
             print(f"----- {proc.name} -----\n{proc.log_tail(40)}")
 
 
-@pytest.fixture(scope="module")
-def sim_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    """etcd + all services + two sim workers, example models and chains loaded."""
-    stack = make_stack(tmp_path_factory.mktemp("stack"))
+@contextlib.contextmanager
+def running_sim_stack(
+    tmp: Path, *, workers: int = 2, sim_speed: float = 5, lease_ttl_s: int = TEST_LEASE_TTL_S
+) -> Iterator[LocalStack]:
+    """etcd + all services + `workers` sim workers, example models and chains loaded;
+    the logs are printed when start-up fails, and everything is stopped at the end."""
+    stack = make_stack(tmp, lease_ttl_s=lease_ttl_s)
     try:
         stack.start_core()
         stack.load_models(read_models_file(EXAMPLES / "models.yaml"))
-        for _ in range(2):
-            stack.start_worker("tiny-llama", "sim", ["--sim-speed", "5"])
-        from inferx.devstack import wait_serving
-
+        for _ in range(workers):
+            stack.start_worker("tiny-llama", "sim", ["--sim-speed", str(sim_speed)])
         for worker in stack.workers:
             wait_serving(worker, 60)
         stack.put_chains(sorted((EXAMPLES / "chains").glob("*.yaml")))
-        yield stack
     except BaseException:
         dump_logs(stack)
+        stack.stop()
         raise
+    try:
+        yield stack
     finally:
         stack.stop()
+
+
+@pytest.fixture(scope="module")
+def sim_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    """Shared by a module's tests: etcd, all services, two sim workers."""
+    with running_sim_stack(tmp_path_factory.mktemp("stack")) as stack:
+        yield stack

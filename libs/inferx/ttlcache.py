@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from inferx.v1 import cache_pb2
+
 
 @dataclass
 class Entry:
@@ -113,3 +115,17 @@ class TtlLruStore:
     def _remove(self, key: str) -> None:
         entry = self._entries.pop(key)
         self._bytes -= entry.size
+
+
+def stats_message(store: TtlLruStore) -> cache_pb2.CacheStats:
+    """A store's statistics as the protobuf both cache tiers report."""
+    s = store.stats
+    return cache_pb2.CacheStats(
+        entries=len(store),
+        bytes=store.bytes_used,
+        max_bytes=store.max_bytes,
+        hits=s.hits,
+        misses=s.misses,
+        evictions=s.evictions,
+        expirations=s.expirations,
+    )

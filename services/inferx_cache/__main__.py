@@ -12,7 +12,7 @@ from pydantic import Field
 from inferx.errors import InvalidArgument
 from inferx.server import ServiceComponent, ServiceRuntime, run_service
 from inferx.settings import ServiceSettings
-from inferx.ttlcache import TtlLruStore
+from inferx.ttlcache import TtlLruStore, stats_message
 from inferx.v1 import cache_pb2, cache_pb2_grpc
 
 LOOKUPS = Counter("inferx_cache_lookups_total", "Cache look-ups", ["result"])
@@ -63,16 +63,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         return cache_pb2.CacheListResponse(values=self.store.get_list(request.key, time.monotonic()))
 
     async def GetCacheStats(self, request, context):
-        s = self.store.stats
-        return cache_pb2.CacheStats(
-            entries=len(self.store),
-            bytes=self.store.bytes_used,
-            max_bytes=self.store.max_bytes,
-            hits=s.hits,
-            misses=s.misses,
-            evictions=s.evictions,
-            expirations=s.expirations,
-        )
+        return stats_message(self.store)
 
     async def Invalidate(self, request, context):
         if not request.key and not request.prefix:

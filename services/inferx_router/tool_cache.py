@@ -17,7 +17,7 @@ import grpc
 
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.hashring import HashRing
-from inferx.ttlcache import TtlLruStore
+from inferx.ttlcache import TtlLruStore, stats_message
 from inferx.v1 import cache_pb2, cache_pb2_grpc
 
 log = logging.getLogger("inferx.router.cache")
@@ -130,13 +130,4 @@ class TieredCache:
         return list(await asyncio.gather(*(one(a) for a in self.replicas())))
 
     def local_stats(self) -> cache_pb2.CacheStats:
-        s = self.local.stats
-        return cache_pb2.CacheStats(
-            entries=len(self.local),
-            bytes=self.local.bytes_used,
-            max_bytes=self.local.max_bytes,
-            hits=s.hits,
-            misses=s.misses,
-            evictions=s.evictions,
-            expirations=s.expirations,
-        )
+        return stats_message(self.local)

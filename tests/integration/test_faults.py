@@ -15,11 +15,11 @@ import pytest
 
 from inferx import etcd
 from inferx.client import InferxClient
-from inferx.devstack import LocalStack, read_models_file, wait_serving
+from inferx.devstack import LocalStack
 from inferx.etcd import make_client
 from inferx.toolkit import IdempotencyRecords
 from inferx.v1 import tool_pb2, tool_pb2_grpc
-from tests.conftest import EXAMPLES, dump_logs, make_stack
+from tests.conftest import running_sim_stack
 from tests.integration.faults import ToolServer, describe, run_batch
 
 pytestmark = pytest.mark.integration
@@ -30,21 +30,8 @@ BATCH = 20
 @pytest.fixture
 def stack(tmp_path: Path):
     """A fresh stack per scenario (they break things): etcd, services, 2 sim workers."""
-    stack = make_stack(tmp_path)
-    try:
-        stack.start_core()
-        stack.load_models(read_models_file(EXAMPLES / "models.yaml"))
-        for _ in range(2):
-            stack.start_worker("tiny-llama", "sim", ["--sim-speed", "2"])
-        for worker in stack.workers:
-            wait_serving(worker, 60)
-        stack.put_chains([EXAMPLES / "chains" / "customer_service_agent.yaml"])
+    with running_sim_stack(tmp_path, sim_speed=2) as stack:
         yield stack
-    except BaseException:
-        dump_logs(stack)
-        raise
-    finally:
-        stack.stop()
 
 
 def queries(n: int = BATCH) -> list[dict[str, str]]:
@@ -287,23 +274,12 @@ async def test_kill_9_of_a_worker_mid_run_chains_finish_on_the_other(stack: Loca
 @pytest.fixture
 def long_lease_stack(tmp_path: Path):
     """Leases of a minute: only health checks can take a silent worker out quickly."""
-    stack = make_stack(tmp_path, lease_ttl_s=60)
-    try:
-        stack.start_core()
-        stack.load_models(read_models_file(EXAMPLES / "models.yaml"))
-        for _ in range(2):
-            stack.start_worker("tiny-llama", "sim", ["--sim-speed", "2"])
-        for worker in stack.workers:
-            wait_serving(worker, 60)
-        stack.put_chains([EXAMPLES / "chains" / "customer_service_agent.yaml"])
-        yield stack
-    except BaseException:
-        dump_logs(stack)
-        raise
-    finally:
-        for worker in stack.workers:
-            worker.signal(signal.SIGCONT)
-        stack.stop()
+    with running_sim_stack(tmp_path, sim_speed=2, lease_ttl_s=60) as stack:
+        try:
+            yield stack
+        finally:
+            for worker in stack.workers:
+                worker.signal(signal.SIGCONT)
 
 
 async def test_worker_that_stops_answering_leaves_scheduling_before_its_lease_expires(

@@ -13,9 +13,9 @@ import pytest
 
 from inferx import etcd
 from inferx.client import InferxClient
-from inferx.devstack import LocalStack, read_models_file, wait_serving
+from inferx.devstack import LocalStack
 from inferx.etcd import LeaseKeeper, PrefixMirror, make_client
-from tests.conftest import EXAMPLES, TEST_LEASE_TTL_S, dump_logs, make_stack
+from tests.conftest import TEST_LEASE_TTL_S, make_stack, running_sim_stack
 
 pytestmark = pytest.mark.integration
 
@@ -43,21 +43,8 @@ async def wait_until(predicate, timeout_s: float, interval_s: float = 0.2) -> fl
 
 @pytest.fixture
 def two_worker_stack(tmp_path: Path):
-    stack = make_stack(tmp_path)
-    try:
-        stack.start_core()
-        stack.load_models(read_models_file(EXAMPLES / "models.yaml"))
-        for _ in range(2):
-            stack.start_worker("tiny-llama", "sim", ["--sim-speed", "5"])
-        for worker in stack.workers:
-            wait_serving(worker, 60)
-        stack.put_chains([EXAMPLES / "chains" / "customer_service_agent.yaml"])
+    with running_sim_stack(tmp_path) as stack:
         yield stack
-    except BaseException:
-        dump_logs(stack)
-        raise
-    finally:
-        stack.stop()
 
 
 async def test_kill_9_worker_leaves_etcd_and_scheduling_within_the_ttl(
