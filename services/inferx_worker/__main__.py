@@ -19,15 +19,18 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 def make_engine(settings: WorkerSettings) -> Engine:
     if settings.engine == "sim":
+        from inferx.sim.profile import load_profile
         from inferx_worker.engines.sim_engine import SimEngine, SimParams
 
         log.warning("engine 'sim' is SIMULATED: latency model only, no model runs")
         return SimEngine(
-            SimParams(
+            SimParams.with_overrides(
+                load_profile(settings.sim_profile),
                 speed=settings.sim_speed,
+                prefix_caching=settings.prefix_caching,
                 decode_step_ms=settings.sim_decode_step_ms,
                 prefill_tokens_per_s=settings.sim_prefill_tokens_per_s,
-                max_concurrency=settings.max_num_seqs,
+                max_num_seqs=settings.max_num_seqs,
                 kv_capacity_tokens=settings.sim_kv_capacity_tokens,
             )
         )
@@ -63,6 +66,7 @@ def make_engine(settings: WorkerSettings) -> Engine:
         max_model_len=settings.max_model_len,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         max_num_seqs=settings.max_num_seqs,
+        prefix_caching=settings.prefix_caching,
     )
 
 

@@ -39,9 +39,21 @@ class WorkerSettings(ServiceSettings):
         None, gt=0, le=1, description="vllm: memory fraction (default: 0.9 GPU, 0.1 CPU)"
     )
     sim_speed: float = Field(1.0, gt=0, description="sim: run this many times faster than real time")
-    sim_decode_step_ms: float = Field(10.0, gt=0, description="sim: decode step at batch 1")
-    sim_prefill_tokens_per_s: float = Field(15000.0, gt=0, description="sim: prefill throughput")
-    sim_kv_capacity_tokens: int = Field(262_144, gt=0, description="sim: KV-cache size in tokens")
+    sim_profile: str | None = Field(
+        None, description="sim: engine calibration file (YAML/JSON of inferx.sim.profile keys)"
+    )
+    sim_decode_step_ms: float | None = Field(
+        None, gt=0, description="sim: decode step at batch 1 (default: the profile's, 10 ms)"
+    )
+    sim_prefill_tokens_per_s: float | None = Field(
+        None, gt=0, description="sim: prefill throughput (default: the profile's, 15k tokens/s)"
+    )
+    sim_kv_capacity_tokens: int | None = Field(
+        None, gt=0, description="sim: KV-cache size in tokens (default: the profile's)"
+    )
+    prefix_caching: bool = Field(
+        True, description="vllm, sim: automatic prefix caching (off: for A/B benchmarks)"
+    )
     warm_up: bool = Field(True, description="run one short request before reporting ready")
 
     @field_validator("model")

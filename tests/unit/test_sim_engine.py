@@ -1,47 +1,127 @@
-"""The SIMULATED engine's latency model: prefill per token, decode per step growing
-with batch size, prefix-cache reuse of whole blocks."""
+"""The live SIMULATED engine drives the simulator's EngineModel against the wall clock:
+streaming, prefix reuse of whole blocks (prompt and output), batching, and agreement
+with the virtual-time model's timing."""
 
+import asyncio
 import time
 
+from inferx.sim.engine import EngineModel, SimRequest
+from inferx.sim.profile import EngineProfile
 from inferx_worker.engines.base import EngineRequest
-from inferx_worker.engines.sim_engine import SimEngine, SimParams
+from inferx_worker.engines.sim_engine import SimEngine, SimParams, block_segments, split_tokens
 
 
-async def _run(engine: SimEngine, prompt: str, max_tokens: int = 4):
-    chunks = [c async for c in engine.generate(EngineRequest("r", prompt, max_tokens=max_tokens))]
-    return chunks
+async def _run(engine: SimEngine, prompt: str, max_tokens: int = 4, rid: str = "r"):
+    return [c async for c in engine.generate(EngineRequest(rid, prompt, max_tokens=max_tokens))]
+
+
+def _fast(**profile) -> SimParams:
+    return SimParams(profile=EngineProfile(**profile), speed=100)
 
 
 def test_decode_step_grows_with_batch_like_the_published_profile() -> None:
-    engine = SimEngine(SimParams(decode_step_ms=10.0, batch_slowdown=0.13))
+    engine = SimEngine(SimParams(profile=EngineProfile(decode_step_ms=10.0, batch_slowdown=0.13)))
     assert engine.step_ms(1) == 10.0
     assert abs(engine.step_ms(32) - 11.3) < 1e-9
 
 
+def test_overrides_change_only_the_given_profile_keys() -> None:
+    params = SimParams.with_overrides(None, speed=3.0, decode_step_ms=None, max_num_seqs=2)
+    assert params.speed == 3.0
+    assert params.profile.max_num_seqs == 2
+    assert params.profile.decode_step_ms == EngineProfile().decode_step_ms
+
+
+def test_block_segments_key_prefixes_and_keep_partial_blocks_private() -> None:
+    a = block_segments(split_tokens("x" * (4 * 40), 4), 16)
+    b = block_segments(split_tokens("x" * (4 * 32) + "y" * 64, 4), 16)
+    c = block_segments(split_tokens("x" * (4 * 48), 4), 16)
+    assert [s.tokens for s in a] == [16, 16, 8] and a[-1].key is None
+    assert a[:2] == b[:2] == c[:2] and b[2].key not in (None, c[2].key)
+    assert block_segments(split_tokens("x" * (4 * 40), 4), 16, first=1) == a[1:]
+
+
 async def test_streams_tokens_and_reports_usage() -> None:
-    engine = SimEngine(SimParams(speed=100))
+    engine = SimEngine(_fast())
     await engine.start()
-    chunks = await _run(engine, "x" * 400, max_tokens=5)
-    assert [c.finished for c in chunks] == [False] * 5 + [True]
+    try:
+        chunks = await _run(engine, "x" * 400, max_tokens=5)
+    finally:
+        await engine.stop()
     final = chunks[-1]
+    assert final.finished and not any(c.finished for c in chunks[:-1])
     assert final.completion_tokens == 5 and final.prompt_tokens == 100
     assert final.cached_prompt_tokens == 0
+    assert len("".join(c.text for c in chunks)) == 5 * 4  # every token is 4 characters
 
 
-async def test_shared_prefix_is_served_from_the_prefix_cache() -> None:
-    engine = SimEngine(SimParams(speed=100, block_size=16))
+async def test_next_hop_hits_the_prompt_and_the_previous_output() -> None:
+    engine = SimEngine(_fast(block_size=16))
     await engine.start()
-    base = "the same long system prompt " * 20
-    await _run(engine, base + "first question")
-    second = (await _run(engine, base + "second question"))[-1]
-    assert second.cached_prompt_tokens >= 16 * ((len(base) // 4) // 16) - 16
-    assert second.cached_prompt_tokens < second.prompt_tokens
+    try:
+        first_prompt = "the same long system prompt " * 20  # 560 chars = 140 tokens
+        chunks = await _run(engine, first_prompt, max_tokens=40, rid="a")
+        completion = "".join(c.text for c in chunks)
+        second = (await _run(engine, first_prompt + completion + "next question", rid="b"))[-1]
+    finally:
+        await engine.stop()
+    # 140 + 40 = 180 tokens before the new input: 11 whole blocks are cached.
+    assert second.cached_prompt_tokens == 11 * 16
+    assert second.prompt_tokens == 180 + len("next question") // 4 + 1
 
 
-async def test_prefill_time_follows_uncached_tokens() -> None:
-    engine = SimEngine(SimParams(prefill_tokens_per_s=10_000, decode_step_ms=0.001))
+async def test_concurrent_requests_share_the_decode_batch() -> None:
+    # 10 ms steps at speed 10: 20 steps alone take ~20 ms; four together must take
+    # about as long as one (one batch), not four times as long.
+    engine = SimEngine(SimParams(profile=EngineProfile(kv_read_ms_per_1k_tokens=0), speed=10))
     await engine.start()
-    started = time.perf_counter()
-    await _run(engine, "y" * 4000, max_tokens=1)  # 1000 tokens -> 100 ms of prefill
-    assert time.perf_counter() - started >= 0.09
-    assert engine.load().running == 0
+    try:
+        started = time.perf_counter()
+        await asyncio.gather(*(_run(engine, f"q{i}" * 8, 20, f"r{i}") for i in range(4)))
+        elapsed = time.perf_counter() - started
+    finally:
+        await engine.stop()
+    assert elapsed < 3 * (20 * 10.5 / 1000 / 10) + 0.05
+    assert engine.load().running == 0 and engine.model.idle
+
+
+async def test_wall_time_follows_the_model() -> None:
+    # 1000 tokens at 10k tokens/s = 100 ms of prefill at speed 1.
+    profile = EngineProfile(prefill_tokens_per_s=10_000, decode_step_ms=0.001, prefill_attention_ms=0)
+    engine = SimEngine(SimParams(profile=profile))
+    await engine.start()
+    try:
+        started = time.perf_counter()
+        await _run(engine, "y" * 4000, max_tokens=1)
+        elapsed = time.perf_counter() - started
+    finally:
+        await engine.stop()
+    model = EngineModel(profile)
+    model.add(SimRequest("r", tuple(block_segments(split_tokens("y" * 4000, 4), 16)), 1))
+    plan = model.plan()
+    assert plan is not None and abs(plan.duration_s - 0.1) < 1e-6
+    assert elapsed >= 0.09
+
+
+async def test_cancelled_request_is_aborted_in_the_model() -> None:
+    engine = SimEngine(SimParams(speed=1))
+    await engine.start()
+    try:
+        stream = engine.generate(EngineRequest("long", "z" * 64, max_tokens=10_000))
+        await stream.__anext__()
+        await stream.aclose()
+        assert engine.model.idle
+    finally:
+        await engine.stop()
+
+
+async def test_without_prefix_caching_nothing_is_reused() -> None:
+    engine = SimEngine(SimParams(profile=EngineProfile(), speed=100, prefix_caching=False))
+    await engine.start()
+    try:
+        base = "the same long system prompt " * 20
+        await _run(engine, base + "first", rid="a")
+        second = (await _run(engine, base + "second", rid="b"))[-1]
+    finally:
+        await engine.stop()
+    assert second.cached_prompt_tokens == 0 and second.prompt_tokens > 100

@@ -113,3 +113,55 @@ def to_json(
             "comparison": comparison.model_dump() if comparison else None,
         }
     )
+
+
+def agreement_table(live: list[Summary], simulated: list[dict[str, Any]]) -> Table:
+    """Live run vs the simulator on the same chains, per policy."""
+    table = Table(title="live vs simulator (same chains)", title_justify="left")
+    table.add_column("metric")
+    sims = {s["policy"]: s["overall"] for s in simulated}
+    for s in live:
+        table.add_column(f"{s.policy} live", justify="right")
+        table.add_column(f"{s.policy} sim", justify="right")
+    for label, attr, kind in ROWS:
+        if attr in ("chains", "completed", "shed"):
+            continue
+        row = [label]
+        for s in live:
+            row.append(fmt(getattr(s.overall, attr), kind))
+            sim = sims.get(s.policy, {}).get(attr)
+            row.append(fmt(sim, kind) if sim is not None else "-")
+        table.add_row(*row)
+    return table
+
+
+def seed_table(summaries: list[Any]) -> Table:
+    """The seed-agent scenario: one column per configuration, the on/off ratio."""
+    table = Table(title="seed-agent chains", title_justify="left")
+    table.add_column("metric")
+    for s in summaries:
+        table.add_column(s.config, justify="right")
+    names = [s.config for s in summaries]
+    both = "on" in names and "off" in names
+    if both:
+        table.add_column("on / off", justify="right")
+    rows = (
+        ("chains", "chains", "int"),
+        ("completed", "completed", "int"),
+        ("latency P50", "latency_p50_s", "s"),
+        ("latency P90", "latency_p90_s", "s"),
+        ("latency P99", "latency_p99_s", "s"),
+        ("reusable-prefix hit rate", "reusable_hit_rate", "%"),
+        ("prefix-cache hits (all prompt tokens)", "prefix_hit_rate", "%"),
+        ("tool-cache hits", "tool_cache_hit_rate", "%"),
+        ("worker switches per chain", "worker_switches", "f3"),
+        ("wall time", "wall_s", "s"),
+    )
+    by = {s.config: s for s in summaries}
+    for label, attr, kind in rows:
+        row = [label] + [fmt(getattr(s, attr), kind) for s in summaries]
+        if both:
+            a, b = getattr(by["on"], attr), getattr(by["off"], attr)
+            row.append(f"{a / b:.2f}" if kind == "s" and b and math.isfinite(b) else "")
+        table.add_row(*row)
+    return table

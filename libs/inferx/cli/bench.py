@@ -3,7 +3,11 @@
   inferx workload -o FILE         write a JSONL agent-chain workload
   inferx sim                      replay a trace in virtual time (SIMULATED engines)
   inferx bench --simulate         the same as `inferx sim`
-  (live replay with --engine sim|vllm / --router is not implemented yet)
+  inferx bench --engine sim       replay the trace on a live local stack per policy
+                                  (SIMULATED sim workers, time-compressed by --speed)
+  inferx bench --scenario seed-agent --engine vllm
+                                  the seed-shaped agent chain on real vLLM workers,
+                                  all optimisations on vs all off (see seed_agent.py)
 By default both policies run on the default trace at 80% of the baseline's
 saturation load (found in the simulator) and the ratios are printed.
 """
@@ -14,6 +18,7 @@ import argparse
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -76,12 +81,15 @@ def _prepare(args: argparse.Namespace):
     trace = trace.at_rate(choice.rate_per_s)
     if args.duration is not None:
         trace = trace.head(args.duration)
+    max_chains = getattr(args, "max_chains", None)
+    if max_chains is not None and 0 < max_chains < len(trace.chains):
+        trace = trace.head(trace.chains[max_chains].arrival_s)
     if not trace.chains:
         raise InvalidArgument("the trace has no chains in the chosen --duration")
     return profile, trace, choice
 
 
-def _finish(args, runs, choice, profile, trace, where: str) -> int:
+def _finish(args, runs, choice, profile, trace, where: str, extra: dict | None = None) -> int:
     summaries, comparison = runner.conclude(runs)
     context = {
         "where": where,
@@ -93,6 +101,7 @@ def _finish(args, runs, choice, profile, trace, where: str) -> int:
         "saturation_per_s": choice.saturation.rate_per_s if choice.saturation else None,
         "workers": args.workers,
         "profile": profile.model_dump(),
+        **(extra or {}),
     }
     if args.json:
         print(json.dumps(runner_json(summaries, comparison, context), indent=2))
@@ -104,6 +113,12 @@ def _finish(args, runs, choice, profile, trace, where: str) -> int:
         from inferx.bench.report import print_report
 
         print_report(out, summaries, comparison, header)
+        if extra and "simulator" in extra:
+            from inferx.bench.report import agreement_table
+
+            out.print(agreement_table(summaries, extra["simulator"]))
+        if extra and any(extra.get("errors", {}).values()):
+            out.print(f"errors by status: {extra['errors']}", style="dim")
     return 0
 
 
@@ -121,14 +136,125 @@ def cmd_sim(args: argparse.Namespace) -> int:
     return _finish(args, runs, choice, profile, trace, where)
 
 
+async def cmd_live(args: argparse.Namespace) -> int:
+    from inferx.bench.live import LiveOptions, run_live_sim
+
+    if args.speed <= 0:
+        raise InvalidArgument("--speed must be positive")
+    policies = _policies(args)
+    profile, trace, choice = _prepare(args)
+    progress = _progress_factory(not args.json)
+    options = LiveOptions(
+        workers=args.workers,
+        speed=args.speed,
+        timeout_s=args.timeout,
+        state_dir=Path(args.state_dir) if args.state_dir else None,
+    )
+    note = (lambda s: None) if args.json else (lambda s: err.print(s, style="dim"))
+    runs, errors = await run_live_sim(trace, policies, profile, options, progress, note)
+    # The simulator on the same chains: how far live and virtual time agree.
+    simulated = runner.run_simulated(trace, policies, profile, args.workers, progress)
+    sim_summaries, _ = runner.conclude(simulated)
+    where = f"live stack, {args.workers} SIMULATED sim workers ({profile.name}), x{args.speed:g} time"
+    extra = {
+        "speed": args.speed,
+        "errors": errors,
+        "simulator": [s.model_dump() for s in sim_summaries],
+    }
+    return _finish(args, runs, choice, profile, trace, where, extra)
+
+
 async def cmd_bench(args: argparse.Namespace) -> int:
+    if args.scenario == "seed-agent":
+        return await cmd_seed_agent(args)
     if args.simulate:
         return cmd_sim(args)
-    # The live replay (a LocalStack per policy with `sim` or vLLM workers, hops sent
-    # closed-loop to the scheduler) is not built yet; say so instead of pretending.
-    raise InferxError(
-        "live replay (--engine/--router) is not implemented yet; "
-        "use `inferx sim` or `inferx bench --simulate` (virtual time, SIMULATED engines)"
+    if args.engine == "sim":
+        return await cmd_live(args)
+    if args.engine == "vllm":
+        raise InvalidArgument(
+            "the trace's contexts reach 32k tokens, beyond the local tiny model: replay it with "
+            "--engine sim, or run the seed-shaped scenario on vLLM with --scenario seed-agent"
+        )
+    if args.router:
+        raise InferxError("--router (replay against a running stack) is not implemented yet")
+    raise InvalidArgument("choose --simulate, --engine sim, or --scenario seed-agent --engine vllm")
+
+
+async def cmd_seed_agent(args: argparse.Namespace) -> int:
+    """`inferx bench --scenario seed-agent`: all optimisations on vs all off."""
+    import tempfile
+
+    from inferx.bench import seed_run
+
+    engine = args.engine or "vllm"
+    configs = args.compare or ["off", "on"]
+    unknown = [c for c in configs if c not in seed_run.CONFIGS]
+    if unknown:
+        known = ", ".join(seed_run.CONFIGS)
+        raise InvalidArgument(f"seed-agent configurations are {known}, not {unknown}")
+    if args.rate is not None and args.rate <= 0:
+        raise InvalidArgument("--rate must be positive")
+    model_path = Path(args.model_path)
+    if engine == "vllm" and not (model_path / "config.json").exists():
+        raise InvalidArgument(f"{model_path}: no model here (run `make model`)")
+    workers = args.workers if args.workers_given else 2
+    options = seed_run.SeedOptions(
+        engine=engine,
+        workers=workers,
+        chains=args.chains,
+        rate_per_s=args.rate if args.rate is not None else 0.5,
+        max_tokens=args.max_tokens,
+        tool_median_s=args.tool_median_ms / 1000,
+        model_path=str(model_path),
+        sim_speed=args.speed,
+        timeout_s=args.timeout,
+    )
+    knowledge = runner.DEFAULT_TRACE.parents[1] / "examples" / "knowledge_base.jsonl"
+    note = (lambda s: None) if args.json else (lambda s: err.print(s, style="dim"))
+    with tempfile.TemporaryDirectory(prefix="inferx-seed-") as tmp:
+        root = Path(args.state_dir) if args.state_dir else Path(tmp)
+        summaries = await seed_run.run_seed(
+            options, configs, root, knowledge, _progress_factory(not args.json), note
+        )
+    by_name = {s.config: s for s in summaries}
+    ratio = None
+    if "on" in by_name and "off" in by_name and by_name["off"].latency_p99_s:
+        ratio = by_name["on"].latency_p99_s / by_name["off"].latency_p99_s
+    context = {"scenario": "seed-agent", "options": options.__dict__, "p99_ratio_on_off": ratio}
+    if args.json:
+        from inferx.bench.report import to_json
+
+        data = to_json([], None, context)
+        data["summaries"] = to_json([], None, {"s": [s.model_dump() for s in summaries]})["s"]
+        print(json.dumps(data, indent=2))
+        return 0
+    from inferx.bench.report import seed_table
+
+    out.print(
+        f"[bold]seed-agent[/bold] on {options.workers} {engine} workers: {options.chains} chains, "
+        f"Poisson {options.rate_per_s:g}/s, max_tokens {options.max_tokens}, "
+        f"tool latency lognormal median {args.tool_median_ms:g} ms"
+    )
+    out.print(seed_table(summaries))
+    if ratio is not None:
+        mark = "[green]met[/green]" if ratio <= 0.5 else "[red]not met[/red]"
+        out.print(f"P99 ratio on/off {ratio:.2f} (target <= 0.5: {mark})")
+    for s in summaries:
+        if s.errors:
+            out.print(f"{s.config}: errors {s.errors}", style="dim")
+    return 0
+
+
+def _seed_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("--scenario seed-agent")
+    group.add_argument("--chains", type=int, default=60, help="chains to run per configuration (60)")
+    group.add_argument("--max-tokens", type=int, default=16, help="completion tokens per model call (16)")
+    group.add_argument(
+        "--tool-median-ms", type=float, default=300.0, help="knowledge-tool latency median (300 ms)"
+    )
+    group.add_argument(
+        "--model-path", default=".inferx/models/tiny-llama", help="vLLM model (the tiny local model)"
     )
 
 
@@ -166,7 +292,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
         help="policies to run on the same trace (default: baseline chain-aware)",
     )
     parser.add_argument("--policy", help="run one policy instead of comparing")
-    parser.add_argument("--workers", type=int, default=4, help="model workers (default 4)")
+    parser.add_argument("--workers", type=int, default=None, help="model workers (default 4; seed-agent 2)")
     load = parser.add_mutually_exclusive_group()
     load.add_argument("--rate", type=float, help="chain arrivals per second (virtual time)")
     load.add_argument(
@@ -181,6 +307,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def _defaults(args: argparse.Namespace) -> None:
+    args.workers_given = args.workers is not None
+    if args.workers is None:
+        args.workers = 4
+    if getattr(args, "scenario", None):
+        args.compare = args.compare or ["off", "on"]
+        return
     if args.policy:
         args.compare = None
     elif not args.compare:
@@ -198,9 +330,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     bench.add_argument(
         "--engine",
         choices=("sim", "vllm"),
-        help="live: start a local stack with this engine per policy (not implemented yet)",
+        help="live: start a local stack with this engine per policy",
     )
-    bench.add_argument("--router", help="use a running stack (its scheduler's policy)")
+    bench.add_argument("--router", help="use a running stack (not implemented yet)")
     bench.add_argument(
         "--speed",
         type=float,
@@ -208,6 +340,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="live sim: engines and the trace run this many times faster than real time",
     )
     bench.add_argument("--timeout", type=float, default=900.0, help="live: give up after S wall seconds")
+    bench.add_argument("--max-chains", type=int, help="live: only the first N chains of the trace")
+    bench.add_argument("--state-dir", help="live: keep each stack's state and logs under DIR/<name>")
+    bench.add_argument(
+        "--scenario",
+        choices=("seed-agent",),
+        help="seed-agent: an 8-call agent chain with knowledge-tool calls on real vLLM, "
+        "affinity + prefix cache + tool cache on vs off (see docs/benchmarks.md)",
+    )
+    _seed_arguments(bench)
     bench.set_defaults(handler=lambda a: (_defaults(a), cmd_bench(a))[1])
 
     trace = sub.add_parser("workload", help="generate a JSONL agent-chain workload trace")

@@ -1,24 +1,42 @@
-"""`sim`: a latency model of a continuous-batching GPU engine. SIMULATED -- it runs no
-model. It exists for benchmarks and fast tests and is only used when asked for with
-`--engine sim`; it is never chosen silently.
+"""`sim`: a SIMULATED continuous-batching GPU engine. It runs no model. It exists for
+benchmarks and fast tests and is only used when asked for with `--engine sim`; it is
+never chosen silently.
 
-The model (defaults from Vidur's published profile of Llama-3-8B on one A100):
-  prefill time  = uncached prompt tokens / prefill_tokens_per_s
-  decode step   = decode_step_ms * (1 + batch_slowdown * (batch - 1) / 31)
-                  (about 10 ms at batch 1, about 13% slower at batch 32)
-  prefix cache  = whole blocks of earlier prompts are reused (LRU over block hashes),
-                  so cached tokens skip prefill, as in vLLM's automatic prefix caching.
-`speed` divides every duration, so tests can run a "GPU" 20x faster than real time.
+It drives the same iteration-level model as the virtual-time simulator
+(`inferx.sim.engine.EngineModel`, calibrated by `inferx.sim.profile.EngineProfile`:
+Vidur's Llama-3-8B/A100 profile by default), against the wall clock:
+
+  * a prompt is cut into fixed-width "tokens" (`chars_per_token` characters), grouped
+    into blocks of `block_size` tokens keyed by a running hash of everything before
+    them, as vLLM's automatic prefix caching does; a request's cached prefix is the
+    run of leading blocks still in the KV pool (LRU over freed blocks);
+  * each engine iteration schedules decodes and chunked prefills under a token
+    budget, preempts when KV runs out, and costs `EngineProfile.step_ms(...)`;
+  * every generated token is exactly `chars_per_token` characters, and finished
+    sequences leave their prompt + output blocks in the cache, so a client that sends
+    "previous prompt + completion + new input" hits the prefix as on vLLM.
+
+Engine time runs `speed` times faster than the wall clock. The loop keeps an engine
+clock and sleeps until each iteration's end on it; when the process lags, iterations
+run back to back until the clock has caught up, so the simulated throughput does not
+depend on how busy the host is (as long as it keeps up on average).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
-from collections import OrderedDict
+import logging
+import math
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from prometheus_client import Counter
+
+from inferx.sim.engine import EngineModel, SimRequest
+from inferx.sim.kv import Segment
+from inferx.sim.profile import EngineProfile
 from inferx_worker.engines.base import (
     Engine,
     EngineCapacity,
@@ -27,28 +45,67 @@ from inferx_worker.engines.base import (
     EngineRequest,
 )
 
-_WORDS = (
+log = logging.getLogger("inferx.worker.sim")
+
+PREEMPTIONS = Counter("inferx_sim_preemptions_total", "Sequences preempted by the SIMULATED engine")
+
+# Generated text cycles through this string in `chars_per_token`-wide tokens.
+_TEXT = (
     "order shipping refund account agent support delivery status tracking update "
-    "customer request answer policy invoice package warehouse courier return item"
-).split()
+    "customer request answer policy invoice package warehouse courier return item "
+)
 
 
 @dataclass(frozen=True)
 class SimParams:
-    prefill_tokens_per_s: float = 15_000.0
-    decode_step_ms: float = 10.0
-    batch_slowdown: float = 0.13
-    kv_capacity_tokens: int = 262_144
-    block_size: int = 16
-    max_concurrency: int = 64
+    profile: EngineProfile = field(default_factory=EngineProfile)
     speed: float = 1.0
-    chars_per_token: float = 4.0
+    chars_per_token: int = 4
+    max_steps_per_iteration: int = 16  # decode stretches are streamed in chunks this long
+    prefix_caching: bool = True  # off: no block is ever shared or kept (A/B benchmarks)
+
+    @classmethod
+    def with_overrides(cls, profile: EngineProfile | None = None, **overrides: object) -> SimParams:
+        """`overrides` may hold `speed`, `chars_per_token`, and any EngineProfile key;
+        None values are ignored."""
+        mine = ("speed", "chars_per_token", "prefix_caching")
+        own = {k: v for k, v in overrides.items() if k in mine and v is not None}
+        prof = {k: v for k, v in overrides.items() if k not in own and v is not None}
+        base = profile or EngineProfile()
+        return cls(profile=base.model_copy(update=prof) if prof else base, **own)  # type: ignore[arg-type]
 
 
-def _tokens(text: str, chars_per_token: float) -> list[str]:
-    # Fixed-width "tokens" keep prefix matching exact and cheap.
-    width = max(1, int(chars_per_token))
+def split_tokens(text: str, chars_per_token: int) -> list[str]:
+    """Fixed-width "tokens" keep prefix matching exact and cheap."""
+    width = max(1, chars_per_token)
     return [text[i : i + width] for i in range(0, len(text), width)]
+
+
+def output_tokens(start: int, count: int, chars_per_token: int) -> list[str]:
+    """`count` generated tokens, each exactly `chars_per_token` characters; the text
+    depends only on `start` (the prompt length), so runs are deterministic."""
+    width = max(1, chars_per_token)
+    base = (start * 7) % len(_TEXT)
+    doubled = _TEXT * (2 + (count * width) // len(_TEXT))
+    text = doubled[base : base + count * width]
+    return [text[i : i + width] for i in range(0, count * width, width)]
+
+
+def block_segments(tokens: list[str], block_size: int, first: int = 0) -> list[Segment]:
+    """One segment per whole block, keyed by a running hash of all tokens before its
+    end; a trailing partial block is private (key None). Only segments from block
+    `first` on are returned (the hash still covers everything before them)."""
+    digest = hashlib.sha1()
+    segments: list[Segment] = []
+    whole = len(tokens) // block_size
+    for b in range(whole):
+        digest.update("".join(tokens[b * block_size : (b + 1) * block_size]).encode())
+        if b >= first:
+            segments.append(Segment(digest.hexdigest(), block_size))
+    tail = len(tokens) - whole * block_size
+    if tail and first <= whole:
+        segments.append(Segment(None, tail))
+    return segments
 
 
 class SimEngine(Engine):
@@ -57,77 +114,141 @@ class SimEngine(Engine):
     def __init__(self, params: SimParams | None = None, model_path: str = "sim") -> None:
         self.params = params or SimParams()
         self.model_path = model_path
-        self._running = 0
-        self._waiting = 0
-        self._blocks: OrderedDict[str, None] = OrderedDict()  # prefix-cache block hashes, LRU
-        self._slots: asyncio.Semaphore | None = None
+        self.model = EngineModel(self.params.profile)
+        self._streams: dict[str, asyncio.Queue[tuple[int, bool]]] = {}
+        self._kick: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._origin = 0.0
+
+    # ----- lifecycle ------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._slots = asyncio.Semaphore(self.params.max_concurrency)
+        if self._task is None:
+            self._kick = asyncio.Event()
+            self._origin = asyncio.get_running_loop().time()
+            self._task = asyncio.create_task(self._run(), name="sim-engine")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        m = self.model
+        log.info(
+            "sim engine stats: preemptions=%d prompt_tokens=%d cached_prompt_tokens=%d",
+            m.preemptions,
+            m.prompt_tokens_total,
+            m.cached_tokens_total,
+        )
 
     def capacity(self) -> EngineCapacity:
-        p = self.params
-        return EngineCapacity(p.kv_capacity_tokens, p.max_concurrency, p.block_size)
+        p = self.params.profile
+        return EngineCapacity(p.kv_capacity_tokens, p.max_num_seqs, p.block_size)
 
     def load(self) -> EngineLoad:
-        used = len(self._blocks) * self.params.block_size
-        return EngineLoad(self._running, self._waiting, min(1.0, used / self.params.kv_capacity_tokens))
+        m = self.model
+        return EngineLoad(len(m.running), len(m.waiting), min(1.0, m.kv.pinned / m.kv.capacity))
 
     def count_tokens(self, prompt: str) -> int:
-        return len(_tokens(prompt, self.params.chars_per_token))
+        return max(1, math.ceil(len(prompt) / max(1, self.params.chars_per_token)))
 
     def step_ms(self, batch: int) -> float:
-        p = self.params
-        return p.decode_step_ms * (1 + p.batch_slowdown * (max(batch, 1) - 1) / 31)
+        """A pure decode step of `batch` sequences (no context reads)."""
+        return self.params.profile.decode_ms(batch)
 
-    def _cached_and_remember(self, prompt_tokens: list[str]) -> int:
-        """Count leading whole blocks already cached, then cache all whole blocks."""
-        size = self.params.block_size
-        digest = hashlib.sha1()
-        cached = 0
-        still_prefix = True
-        for start in range(0, len(prompt_tokens) - size + 1, size):
-            digest.update("".join(prompt_tokens[start : start + size]).encode())
-            key = digest.hexdigest()
-            if still_prefix and key in self._blocks:
-                cached += size
-                self._blocks.move_to_end(key)
-            else:
-                still_prefix = False
-                self._blocks[key] = None
-        max_blocks = self.params.kv_capacity_tokens // size
-        while len(self._blocks) > max_blocks:
-            self._blocks.popitem(last=False)
-        return cached
+    # ----- the engine loop --------------------------------------------------------------
+
+    def _engine_now(self) -> float:
+        return (asyncio.get_running_loop().time() - self._origin) * self.params.speed
+
+    async def _sleep_until(self, engine_t: float) -> None:
+        delay = (engine_t - self._engine_now()) / self.params.speed
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    async def _run(self) -> None:
+        assert self._kick is not None
+        clock = 0.0
+        while True:
+            plan = self.model.plan(self.params.max_steps_per_iteration)
+            if plan is None:
+                self._kick.clear()
+                await self._kick.wait()
+                clock = max(clock, self._engine_now())  # idle time passes at once
+                continue
+            self._kick.clear()
+            steps = plan.steps
+            end = clock + plan.duration_s
+            delay = (end - self._engine_now()) / self.params.speed
+            if delay > 0 and steps > 1:
+                # asyncio.wait, not wait_for: wait_for (3.11) may swallow a cancel.
+                waiter = asyncio.ensure_future(self._kick.wait())
+                try:
+                    await asyncio.wait({waiter}, timeout=delay)
+                finally:
+                    waiter.cancel()
+                if self._kick.is_set():
+                    # A newcomer: stop the decode stretch at the step in progress.
+                    elapsed = self._engine_now() - clock
+                    steps = min(steps, max(1, math.ceil(elapsed / plan.step_s)))
+                    end = clock + steps * plan.step_s
+                    await self._sleep_until(end)
+            elif delay > 0:
+                await asyncio.sleep(delay)
+            clock = end
+            before = self.model.preemptions
+            result = self.model.commit(plan, steps, clock)
+            PREEMPTIONS.inc(self.model.preemptions - before)
+            finished = {r.request_id for r in result.finished}
+            for request_id, count in result.tokens.items():
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    stream.put_nowait((count, request_id in finished))
+
+    # ----- requests ---------------------------------------------------------------------
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
-        assert self._slots is not None, "start() first"
+        assert self._kick is not None, "start() first"
         p = self.params
-        self._waiting += 1
+        block = p.profile.block_size
+        tokens = split_tokens(request.prompt, p.chars_per_token)
+        wanted = max(1, request.max_tokens)
+        out = output_tokens(len(tokens), wanted, p.chars_per_token)
+        if p.prefix_caching:
+            prompt_segments = block_segments(tokens, block)
+            # Blocks completed by the output (from the prompt's partial block on) stay cached.
+            output_segments = [s for s in block_segments(tokens + out, block, len(tokens) // block) if s.key]
+        else:
+            prompt_segments, output_segments = [Segment(None, len(tokens))], []
+        sim = SimRequest(
+            request.request_id,
+            tuple(prompt_segments),
+            wanted,
+            priority=request.priority,
+            output_segments=tuple(output_segments),
+        )
+        stream: asyncio.Queue[tuple[int, bool]] = asyncio.Queue()
+        self._streams[request.request_id] = stream
+        self.model.add(sim)
+        self._kick.set()
+        produced, done = 0, False
         try:
-            await self._slots.acquire()
-        finally:
-            self._waiting -= 1
-        self._running += 1
-        try:
-            prompt_tokens = _tokens(request.prompt, p.chars_per_token)
-            cached = self._cached_and_remember(prompt_tokens)
-            prefill_s = (len(prompt_tokens) - cached) / p.prefill_tokens_per_s
-            await asyncio.sleep(prefill_s / p.speed)
-            produced = 0
-            for i in range(request.max_tokens):
-                await asyncio.sleep(self.step_ms(self._running) / 1000 / p.speed)
-                word = _WORDS[(len(prompt_tokens) + i * 7) % len(_WORDS)]
-                produced += 1
-                yield EngineChunk(text=(" " if i else "") + word)
+            while not done:
+                count, done = await stream.get()
+                text = "".join(out[produced : produced + count])
+                produced += count
+                yield EngineChunk(text=text)
             yield EngineChunk(
                 text="",
                 finished=True,
                 finish_reason="length",
-                prompt_tokens=len(prompt_tokens),
+                prompt_tokens=len(tokens),
                 completion_tokens=produced,
-                cached_prompt_tokens=cached,
+                cached_prompt_tokens=sim.cached_tokens,
             )
         finally:
-            self._running -= 1
-            self._slots.release()
+            self._streams.pop(request.request_id, None)
+            if not done:
+                self.model.abort(request.request_id)
+                self._kick.set()

@@ -55,6 +55,7 @@ class VllmEngine(Engine):
         max_num_seqs: int = 32,
         enforce_eager: bool = True,
         seed: int = 0,
+        prefix_caching: bool = True,
     ) -> None:
         self.model_path = str(model)
         self.dummy_weights = dummy_weights
@@ -64,6 +65,7 @@ class VllmEngine(Engine):
         self.max_num_seqs = max_num_seqs
         self.enforce_eager = enforce_eager
         self.seed = seed
+        self.prefix_caching = prefix_caching
         self.on_gpu: bool | None = None  # known after start()
         self.start_seconds: float | None = None  # how long start() took
         self._engine: Any = None  # vllm AsyncLLM
@@ -107,7 +109,7 @@ class VllmEngine(Engine):
             max_num_seqs=self.max_num_seqs,
             enforce_eager=self.enforce_eager,
             seed=self.seed,
-            enable_prefix_caching=True,
+            enable_prefix_caching=self.prefix_caching,
             scheduling_policy="priority",
             # Our stat logger (below) still gets scheduler stats; this only turns off
             # vLLM's periodic log lines.

@@ -1,0 +1,275 @@
+"""Live replay of a trace: a LocalStack per policy (etcd, memory-pool, the scheduler with
+`--policy NAME`, N `sim` workers running the simulator's EngineModel), the trace's
+chains driven closed-loop through the scheduler's SubmitHop.
+
+How a chain is replayed (the same rules as the virtual-time simulator):
+  * call k is submitted when call k-1 has finished and its tool delay / think time
+    has passed; its prompt is the chain's shared prefix text, every earlier call's
+    input and *actual completion*, then call k's new input, so a worker that kept the
+    chain's blocks prefills only the new tokens (the sim engine counts 4 characters
+    per token and every piece of text here is a whole number of tokens);
+  * HopContext is filled as the router fills it: run id, tier, the chain deadline
+    (arrival + SLO), hop index, remaining hops and the remaining critical path;
+  * time is compressed by `speed`: the workers run `speed` times faster than real
+    time and arrivals and tool delays are divided by it; every figure is multiplied
+    back, so results are in trace seconds, comparable with the simulator's.
+
+The scheduler's own time constants (starvation bound 10 s, tier promotion 120 s,
+affinity patience, chain TTL) are wall-clock constants in the live scheduler, so
+under compression they are `speed` times longer in trace time than in the simulator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from inferx.bench.metrics import ChainRecord, RunRecord
+from inferx.devstack import LocalStack, StackPorts, wait_serving
+from inferx.scheduling.views import TIER_BY_NAME
+from inferx.sim.cluster import alone_latency_s
+from inferx.sim.profile import EngineProfile
+from inferx.sim.trace import Trace, TraceChain
+from inferx.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+POOL = "sim"
+CHARS_PER_TOKEN = 4
+_FILLER = (
+    "the agent reads the file and runs the tests then calls the search tool with the "
+    "query and writes the patch for the failing function before it checks the log "
+)
+_PREEMPTIONS = re.compile(r"sim engine stats: preemptions=(\d+)")
+
+
+def piece(tag: str, tokens: int) -> str:
+    """Exactly `tokens` sim-engine tokens of text that starts with `tag`."""
+    width = tokens * CHARS_PER_TOKEN
+    head = f"[{tag}] "
+    body = head + _FILLER * (1 + width // len(_FILLER))
+    return body[:width]
+
+
+def build_prompt(chain: TraceChain, k: int, outputs: list[str]) -> str:
+    """Call k's prompt: shared prefix, earlier inputs and completions, new input."""
+    parts = [piece(f"system {chain.shared_prefix}", chain.shared_tokens)] if chain.shared_tokens else []
+    for j in range(k):
+        parts.append(piece(f"{chain.chain_id} call {j}", chain.hops[j].new_tokens))
+        parts.append(outputs[j])
+    parts.append(piece(f"{chain.chain_id} call {k}", chain.hops[k].new_tokens))
+    return "".join(parts)
+
+
+def remaining_path_s(chain: TraceChain, k: int, profile: EngineProfile) -> float:
+    """Expected time left on the chain's path from call k on (calls alone + delays)."""
+    last = len(chain.hops) - 1
+    return sum(
+        profile.alone_hop_s(h.new_tokens, chain.prompt_tokens(j), h.output_tokens)
+        + (h.delay_after_s if j < last else 0.0)
+        for j, h in enumerate(chain.hops[k:], start=k)
+    )
+
+
+def hop_request(
+    chain: TraceChain, k: int, prompt: str, deadline_unix_s: float, remaining_s: float, speed: float
+) -> scheduler_pb2.HopRequest:
+    return scheduler_pb2.HopRequest(
+        context=common_pb2.HopContext(
+            run_id=chain.chain_id,
+            hop_id=str(k),
+            chain_name=f"trace-{chain.kind}",
+            tier=TIER_BY_NAME[chain.tier],
+            chain_deadline_unix_ms=int(deadline_unix_s * 1000),
+            hop_index=k,
+            remaining_hops=len(chain.hops) - 1 - k,
+            remaining_critical_path_ms=remaining_s / speed * 1000,
+        ),
+        model=POOL,
+        prompt=prompt,
+        sampling=common_pb2.SamplingOptions(max_tokens=chain.hops[k].output_tokens),
+    )
+
+
+@dataclass
+class LiveOptions:
+    workers: int = 4
+    speed: float = 4.0
+    timeout_s: float = 900.0
+    state_dir: Path | None = None  # default: a temporary directory per run
+
+
+class TraceReplayer:
+    """Replays chains against one scheduler; pure bookkeeping in ChainRecord."""
+
+    def __init__(self, scheduler: str, trace: Trace, profile: EngineProfile, speed: float) -> None:
+        self.scheduler, self.trace, self.profile, self.speed = scheduler, trace, profile, speed
+        self.errors: dict[str, int] = {}
+
+    async def run(self, timeout_s: float, progress: Callable[[int], None]) -> list[ChainRecord]:
+        records = [ChainRecord.start(c, alone_s=alone_latency_s(c, self.profile)) for c in self.trace.chains]
+        done = 0
+        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        async with grpc.aio.insecure_channel(self.scheduler, options=options) as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+
+            async def one(chain: TraceChain, record: ChainRecord) -> None:
+                nonlocal done
+                try:
+                    await self._chain(stub, chain, record, start)
+                finally:
+                    done += 1
+                    progress(done)
+
+            tasks = [asyncio.create_task(one(c, r)) for c, r in zip(self.trace.chains, records, strict=True)]
+            _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            now_trace = (loop.time() - start) * self.speed
+        for record in records:
+            if record.status == "running":
+                record.finish("failed", now_trace)
+                self.errors["timeout"] = self.errors.get("timeout", 0) + 1
+        return records
+
+    async def _chain(self, stub, chain: TraceChain, record: ChainRecord, start: float) -> None:
+        loop = asyncio.get_running_loop()
+        speed = self.speed
+        await asyncio.sleep(max(0.0, start + chain.arrival_s / speed - loop.time()))
+        deadline_unix_s = time.time() + chain.slo_s / speed
+        outputs: list[str] = []
+        for k, hop in enumerate(chain.hops):
+            prompt = build_prompt(chain, k, outputs)
+            request = hop_request(
+                chain, k, prompt, deadline_unix_s, remaining_path_s(chain, k, self.profile), speed
+            )
+            ready = loop.time()
+            first: float | None = None
+            finished = None
+            try:
+                async for event in stub.SubmitHop(request):
+                    if event.kind == scheduler_pb2.HopEvent.KIND_TOKENS and first is None:
+                        first = loop.time()
+                    elif event.kind == scheduler_pb2.HopEvent.KIND_FINISHED:
+                        finished = event
+            except grpc.aio.AioRpcError as exc:
+                shed = exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                key = exc.code().name
+                self.errors[key] = self.errors.get(key, 0) + 1
+                record.finish("shed" if shed else "failed", (loop.time() - start) * speed)
+                return
+            if finished is None:
+                self.errors["no FINISHED"] = self.errors.get("no FINISHED", 0) + 1
+                record.finish("failed", (loop.time() - start) * speed)
+                return
+            record.ttft_s.append(((first or loop.time()) - ready) * speed)
+            record.prompt_tokens += finished.usage.prompt_tokens
+            record.cached_tokens += finished.usage.cached_prompt_tokens
+            outputs.append(finished.text)
+            if k < len(chain.hops) - 1:
+                await asyncio.sleep(hop.delay_after_s / speed)
+        record.finish("ok", (loop.time() - start) * speed)
+
+
+def start_sim_stack(state_dir: Path, policy: str, profile: EngineProfile, options: LiveOptions) -> LocalStack:
+    """etcd, memory-pool, scheduler(--policy), N sim workers; returns once all serve
+    and the scheduler sees every worker."""
+    stack = LocalStack(state_dir, StackPorts.free(), lease_ttl_s=10, fresh_etcd=True)
+    try:
+        stack.start_etcd()
+        for kind, extra in (("memory-pool", []), ("scheduler", ["--policy", policy])):
+            wait_serving(stack.start_service(kind, extra), 60)
+        stack.load_models({POOL: POOL})
+        profile_path = state_dir / "profile.json"
+        profile_path.write_text(json.dumps(profile.model_dump()))
+        extra = [
+            "--sim-speed",
+            str(options.speed),
+            "--sim-profile",
+            str(profile_path),
+            "--max-num-seqs",
+            str(profile.max_num_seqs),
+        ]
+        for _ in range(options.workers):
+            stack.start_worker(POOL, "sim", extra)
+        for worker in stack.workers:
+            wait_serving(worker, 60)
+        asyncio.run(_wait_workers_seen(stack.services["scheduler"].address, options.workers))
+        return stack
+    except BaseException:
+        stack.stop()
+        raise
+
+
+async def _wait_workers_seen(scheduler: str, workers: int, timeout_s: float = 30.0) -> None:
+    async with grpc.aio.insecure_channel(scheduler) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            status = await stub.GetSchedulerStatus(scheduler_pb2.SchedulerStatusRequest())
+            seen = sum(len(p.workers) for p in status.pools if p.pool == POOL)
+            if seen >= workers:
+                return
+            await asyncio.sleep(0.2)
+    raise TimeoutError(f"the scheduler did not see {workers} workers within {timeout_s:.0f}s")
+
+
+def preemptions_from_logs(stack: LocalStack) -> int:
+    total = 0
+    for worker in stack.workers:
+        try:
+            text = worker.log_path.read_text(errors="replace")
+        except OSError:
+            continue
+        total += sum(int(m) for m in _PREEMPTIONS.findall(text))
+    return total
+
+
+async def run_live_sim(
+    trace: Trace,
+    policies: list[str],
+    profile: EngineProfile,
+    options: LiveOptions,
+    progress,
+    on_note: Callable[[str], None] = lambda s: None,
+) -> tuple[list[RunRecord], dict[str, dict[str, int]]]:
+    """One fresh stack per policy, the same trace on each. Returns the runs and, per
+    policy, the count of errors by gRPC code (shed hops are RESOURCE_EXHAUSTED)."""
+    runs, errors = [], {}
+    for policy in policies:
+        with tempfile.TemporaryDirectory(prefix=f"inferx-bench-{policy}-") as tmp:
+            state = options.state_dir / policy if options.state_dir else Path(tmp)
+            state.mkdir(parents=True, exist_ok=True)
+            on_note(f"starting a stack: scheduler --policy {policy}, {options.workers} sim workers")
+            stack = await asyncio.to_thread(start_sim_stack, state, policy, profile, options)
+            try:
+                replayer = TraceReplayer(stack.services["scheduler"].address, trace, profile, options.speed)
+                started = time.perf_counter()
+                with progress(f"live {policy} (x{options.speed:g})", len(trace.chains)) as advance:
+                    records = await replayer.run(options.timeout_s, advance)
+                wall = time.perf_counter() - started
+            finally:
+                await asyncio.to_thread(stack.stop)
+            runs.append(
+                RunRecord(
+                    policy=policy,
+                    source=f"live (sim workers, x{options.speed:g})",
+                    window_s=trace.window_s,
+                    workers=options.workers,
+                    chains=records,
+                    preemptions=preemptions_from_logs(stack),
+                    makespan_s=wall * options.speed,
+                    wall_s=wall,
+                )
+            )
+            errors[policy] = replayer.errors
+    return runs, errors
