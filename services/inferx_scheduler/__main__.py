@@ -22,7 +22,11 @@ class SchedulerComponent(ServiceComponent):
             self.directory, self.channels, on_change=lambda: self.dispatcher.dispatch()
         )
         self.dispatcher = HopDispatcher(
-            self.directory, settings.max_queued_per_pool, settings.policy, usable=self.health.usable
+            self.directory,
+            settings.max_queued_per_pool,
+            settings.policy,
+            usable=self.health.usable,
+            time_scale=settings.time_scale,
         )
         self.services = ServiceLocator(runtime.etcd)
         self._health_interval_s = settings.health_check_interval_s

@@ -10,6 +10,12 @@ from inferx.settings import ServiceSettings
 class SchedulerSettings(ServiceSettings):
     max_queued_per_pool: int = Field(1024, gt=0, description="bound of each pool's hop queue")
     reserve_kv: bool = Field(True, description="reserve KV capacity in the memory-pool per hop")
+    time_scale: float = Field(
+        1.0,
+        gt=0,
+        description="the policy's time constants are divided by this (benchmarks that replay "
+        "a workload N times faster than real time pass N)",
+    )
     max_redispatch: int = Field(
         2, ge=0, le=10, description="times a hop goes to another worker after its worker failed"
     )

@@ -66,9 +66,10 @@ class HopDispatcher:
         max_queued_per_pool: int,
         policy: str = "baseline",
         usable: Callable[[str], bool] | None = None,
+        time_scale: float = 1.0,
     ) -> None:
         self.directory = directory
-        self.queue = DispatchQueue(max_queued_per_pool, make_policy(policy))
+        self.queue = DispatchQueue(max_queued_per_pool, make_policy(policy, time_scale=time_scale))
         self._waiters: dict[int, asyncio.Future[str]] = {}
         self._wake: asyncio.TimerHandle | None = None
         self._usable = usable or (lambda worker_id: True)

@@ -202,3 +202,16 @@ def test_chain_state_expires_after_its_ttl() -> None:
 def test_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="chain-aware"):
         make_policy("fastest")
+
+
+def test_time_scaled_config_shrinks_every_time_constant() -> None:
+    from inferx.scheduling.chain_aware import ChainAwareConfig
+
+    base = ChainAwareConfig()
+    fast = base.time_scaled(4)
+    assert fast.starvation_s == base.starvation_s / 4
+    assert fast.tier_starvation_s == base.tier_starvation_s / 4
+    assert fast.max_affinity_wait_s == base.max_affinity_wait_s / 4
+    assert fast.chain_ttl_s == base.chain_ttl_s / 4
+    assert fast.prefill_tokens_per_s == base.prefill_tokens_per_s * 4
+    assert fast.buckets == base.buckets  # sizes are not times

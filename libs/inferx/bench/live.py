@@ -15,8 +15,7 @@ How a chain is replayed (the same rules as the virtual-time simulator):
     back, so results are in trace seconds, comparable with the simulator's.
 
 The scheduler's own time constants (starvation bound 10 s, tier promotion 120 s,
-affinity patience, chain TTL) are wall-clock constants in the live scheduler, so
-under compression they are `speed` times longer in trace time than in the simulator.
+affinity patience, chain TTL) are compressed too: it runs with `--time-scale speed`.
 """
 
 from __future__ import annotations
@@ -186,7 +185,8 @@ def start_sim_stack(state_dir: Path, policy: str, profile: EngineProfile, option
     stack = LocalStack(state_dir, StackPorts.free(), lease_ttl_s=10, fresh_etcd=True)
     try:
         stack.start_etcd()
-        for kind, extra in (("memory-pool", []), ("scheduler", ["--policy", policy])):
+        scheduler = ["--policy", policy, "--time-scale", str(options.speed)]
+        for kind, extra in (("memory-pool", []), ("scheduler", scheduler)):
             wait_serving(stack.start_service(kind, extra), 60)
         stack.load_models({POOL: POOL})
         profile_path = state_dir / "profile.json"

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from inferx.scheduling.views import (
@@ -44,6 +44,9 @@ from inferx.scheduling.views import (
 
 @dataclass(frozen=True)
 class ChainAwareConfig:
+    """Time constants are seconds of *workload* time; `time_scaled` divides them when
+    the workload is replayed faster than real time (benchmarks with --speed)."""
+
     progress: Literal["slack", "attained", "fcfs"] = "slack"
     buckets: tuple[int, ...] = (1024, 4096, 16384)  # prefill tokens: < each is a bucket
     starvation_s: float = 10.0
@@ -61,6 +64,20 @@ class ChainAwareConfig:
     shed_queue: int = 64  # batch hops waiting per worker before new batch chains are shed
     retry_after_s: float = 5.0
     chain_ttl_s: float = 300.0  # forget a chain (and its affinity) after this long idle
+
+    def time_scaled(self, factor: float) -> ChainAwareConfig:
+        """The same policy on a clock running `factor` times faster."""
+        if factor <= 0:
+            raise ValueError("time scale must be positive")
+        return replace(
+            self,
+            starvation_s=self.starvation_s / factor,
+            tier_starvation_s=self.tier_starvation_s / factor,
+            max_affinity_wait_s=self.max_affinity_wait_s / factor,
+            chain_ttl_s=self.chain_ttl_s / factor,
+            retry_after_s=self.retry_after_s / factor,
+            prefill_tokens_per_s=self.prefill_tokens_per_s * factor,
+        )
 
 
 @dataclass

@@ -112,12 +112,14 @@ class BaselinePolicy:
         return None
 
 
-def make_policy(name: str, **options: object) -> Policy:
-    """`baseline` or `chain-aware` (options: fields of ChainAwareConfig)."""
+def make_policy(name: str, time_scale: float = 1.0, **options: object) -> Policy:
+    """`baseline` or `chain-aware` (options: fields of ChainAwareConfig; `time_scale` > 1
+    when the workload runs that many times faster than real time)."""
     if name == "baseline":
         return BaselinePolicy()
     if name == "chain-aware":
         from inferx.scheduling.chain_aware import ChainAwareConfig, ChainAwarePolicy
 
-        return ChainAwarePolicy(ChainAwareConfig(**options))  # type: ignore[arg-type]
+        config = ChainAwareConfig(**options)  # type: ignore[arg-type]
+        return ChainAwarePolicy(config.time_scaled(time_scale) if time_scale != 1.0 else config)
     raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
