@@ -30,7 +30,7 @@ import grpc
 
 from inferx import telemetry
 from inferx.chain.schema import ChainConfig, NodeSpec
-from inferx.chain.template import render
+from inferx.chain.template import MissingReferenceError, render
 from inferx.chain.validate import sinks, topological_order
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.errors import InferxError, InvalidArgument, NotFound, Unavailable, from_rpc_error
@@ -222,7 +222,8 @@ class ChainRun:
                 await self._execute(node, result)
                 result.latency_ms = (time.perf_counter() - started) * 1000
                 telemetry.finish_node_span(span, result)
-            if result.status == "ok":
+            if result.status == "ok" or _usable(result):
+                # A node skipped on purpose contributes an empty output downstream.
                 self._outputs[node.id] = result.output
             metrics.observe_node(self.config.name, node.id, result)
             self._emit(node_finished=result)
@@ -245,6 +246,10 @@ class ChainRun:
         except ChainDeadline:
             result.status, result.error = "deadline_exceeded", "the chain's end-to-end budget is spent"
             return
+        except MissingReferenceError as exc:
+            # Validation guarantees references are upstream; this only trips on a
+            # dependency that produced nothing, which is this node's failure, not a crash.
+            failure = InvalidArgument(str(exc))
         except (InferxError, TimeoutError) as exc:
             failure = exc
         result.error = _describe(failure, node)
