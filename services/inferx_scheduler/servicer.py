@@ -158,13 +158,9 @@ class WorkerFailed(Unavailable):
     """The worker failed the hop itself (gone, crashed, refused): try another worker."""
 
 
-# Status codes of a worker call that say "this worker", not "this request", failed.
-WORKER_FAULTS = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.ABORTED,
-}
+# The status of a worker call that says "this worker", not "this request", failed:
+# it is gone, draining, or its engine died. Other codes fail the hop, not the worker.
+WORKER_FAULTS = {grpc.StatusCode.UNAVAILABLE}
 MAX_RESERVATION_WAIT_S = 2.0
 
 

@@ -8,7 +8,7 @@ import uuid
 import grpc
 
 from inferx.context_guard import ContextTooLong, check_or_truncate
-from inferx.errors import InvalidArgument, Unavailable
+from inferx.errors import Internal, InvalidArgument, Unavailable
 from inferx.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from inferx_worker import metrics
 from inferx_worker.engines.base import Engine, EngineError, EngineRequest
@@ -86,16 +86,24 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServicer):
         return guarded
 
     async def _guarded(self, request: EngineRequest):
-        """The engine's failures as status codes: a request the engine rejects (e.g. a
-        prompt longer than the model allows) is INVALID_ARGUMENT, anything else means
-        this worker cannot serve now (UNAVAILABLE), so the caller may go elsewhere."""
+        """The engine's failures as status codes. A request the engine rejects (e.g. a
+        prompt longer than the model allows) is INVALID_ARGUMENT: the caller's fault,
+        no reason to take this worker out. A dead engine is UNAVAILABLE: the scheduler
+        stops sending here and re-dispatches. Anything else is INTERNAL (this request
+        failed; the worker may be fine)."""
         try:
             async for chunk in self._engine.generate(request):
                 yield chunk
         except EngineError as exc:
-            if isinstance(exc.__cause__, ValueError):
+            if _rejected_request(exc.__cause__):
                 raise InvalidArgument(str(exc)) from None
-            raise Unavailable(str(exc)) from None
+            if not self._engine_alive():
+                raise Unavailable(str(exc)) from None
+            raise Internal(str(exc)) from None
+
+    def _engine_alive(self) -> bool:
+        check = getattr(self._engine, "alive", None)
+        return bool(check()) if callable(check) else True
 
     async def GetLoad(self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext):
         load = self._engine.load()
@@ -107,3 +115,13 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServicer):
             kv_capacity_tokens=capacity.kv_capacity_tokens,
             kv_usage_ratio=load.kv_usage_ratio,
         )
+
+
+def _rejected_request(cause: BaseException | None) -> bool:
+    """ValueError/TypeError, or an engine's own "client error" class (vLLM raises
+    VLLMValidationError, a VLLMClientError, for prompts longer than the model allows)."""
+    if cause is None:
+        return False
+    if isinstance(cause, ValueError | TypeError):
+        return True
+    return any(cls.__name__.endswith(("ClientError", "ValidationError")) for cls in type(cause).__mro__)

@@ -78,3 +78,18 @@ def test_bad_settings_exit_2_with_the_flag_named(argv, needle, capsys) -> None:
         load_settings(WorkerSettings, "inferx-worker", argv)
     assert exc.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_engine_rejections_are_told_apart_from_engine_failures() -> None:
+    from inferx_worker.servicer import _rejected_request
+
+    class VLLMClientError(Exception):
+        pass
+
+    class VLLMValidationError(VLLMClientError):
+        pass
+
+    assert _rejected_request(ValueError("too long"))
+    assert _rejected_request(VLLMValidationError("prompt exceeds max length"))
+    assert not _rejected_request(RuntimeError("engine core died"))
+    assert not _rejected_request(None)

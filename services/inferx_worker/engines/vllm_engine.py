@@ -245,6 +245,11 @@ class VllmEngine(Engine):
         """Exact: the model's own (Rust, fast) tokenizer."""
         return len(self._require_engine().get_tokenizer().encode(prompt))
 
+    def alive(self) -> bool:
+        """False once vLLM's engine core has died (then every request will fail)."""
+        engine = self._engine
+        return engine is not None and not getattr(engine, "errored", False)
+
     def capacity(self) -> EngineCapacity:
         self._require_engine()
         assert self._capacity is not None
