@@ -35,11 +35,11 @@ model: $(STAMP)
 	@test -f $(MODEL_DIR)/config.json || $(PY) -m inferx.tinymodel $(MODEL_DIR)
 
 etcd:
-	@bash deploy/scripts/ensure-etcd.sh
+	@bash deploy/scripts/ensure-command.sh etcd etcd-server
 
 # The tests check every /metrics page and the alert rules with promtool.
 promtool:
-	@bash deploy/scripts/ensure-promtool.sh
+	@bash deploy/scripts/ensure-command.sh promtool prometheus
 
 # Offline checks of deploy/ (the tests run them too).
 check-deploy: promtool

@@ -39,7 +39,7 @@ INFERX = str(Path(sys.executable).with_name("inferx"))
 def promtool() -> str:
     path = shutil.which("promtool")
     if path is None:
-        pytest.fail("promtool not found: run `make setup` (deploy/scripts/ensure-promtool.sh installs it)")
+        pytest.fail("promtool not found: run `make setup` (deploy/scripts/ensure-command.sh installs it)")
     return path
 
 

@@ -41,7 +41,7 @@ PROMQL_WORDS = {
 def promtool(*args: str) -> subprocess.CompletedProcess[str]:
     path = shutil.which("promtool")
     if path is None:
-        pytest.fail("promtool not found: run `make setup` (deploy/scripts/ensure-promtool.sh installs it)")
+        pytest.fail("promtool not found: run `make setup` (deploy/scripts/ensure-command.sh installs it)")
     return subprocess.run([path, *args], capture_output=True, text=True, timeout=60, cwd=ROOT)
 
 

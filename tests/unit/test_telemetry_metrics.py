@@ -23,7 +23,7 @@ from inferx_router import metrics
 def promtool() -> str:
     path = shutil.which("promtool")
     if path is None:
-        pytest.fail("promtool not found: run `make setup` (deploy/scripts/ensure-promtool.sh installs it)")
+        pytest.fail("promtool not found: run `make setup` (deploy/scripts/ensure-command.sh installs it)")
     return path
 
 
