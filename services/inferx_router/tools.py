@@ -109,6 +109,11 @@ class ToolRouter:
             SESSION_MEMORY: ("1", self._session_memory),
         }
 
+    def names(self) -> list[str]:
+        """Every tool a chain can call now: built-in ones and registered servers."""
+        remote = {key.removeprefix(etcd.TOOLS).split("/", 1)[0] for key in self.remote.items}
+        return sorted(set(self._builtins) | remote)
+
     def known(self, tool: str) -> bool:
         return tool in self._builtins or bool(self._remote_registrations(tool))
 

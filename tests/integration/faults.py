@@ -83,8 +83,13 @@ class ToolServer:
         await self.keeper.put(etcd.tool_key(self.name, "test"), json.dumps(registration).encode())
         self.keeper.start()
         assert await self.keeper.wait_registered(5)
-        await asyncio.sleep(0.5)  # the router sees it through its watch
-        return self
+        # The router learns of the tool through its etcd watch: wait until it has.
+        async with InferxClient(self.stack.router_address) as client:
+            for _ in range(100):
+                if self.name in (await client.status()).tools:
+                    return self
+                await asyncio.sleep(0.1)
+        raise AssertionError(f"the router never saw tool '{self.name}'")
 
     async def __aexit__(self, *exc: object) -> None:
         await self.keeper.close()

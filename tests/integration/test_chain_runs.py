@@ -168,6 +168,7 @@ async def test_status_lists_services_workers_queues_and_memory(sim_stack: LocalS
     assert {m.worker_id for m in status.memory} == {w.worker_id for w in status.workers}
     assert status.kv_headroom_ratio == pytest.approx(0.2)
     assert status.scheduler_policy
+    assert {"vector_search", "session_memory"} <= set(status.tools)
     assert not status.problems
 
 

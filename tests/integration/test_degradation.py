@@ -79,11 +79,13 @@ async def test_degradation_ladder(slow_pool: LocalStack) -> None:
     assert degraded.ok, describe([degraded])
     hops = {h.node_id: h for h in degraded.finished.hops}
     assert hops["extras"].status == "skipped" and hops["extras"].degradation == "skipped"
-    assert hops["extras"].retries == 2  # retried, then skipped because it is not critical
+    assert hops["extras"].retries >= 1  # retried, then skipped because it is not critical
     assert hops["lookup"].degradation == "stale_cache"
     assert json.loads(hops["lookup"].output) == {"fresh": {"topic": "refunds"}}
     assert hops["final"].status == "ok"
-    assert degraded.finished.retries_used >= 2
+    # Both failing nodes retried from one budget (3 per run), which ran out.
+    assert degraded.finished.retries_used == 3
+    assert hops["extras"].retries + hops["lookup"].retries == 3
 
 
 OVERLOAD = """

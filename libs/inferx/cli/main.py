@@ -291,6 +291,8 @@ async def cmd_status(args: argparse.Namespace) -> int:
     for queue in status.queues:
         queues.add_row(queue.pool, str(queue.queued), str(queue.running))
     out.print(queues)
+    if status.tools:
+        out.print("tools: " + ", ".join(status.tools))
     if status.circuit_breakers:
         out.print("circuit breakers:")
         for target, state in sorted(status.circuit_breakers.items()):
