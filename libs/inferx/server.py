@@ -17,7 +17,6 @@ Shutdown on SIGTERM/SIGINT, in this order and for these reasons:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -303,11 +302,3 @@ async def _shutdown(
 
 def to_json_bytes(message: Any) -> bytes:
     return json_format.MessageToJson(message, indent=None).encode()
-
-
-def from_json_bytes(data: bytes, message_cls: type[Any]) -> Any:
-    return json_format.Parse(data, message_cls(), ignore_unknown_fields=True)
-
-
-def json_dumps(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))

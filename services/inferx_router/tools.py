@@ -114,9 +114,6 @@ class ToolRouter:
         remote = {key.removeprefix(etcd.TOOLS).split("/", 1)[0] for key in self.remote.items}
         return sorted(set(self._builtins) | remote)
 
-    def known(self, tool: str) -> bool:
-        return tool in self._builtins or bool(self._remote_registrations(tool))
-
     def _remote_registrations(self, tool: str) -> list[dict[str, Any]]:
         prefix = f"{etcd.TOOLS}{tool}/"
         found = []

@@ -185,17 +185,23 @@ class FlakyPayments(tool_pb2_grpc.ToolServiceServicer):
         return tool_pb2.ToolResponse(result_json=json.dumps(result))
 
 
-async def test_non_idempotent_tool_failing_after_its_side_effect_acts_once(sim_stack: LocalStack) -> None:
-    records = IdempotencyRecords(sim_stack.services["cache"].address)
+async def run_payments(stack: LocalStack, *, idempotency_keys: bool):
+    """BATCH pay_chain runs against FlakyPayments registered with or without key support."""
+    records = IdempotencyRecords(stack.services["cache"].address)
     payments = FlakyPayments(records)
+    amounts = [{"amount": str(i)} for i in range(BATCH)]
     try:
-        async with ToolServer(sim_stack, "payments", payments, idempotency_keys=True):
-            async with InferxClient(sim_stack.router_address) as client:
+        async with ToolServer(stack, "payments", payments, idempotency_keys=idempotency_keys):
+            async with InferxClient(stack.router_address) as client:
                 await client.put_chain(PAY_CHAIN)
-            amounts = [{"amount": str(i)} for i in range(BATCH)]
-            outcomes = await run_batch(sim_stack, "pay_chain", amounts, stagger_s=0.03)
+            outcomes = await run_batch(stack, "pay_chain", amounts, stagger_s=0.03)
     finally:
         await records.close()
+    return payments, amounts, outcomes
+
+
+async def test_non_idempotent_tool_failing_after_its_side_effect_acts_once(sim_stack: LocalStack) -> None:
+    payments, amounts, outcomes = await run_payments(sim_stack, idempotency_keys=True)
     assert all(o.ok for o in outcomes), describe(outcomes)
     assert len(payments.charges) == BATCH
     assert set(payments.charges.values()) == {1}  # every run charged exactly once
@@ -207,16 +213,7 @@ async def test_non_idempotent_tool_failing_after_its_side_effect_acts_once(sim_s
 
 
 async def test_non_idempotent_tool_without_key_support_is_not_retried(sim_stack: LocalStack) -> None:
-    records = IdempotencyRecords(sim_stack.services["cache"].address)
-    payments = FlakyPayments(records)
-    try:
-        async with ToolServer(sim_stack, "payments", payments, idempotency_keys=False):
-            async with InferxClient(sim_stack.router_address) as client:
-                await client.put_chain(PAY_CHAIN)
-            amounts = [{"amount": str(i)} for i in range(BATCH)]
-            outcomes = await run_batch(sim_stack, "pay_chain", amounts, stagger_s=0.03)
-    finally:
-        await records.close()
+    payments, amounts, outcomes = await run_payments(sim_stack, idempotency_keys=False)
     assert set(payments.charges.values()) == {1}
     for inputs, o in zip(amounts, outcomes, strict=True):
         lost = inputs["amount"] in payments.lost_amounts
