@@ -1,9 +1,21 @@
-"""`inferx-memory-pool`: the cluster-wide KV-capacity ledger the scheduler reserves from."""
+"""`inferx-memory-pool`: the cluster-wide KV-capacity ledger the scheduler reserves from.
+
+Holders: a reservation may name its holder, the registered instance id of the
+scheduler that made it. The pool mirrors the schedulers' registrations
+(`/inferx/v1/services/scheduler/<instance-id>`) and drops a holder's reservations when
+its registration goes away (its lease ended: it died). The rule is race-free because it
+acts only on a transition the mirror saw: a holder is dropped only if the mirror saw it
+registered and then saw it gone. A holder the mirror has never seen (its registration is
+not mirrored yet, it is not a registered scheduler, or it came and went while the watch
+was down) is never dropped this way; its reservations end by their lease like any other.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import math
 import time
 
 import grpc
@@ -17,7 +29,29 @@ from inferx.server import ServiceComponent, ServiceRuntime, run_service
 from inferx.settings import ServiceSettings
 from inferx.v1 import common_pb2, memory_pool_pb2, memory_pool_pb2_grpc, worker_pb2, worker_pb2_grpc
 from inferx_memory_pool import metrics
-from inferx_memory_pool.ledger import InsufficientCapacity, KvLedger, UnknownWorker
+from inferx_memory_pool.ledger import (
+    HOP,
+    LOOKAHEAD,
+    InsufficientCapacity,
+    KvLedger,
+    ReservationKind,
+    UnknownWorker,
+)
+
+log = logging.getLogger("inferx.memory_pool")
+
+# Registrations of the services that hold reservations; the key's last segment is the id.
+HOLDERS = etcd.SERVICES + "scheduler/"
+
+KIND_FROM_PROTO: dict[int, ReservationKind] = {
+    memory_pool_pb2.RESERVATION_KIND_UNSPECIFIED: HOP,
+    memory_pool_pb2.RESERVATION_KIND_HOP: HOP,
+    memory_pool_pb2.RESERVATION_KIND_LOOKAHEAD: LOOKAHEAD,
+}
+KIND_TO_PROTO: dict[ReservationKind, int] = {
+    HOP: memory_pool_pb2.RESERVATION_KIND_HOP,
+    LOOKAHEAD: memory_pool_pb2.RESERVATION_KIND_LOOKAHEAD,
+}
 
 
 class MemoryPoolSettings(ServiceSettings):
@@ -31,7 +65,12 @@ class MemoryPoolSettings(ServiceSettings):
         0.85, gt=0, le=1, description="engine KV usage above which only realtime work is admitted"
     )
     usage_poll_s: float = Field(1.0, gt=0, description="how often to read each worker's KV usage")
-    reservation_ttl_s: float = Field(300.0, gt=0, description="a reservation not released expires after this")
+    reservation_ttl_s: float = Field(
+        300.0, gt=0, description="a hop reservation not released expires after this (request lease_s 0)"
+    )
+    lookahead_lease_s: float = Field(
+        30.0, gt=0, description="a look-ahead reservation not released expires after this (request lease_s 0)"
+    )
 
 
 class MemoryPoolServicer(memory_pool_pb2_grpc.MemoryPoolServicer):
@@ -39,29 +78,43 @@ class MemoryPoolServicer(memory_pool_pb2_grpc.MemoryPoolServicer):
         self.ledger = ledger
 
     def _publish(self) -> None:
-        metrics.publish(self.ledger.snapshot())
+        metrics.publish(self.ledger.snapshot(time.monotonic()))
 
     async def Reserve(self, request, context):
         if request.tokens <= 0:
             raise InvalidArgument("tokens: must be positive")
+        if not (math.isfinite(request.lease_s) and request.lease_s >= 0):
+            raise InvalidArgument("lease_s: must be >= 0 and finite (0 = the pool's default)")
+        kind = KIND_FROM_PROTO.get(request.kind)
+        if kind is None:
+            raise InvalidArgument(f"kind: unknown reservation kind {request.kind}")
+        now = time.monotonic()
         try:
             res = self.ledger.reserve(
                 request.worker_id,
                 request.tokens,
-                time.monotonic(),
+                now,
                 request.run_id,
                 request.hop_id,
                 protected=request.tier == common_pb2.TIER_REALTIME,
+                holder=request.holder,
+                lease_s=request.lease_s or None,
+                kind=kind,
+                replaces=request.replaces,
             )
         except UnknownWorker as exc:
             raise NotFound(str(exc)) from None
         except InsufficientCapacity as exc:
-            metrics.RESERVATIONS.labels("refused").inc()
+            metrics.RESERVATIONS.labels("refused", kind).inc()
             raise ResourceExhausted(str(exc), retry_after_s=0.5) from None
-        metrics.RESERVATIONS.labels("granted").inc()
+        metrics.RESERVATIONS.labels("granted", kind).inc()
         self._publish()
         return memory_pool_pb2.Reservation(
-            reservation_id=res.reservation_id, worker_id=res.worker_id, tokens=res.tokens
+            reservation_id=res.reservation_id,
+            worker_id=res.worker_id,
+            tokens=res.tokens,
+            kind=KIND_TO_PROTO[res.kind],
+            expires_in_s=max(0.0, res.expires_at - now),
         )
 
     async def Release(self, request, context):
@@ -70,11 +123,10 @@ class MemoryPoolServicer(memory_pool_pb2_grpc.MemoryPoolServicer):
         return memory_pool_pb2.ReleaseResponse(released=released)
 
     async def GetUsage(self, request, context):
-        self.ledger.expire(time.monotonic())
         reply = memory_pool_pb2.PoolUsage(
             headroom_ratio=self.ledger.headroom_ratio, high_usage_ratio=self.ledger.high_usage_ratio
         )
-        for row in self.ledger.snapshot():
+        for row in self.ledger.snapshot(time.monotonic()):
             reply.workers.add(
                 worker_id=row.worker_id,
                 pool=row.pool,
@@ -83,6 +135,8 @@ class MemoryPoolServicer(memory_pool_pb2_grpc.MemoryPoolServicer):
                 usable_tokens=row.usable_tokens,
                 reservations=row.reservations,
                 engine_kv_usage_ratio=row.engine_usage_ratio,
+                lookahead_tokens=row.lookahead_tokens,
+                lookahead_reservations=row.lookahead_reservations,
             )
         return reply
 
@@ -92,10 +146,17 @@ class MemoryPoolComponent(ServiceComponent):
 
     def __init__(self, runtime: ServiceRuntime, settings: MemoryPoolSettings) -> None:
         self.servicer = MemoryPoolServicer(
-            KvLedger(settings.headroom_ratio, settings.reservation_ttl_s, settings.high_usage_ratio)
+            KvLedger(
+                settings.headroom_ratio,
+                settings.reservation_ttl_s,
+                settings.high_usage_ratio,
+                lookahead_ttl_s=settings.lookahead_lease_s,
+            )
         )
         self.directory = PoolDirectory()
         self.workers = etcd.PrefixMirror(runtime.etcd, etcd.WORKERS, self._on_workers)
+        self.holders = etcd.PrefixMirror(runtime.etcd, HOLDERS, self._on_holders)
+        self._holders_seen: set[str] = set()  # registered holders as the mirror last saw them
         self.channels = ChannelPool()
         self._poll_s = settings.usage_poll_s
         self._poller: asyncio.Task[None] | None = None
@@ -107,6 +168,21 @@ class MemoryPoolComponent(ServiceComponent):
             {w.worker_id: (w.pool, int(w.kv_capacity_tokens)) for w in self.directory.all_workers()}
         )
         self.servicer._publish()
+
+    def _on_holders(self, items: dict[str, bytes]) -> None:
+        """Drop the reservations of holders whose registration the mirror saw go away
+        (never of a holder it has not seen registered: see the module docstring)."""
+        live = {key.rsplit("/", 1)[-1] for key in items}
+        gone, self._holders_seen = self._holders_seen - live, live
+        dropped = 0
+        for holder in sorted(gone):
+            count = self.servicer.ledger.drop_holder(holder)
+            if count:
+                log.info("holder %s is gone (its registration ended): dropped %d reservations", holder, count)
+            dropped += count
+        if dropped:
+            metrics.HOLDER_DROPPED.inc(dropped)
+            self.servicer._publish()
 
     async def _poll_usage(self) -> None:
         """The ledger's usage comes from what each engine reports, not from guesses."""
@@ -123,7 +199,9 @@ class MemoryPoolComponent(ServiceComponent):
 
     async def ready(self) -> None:
         self.workers.start()
+        self.holders.start()
         await self.workers.wait_synced(timeout_s=30)
+        await self.holders.wait_synced(timeout_s=30)
         self._poller = asyncio.create_task(self._poll_usage(), name="kv-usage-poller")
 
     async def stop(self) -> None:
@@ -132,6 +210,7 @@ class MemoryPoolComponent(ServiceComponent):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
         await self.workers.close()
+        await self.holders.close()
         await self.channels.close()
 
 

@@ -1,5 +1,7 @@
 """Prometheus metrics of the memory-pool: KV capacity, reservations and how full each
-pool and worker is (the `> 85%` alert reads the usage ratios). Labels: pool, worker."""
+pool and worker is (the `> 85%` alert reads the usage ratios), the room kept by look-ahead
+reservations, and reservations dropped because their holder died. Labels: pool, worker,
+result, kind."""
 
 from __future__ import annotations
 
@@ -7,10 +9,10 @@ from collections.abc import Iterable
 
 from prometheus_client import Counter, Gauge
 
-from inferx_memory_pool.ledger import WorkerLedger
+from inferx_memory_pool.ledger import KINDS, WorkerLedger
 
 KV_CAPACITY = Gauge("inferx_memory_kv_capacity_tokens", "KV capacity reported by workers", ["pool"])
-KV_RESERVED = Gauge("inferx_memory_kv_reserved_tokens", "KV tokens reserved by running hops", ["pool"])
+KV_RESERVED = Gauge("inferx_memory_kv_reserved_tokens", "KV tokens reserved (hops and look-aheads)", ["pool"])
 KV_USAGE = Gauge("inferx_memory_kv_usage_ratio", "Reserved / capacity KV tokens of each pool", ["pool"])
 WORKER_KV_USAGE = Gauge(
     "inferx_memory_worker_kv_usage_ratio", "Reserved / capacity KV tokens of each worker", ["pool", "worker"]
@@ -21,11 +23,23 @@ ENGINE_KV_USAGE = Gauge(
     ["pool", "worker"],
 )
 ACTIVE = Gauge("inferx_memory_active_reservations", "Reservations currently held", ["pool"])
-RESERVATIONS = Counter(
-    "inferx_memory_reservations_total", "Reservation requests by result (granted|refused)", ["result"]
+WORKER_LOOKAHEAD = Gauge(
+    "inferx_memory_worker_lookahead_tokens",
+    "KV tokens of each worker kept by look-ahead reservations for chains' next hops",
+    ["pool", "worker"],
 )
-for _result in ("granted", "refused"):  # both series exist from the start: rate() needs them
-    RESERVATIONS.labels(_result)
+RESERVATIONS = Counter(
+    "inferx_memory_reservations_total",
+    "Reservation requests by result (granted|refused) and kind (hop|lookahead)",
+    ["result", "kind"],
+)
+for _result in ("granted", "refused"):  # every series exists from the start: rate() needs them
+    for _kind in KINDS:
+        RESERVATIONS.labels(_result, _kind)
+HOLDER_DROPPED = Counter(
+    "inferx_memory_holder_dropped_reservations_total",
+    "Reservations dropped because their holder's registration ended (it died) before releasing them",
+)
 
 
 _workers_seen: set[tuple[str, str]] = set()
@@ -44,10 +58,12 @@ def publish(rows: Iterable[WorkerLedger]) -> None:
         workers.add((row.pool, row.worker_id))
         WORKER_KV_USAGE.labels(row.pool, row.worker_id).set(_ratio(row.reserved_tokens, row.capacity_tokens))
         ENGINE_KV_USAGE.labels(row.pool, row.worker_id).set(row.engine_usage_ratio)
+        WORKER_LOOKAHEAD.labels(row.pool, row.worker_id).set(row.lookahead_tokens)
     # A worker that left must not keep alerting with its last value.
     for gone in _workers_seen - workers:
         WORKER_KV_USAGE.remove(*gone)
         ENGINE_KV_USAGE.remove(*gone)
+        WORKER_LOOKAHEAD.remove(*gone)
     _workers_seen.clear()
     _workers_seen.update(workers)
     for pool, tokens in capacity.items():

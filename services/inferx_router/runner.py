@@ -35,6 +35,7 @@ from inferx.chain.validate import sinks, topological_order
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.errors import InferxError, InvalidArgument, NotFound, Unavailable, from_rpc_error
 from inferx.resilience import Degradation, NodeFallbacks, RetryBudget, backoff_s, degradation_ladder
+from inferx.tokens import estimate_tokens
 from inferx.v1 import common_pb2, router_pb2, scheduler_pb2, scheduler_pb2_grpc
 from inferx_router import metrics, records
 from inferx_router.chain_store import StoredVersion
@@ -87,6 +88,25 @@ def remaining_paths_ms(config: ChainConfig) -> dict[str, float]:
     return longest
 
 
+def next_model_nodes(config: ChainConfig) -> dict[str, list[str]]:
+    """For each node: the model nodes that can come next after it (through any tool or
+    memory nodes in between). The scheduler may reserve KV ahead for them."""
+    dependents: dict[str, list[str]] = {node.id: [] for node in config.nodes}
+    for node in config.nodes:
+        for dep in node.depends_on:
+            dependents[dep].append(node.id)
+    found: dict[str, list[str]] = {}
+    for node_id in reversed(topological_order(config)):
+        nexts: list[str] = []
+        for child in dependents[node_id]:
+            if config.node(child).type == "model_inference":
+                nexts.append(child)
+            else:
+                nexts.extend(found[child])
+        found[node_id] = list(dict.fromkeys(nexts))
+    return found
+
+
 def tool_output_text(value: Any) -> str:
     if isinstance(value, str):
         return value
@@ -133,6 +153,7 @@ class ChainRun:
         self._started = time.perf_counter()
         self._budget_s = self.config.slo.latency_p99_ms / 1000
         self._ahead_ms = remaining_paths_ms(self.config)
+        self._next_models = next_model_nodes(self.config)
         self._model_hops_total = sum(node.type == "model_inference" for node in self.config.nodes)
         self._model_hops_done = 0
         self._deadline_unix_ms = int(time.time() * 1000 + self.config.slo.latency_p99_ms)
@@ -377,6 +398,7 @@ class ChainRun:
                 hop_index=self._model_hops_done,
                 remaining_hops=max(self._model_hops_total - self._model_hops_done - 1, 0),
                 remaining_critical_path_ms=self._ahead_ms.get(node.id, 0.0),
+                next_hops=self._next_hops(node, prompt),
             ),
             model=model,
             prompt=prompt,
@@ -407,6 +429,20 @@ class ChainRun:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise TimeoutError from None
             raise from_rpc_error(exc, target=f"scheduler at {address}") from None
+
+    def _next_hops(self, node: NodeSpec, prompt: str) -> list[common_pb2.NextHop]:
+        """The model hops that can follow this one. Their prompts are not rendered yet:
+        estimated as this prompt plus this hop's output, since each hop extends the context."""
+        tokens = estimate_tokens(prompt) + node.max_tokens
+        hops = []
+        for next_id in self._next_models.get(node.id, []):
+            nxt = self.config.node(next_id)
+            hops.append(
+                common_pb2.NextHop(
+                    hop_id=nxt.id, model=nxt.model or "", prompt_tokens=tokens, max_tokens=nxt.max_tokens
+                )
+            )
+        return hops
 
     def _arguments(self, node: NodeSpec) -> dict[str, Any]:
         if node.arguments:

@@ -9,6 +9,7 @@ from inferx.server import ServiceComponent, ServiceRuntime, run_service
 from inferx.v1 import scheduler_pb2, scheduler_pb2_grpc
 from inferx_scheduler.config import SchedulerSettings
 from inferx_scheduler.health import WorkerHealth
+from inferx_scheduler.lookahead import LookAhead
 from inferx_scheduler.servicer import HopDispatcher, SchedulerServicer
 
 
@@ -30,6 +31,18 @@ class SchedulerComponent(ServiceComponent):
         )
         self.services = ServiceLocator(runtime.etcd)
         self._health_interval_s = settings.health_check_interval_s
+        self.lookahead = (
+            LookAhead(
+                self.dispatcher,
+                self.services,
+                self.channels,
+                holder=runtime.instance_id,
+                lease_s=settings.lookahead_lease_s / settings.time_scale,
+                growth=settings.lookahead_growth,
+            )
+            if settings.lookahead
+            else None
+        )
 
         def on_workers(items: dict[str, bytes]) -> None:
             self.directory.update_workers(items)
@@ -45,6 +58,8 @@ class SchedulerComponent(ServiceComponent):
                 settings.reserve_kv,
                 self.health,
                 settings.max_redispatch,
+                holder=runtime.instance_id,
+                lookahead=self.lookahead,
             ),
             runtime.server,
         )
@@ -57,6 +72,8 @@ class SchedulerComponent(ServiceComponent):
         self.health.start(self._health_interval_s)
 
     async def stop(self) -> None:
+        if self.lookahead is not None:
+            await self.lookahead.close()
         await self.health.close()
         for mirror in (self.workers, self.models, self.services.mirror):
             await mirror.close()

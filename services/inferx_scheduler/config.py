@@ -10,6 +10,20 @@ from inferx.settings import ServiceSettings
 class SchedulerSettings(ServiceSettings):
     max_queued_per_pool: int = Field(1024, gt=0, description="bound of each pool's hop queue")
     reserve_kv: bool = Field(True, description="reserve KV capacity in the memory-pool per hop")
+    lookahead: bool = Field(
+        True,
+        description="when a chain's next hop needs another pool or a much longer context, reserve "
+        "KV for it on its worker while the current hop runs (needs --reserve-kv)",
+    )
+    lookahead_lease_s: float = Field(
+        30.0, gt=0, description="a look-ahead reservation not used by then is dropped"
+    )
+    lookahead_growth: float = Field(
+        2.0,
+        gt=1,
+        description="a next hop in the same pool gets a look-ahead when its context is this many "
+        "times the current hop's",
+    )
     time_scale: float = Field(
         1.0,
         gt=0,

@@ -27,3 +27,10 @@ def set_queued_by_tier(pool: str, counts: dict[str, int]) -> None:
 REDISPATCHES = Counter(
     "inferx_scheduler_redispatches_total", "Hops sent to another worker after theirs failed", ["pool"]
 )
+
+LOOKAHEAD = Counter(
+    "inferx_scheduler_lookahead_total",
+    "Look-ahead reservations for a chain's next hop, by outcome: reserved, no_room, "
+    "refused (by the memory-pool), used (the hop ran where room was kept), moved (it ran elsewhere)",
+    ["pool", "outcome"],
+)

@@ -28,6 +28,7 @@ from inferx.v1 import (
 )
 from inferx_scheduler import metrics
 from inferx_scheduler.health import WorkerHealth
+from inferx_scheduler.lookahead import AheadHold, LookAhead
 
 log = logging.getLogger("inferx.scheduler")
 
@@ -173,6 +174,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         reserve_kv: bool,
         health: WorkerHealth,
         max_redispatch: int = 2,
+        *,
+        holder: str = "",
+        lookahead: LookAhead | None = None,
     ) -> None:
         self._dispatcher = dispatcher
         self._directory = dispatcher.directory
@@ -181,6 +185,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._reserve_kv = reserve_kv
         self._health = health
         self._max_redispatch = max_redispatch
+        self._holder = holder  # this instance: the memory-pool drops our reservations if it dies
+        self._lookahead = lookahead if reserve_kv else None
 
     async def SubmitHop(self, request: scheduler_pb2.HopRequest, context: grpc.aio.ServicerContext):
         if not request.model:
@@ -190,11 +196,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         pool = self._directory.pool_of(request.model)
         if not self._directory.workers_for(request.model):
             raise Unavailable(no_worker_message(request.model, pool))
+        # Room a look-ahead kept for this hop: its own reservation replaces that one.
+        ahead = self._lookahead.take(request.context) if self._lookahead is not None else None
         # A worker that dies or fails mid-hop costs a re-dispatch to another one of the
         # pool, not the hop: its breaker keeps new hops away from it meanwhile.
         for attempt in range(self._max_redispatch + 1):
             try:
-                async for event in self._dispatch_once(request, pool, context):
+                async for event in self._dispatch_once(request, pool, context, ahead):
                     yield event
                 return
             except WorkerFailed as exc:
@@ -204,7 +212,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 metrics.REDISPATCHES.labels(pool).inc()
                 log.warning("re-dispatching %s/%s: %s", request.context.run_id, request.context.hop_id, exc)
 
-    async def _dispatch_once(self, request, pool: str, context: grpc.aio.ServicerContext):
+    async def _dispatch_once(
+        self, request, pool: str, context: grpc.aio.ServicerContext, ahead: AheadHold | None = None
+    ):
         try:
             hop, assigned = self._dispatcher.submit(
                 pool, request.context.run_id, request.context.hop_id, hop_view(pool, request)
@@ -229,6 +239,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if worker is None:
                 raise WorkerFailed(f"worker {worker_id} of pool '{pool}' left before the hop started")
             yield Event(kind=Event.KIND_DISPATCHED, worker_id=worker_id, queue_ms=queue_ms, pool=pool)
+            if ahead is not None:
+                metrics.LOOKAHEAD.labels(pool, "used" if ahead.worker_id == worker_id else "moved").inc()
+            if self._lookahead is not None:
+                self._lookahead.start(pool, request, context.time_remaining())
             # The engine orders by the policy's priority (vLLM runs with priority
             # scheduling); baseline sends 0 to every hop, so the engine is FCFS.
             forwarded = scheduler_pb2.HopRequest()
@@ -236,7 +250,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             forwarded.context.priority = hop.engine_priority
             try:
                 async for event in self._run_on_worker(
-                    forwarded, worker.address, worker_id, pool, queue_ms, context
+                    forwarded, worker.address, worker_id, pool, queue_ms, context, ahead
                 ):
                     if event.kind == Event.KIND_FINISHED:
                         outcome.context_tokens = event.usage.prompt_tokens + event.usage.completion_tokens
@@ -249,8 +263,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             self._dispatcher.finished(hop, outcome.context_tokens, outcome.service_s)
 
-    async def _run_on_worker(self, request, address, worker_id, pool, queue_ms, context):
-        reservation = await self._reserve(worker_id, request, context)
+    async def _run_on_worker(self, request, address, worker_id, pool, queue_ms, context, ahead=None):
+        reservation = await self._reserve(worker_id, request, context, ahead)
         stub = worker_pb2_grpc.ModelWorkerStub(self._channels.get(address))
         remaining = context.time_remaining()
         text_parts: list[str] = []
@@ -288,9 +302,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             await self._release(reservation)
 
-    async def _reserve(self, worker_id: str, request: scheduler_pb2.HopRequest, context) -> str | None:
-        """Reserve the hop's KV before it runs. A refusal (no room, or usage above the
-        high mark for non-realtime work) makes the hop wait, briefly, then gives up with
+    async def _reserve(
+        self, worker_id: str, request: scheduler_pb2.HopRequest, context, ahead: AheadHold | None = None
+    ) -> str | None:
+        """Reserve the hop's KV before it runs (replacing the look-ahead reservation kept
+        for it, if any). A refusal (no room, or usage above the high mark for
+        non-realtime work) makes the hop wait, briefly, then gives up with
         RESOURCE_EXHAUSTED; a memory-pool that cannot be reached makes the scheduler
         conservative (half concurrency) but does not stop the hop."""
         if not self._reserve_kv:
@@ -307,6 +324,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             run_id=request.context.run_id,
             hop_id=request.context.hop_id,
             tier=request.context.tier,
+            holder=self._holder,
+            kind=memory_pool_pb2.RESERVATION_KIND_HOP,
+            replaces=ahead.reservation_id if ahead is not None else "",
         )
         waited, delay = 0.0, 0.05
         while True:

@@ -215,3 +215,150 @@ def test_time_scaled_config_shrinks_every_time_constant() -> None:
     assert fast.chain_ttl_s == base.chain_ttl_s / 4
     assert fast.prefill_tokens_per_s == base.prefill_tokens_per_s * 4
     assert fast.buckets == base.buckets  # sizes are not times
+
+
+# ----- reuse window, warm KV, chain end, per-pool affinity, look-ahead (issue #7) -----------
+
+
+def _run_hops(q: DispatchQueue, run: str, hops: int, workers: dict, start: float = 0.0, **kw) -> list[str]:
+    """Run `hops` consecutive hops of one chain; the workers they ran on."""
+    placed = []
+    for k in range(hops):
+        now = start + 2 * k
+        submit(q, view(run, str(k), hop_index=k, prompt_tokens=1000 * (k + 1), **kw), now=now)
+        (hop,) = q.assign(workers, now=now)
+        placed.append(hop.worker_id or "")
+        q.finished(hop, now + 1, context_tokens=1000 * (k + 1) + 50, service_s=1)
+    return placed
+
+
+def test_affinity_lasts_the_reuse_window_then_the_chain_moves_to_a_freer_worker() -> None:
+    q = chain_aware(reuse_window_hops=3, rebalance_margin=0.1)
+    workers = {"p": [WorkerSlots("a", 4, 100_000), WorkerSlots("b", 4, 100_000)]}
+    placed = _run_hops(q, "c", 3, workers)
+    assert len(set(placed)) == 1  # within the window: always its worker
+    home = placed[0]
+    other = "b" if home == "a" else "a"
+    # Load the home worker (two long-running hops of other chains) so the other is freer.
+    for i in range(2):
+        submit(q, view(f"busy{i}", prompt_tokens=200), now=6)
+    assert {h.worker_id for h in q.assign({"p": [WorkerSlots(home, 4, 100_000)]}, now=6)} == {home}
+    submit(q, view("c", "3", hop_index=3, prompt_tokens=4000), now=7)
+    (hop,) = q.assign(workers, now=7)
+    assert hop.worker_id == other  # window over: placed by load
+
+
+def test_past_the_window_a_chain_stays_home_when_loads_are_close() -> None:
+    q = chain_aware(reuse_window_hops=2, rebalance_margin=0.1)
+    workers = {"p": [WorkerSlots("a", 4, 100_000), WorkerSlots("b", 4, 100_000)]}
+    placed = _run_hops(q, "c", 5, workers)
+    assert len(set(placed)) == 1  # its held context makes home look fuller; the margin keeps it
+
+
+def test_zero_window_means_affinity_without_limit() -> None:
+    q = chain_aware(reuse_window_hops=0)
+    workers = {"p": [WorkerSlots("a", 4, 100_000), WorkerSlots("b", 4, 100_000)]}
+    assert len(set(_run_hops(q, "c", 8, workers))) == 1
+
+
+def test_an_idle_chains_context_is_held_for_kv_warm_s_only() -> None:
+    policy = ChainAwarePolicy(ChainAwareConfig(kv_warm_s=10, chain_ttl_s=300))
+    q = DispatchQueue(policy=policy)
+    submit(q, view("c", remaining_hops=3), now=0)
+    (hop,) = q.assign(TWO, now=0)
+    q.finished(hop, 1, context_tokens=700, service_s=1)
+    worker = hop.worker_id or ""
+    assert policy.resident(worker) == 700  # a tool call: its KV is kept warm
+    submit(q, view("d"), now=12)
+    q.assign(TWO, now=12)  # any event past the warm time lets the hold go
+    assert policy.resident(worker) == 0
+    assert policy.chain("c") is not None and policy.chain("c").worker_id == worker  # affinity stays
+
+
+def test_the_runs_last_hop_lets_its_context_go_at_once_but_a_sessions_is_kept() -> None:
+    policy = ChainAwarePolicy(ChainAwareConfig(kv_warm_s=30))
+    q = DispatchQueue(policy=policy)
+    submit(q, view("done", remaining_hops=0), now=0)
+    submit(q, view("turn", remaining_hops=0, session_id="s1"), now=0)
+    hops = q.assign(TWO, now=0)
+    for hop in hops:
+        q.finished(hop, 1, context_tokens=500, service_s=1)
+    assert policy.chain("done") is None
+    session = policy.chain("s1")
+    assert session is not None and policy.resident(session.worker_id or "") == 500
+
+
+def test_held_context_keeps_new_chains_off_a_worker_that_has_no_room_besides() -> None:
+    q = chain_aware(kv_budget=0.9, kv_warm_s=30)
+    workers = {"p": [WorkerSlots("a", 8, 10_000), WorkerSlots("b", 8, 10_000)]}
+    submit(q, view("c", remaining_hops=2, prompt_tokens=6000), now=0)
+    (first,) = q.assign({"p": [WorkerSlots("a", 8, 10_000)]}, now=0)
+    q.finished(first, 1, context_tokens=7000, service_s=1)  # held on "a" during its tool call
+    busy = submit(q, view("x", prompt_tokens=100), now=1)
+    assert q.assign({"p": [WorkerSlots("b", 8, 10_000)]}, now=1) == [busy]  # "b" has a hop running
+    submit(q, view("new", prompt_tokens=3000), now=2)
+    (hop,) = q.assign(workers, now=2)
+    assert hop.worker_id == "b"  # 3000 + 7000 held would overflow "a"
+
+
+def test_affinity_is_per_pool_for_chains_that_use_two_models() -> None:
+    q = chain_aware()
+    pools = {
+        "small": [WorkerSlots("s1", 4), WorkerSlots("s2", 4)],
+        "big": [WorkerSlots("b1", 4), WorkerSlots("b2", 4)],
+    }
+    seen = {}
+    for k, pool in enumerate(["small", "big", "small", "big", "small"]):
+        v = HopView(pool, "c", str(k), hop_index=k, prompt_tokens=500 * (k + 1), remaining_hops=4 - k)
+        q.submit(pool, "c", str(k), k, v)
+        (hop,) = q.assign(pools, now=k)
+        seen.setdefault(pool, set()).add(hop.worker_id)
+        q.finished(hop, k + 0.5, context_tokens=500 * (k + 1) + 20, service_s=0.5)
+    assert all(len(workers) == 1 for workers in seen.values()), seen
+
+
+def test_plan_ahead_holds_room_on_the_next_pool_and_the_hop_lands_there() -> None:
+    policy = ChainAwarePolicy(ChainAwareConfig())
+    q = DispatchQueue(policy=policy)
+    pools = {
+        "small": [WorkerSlots("s", 4, 50_000)],
+        "big": [WorkerSlots("b1", 4, 50_000), WorkerSlots("b2", 4, 50_000)],
+    }
+    q.assign(pools, now=0)
+    nxt = HopView("big", "c", "answer", prompt_tokens=4000, max_tokens=100)
+    target = q.plan_ahead(nxt, until=30, now=0)
+    assert target in ("b1", "b2") and policy.resident(target) == 4100
+    # Another chain placed meanwhile goes to the other big worker: room is kept.
+    submit_big = HopView("big", "other", "0", prompt_tokens=100)
+    q.submit("big", "other", "0", 1, submit_big)
+    (other,) = q.assign(pools, now=1)
+    assert other.worker_id != target
+    q.submit("big", "c", "answer", 2, HopView("big", "c", "answer", hop_index=1, prompt_tokens=4000))
+    (hop,) = q.assign(pools, now=2)
+    assert hop.worker_id == target and policy.resident(target) == 0  # the hold became the hop
+
+
+def test_plan_ahead_hold_expires_and_can_be_dropped() -> None:
+    policy = ChainAwarePolicy(ChainAwareConfig())
+    q = DispatchQueue(policy=policy)
+    q.assign({"big": [WorkerSlots("b", 4, 50_000)]}, now=0)
+    nxt = HopView("big", "c", "answer", prompt_tokens=1000)
+    assert q.plan_ahead(nxt, until=5, now=0) == "b" and policy.resident("b") > 0
+    q.drop_ahead(nxt)
+    assert policy.resident("b") == 0
+    assert q.plan_ahead(nxt, until=5, now=1) == "b"
+    q.submit("big", "x", "0", 6, HopView("big", "x", "0"))
+    q.assign({"big": [WorkerSlots("b", 4, 50_000)]}, now=6)
+    assert policy.resident("b") == 0  # the hop never came: the hold ran out
+
+
+def test_plan_ahead_finds_no_room_when_every_worker_is_full() -> None:
+    q = chain_aware(kv_budget=0.9)
+    q.assign({"big": [WorkerSlots("b", 4, 1_000)]}, now=0)
+    assert q.plan_ahead(HopView("big", "c", "a", prompt_tokens=5_000), until=5, now=0) is None
+
+
+def test_baseline_does_not_look_ahead() -> None:
+    q = DispatchQueue(policy=make_policy("baseline"))
+    q.assign({"big": [WorkerSlots("b", 4, 50_000)]}, now=0)
+    assert q.plan_ahead(HopView("big", "c", "a", prompt_tokens=100), until=5, now=0) is None

@@ -10,12 +10,23 @@ Order of the queue (lower first), computed when the queue is looked at:
      than `starvation_s` counts as the shortest bucket (the starvation bound).
   4. Progress (`progress`): `slack` = deadline - remaining critical path (least
      slack first), `attained` = most service received first, `fcfs` = chain arrival.
-Worker choice (chain affinity): a chain's hop goes to the worker that holds its
-prefix while that worker has room; if the worker is busy it may wait there for as
+Worker choice (chain affinity, per pool): a chain's hop goes to the worker that holds
+its prefix while that worker has room; if the worker is busy it may wait there for as
 long as moving would cost (re-prefilling the context elsewhere), then falls back to
 the worker with the most free KV. "Room" is memory-aware: a slot, and the hop's KV
-fits in `kv_budget` of the worker's KV after what is running and what idle chains
-homed there keep cached.
+fits in `kv_budget` of the worker's KV after what is running and what is held there
+for idle chains.
+Reuse window: affinity lasts `reuse_window_hops` hops on one worker; the next hop is
+then placed by load again (it stays unless another worker has `rebalance_margin` more
+free room), so one long chain cannot pin a hot worker for ever.
+Keeping KV warm: between its hops (a tool call, think time) a chain's context is held
+on its worker -- no other chain is placed there on that room -- for `kv_warm_s`; after
+that it is only a cache the engine may evict. A chain whose last hop finished
+(`remaining_hops == 0`) lets go at once.
+Look-ahead (`plan_ahead`): when a chain's next hop will need another pool (a bigger
+model) or a much longer context, room is held for it on the worker it will go to
+until the hop arrives or the hold expires; the scheduler mirrors the hold with a
+memory-pool reservation under a lease.
 Admission: new batch chains wait while the pool is loaded past `batch_wait_load`
 (new standard chains past `standard_wait_load`), and are shed (RESOURCE_EXHAUSTED,
 with a retry hint) when the load is past `shed_load` and `shed_queue` batch hops per
@@ -24,6 +35,8 @@ worker already wait. Realtime work is never held back or shed by the policy.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -64,6 +77,9 @@ class ChainAwareConfig:
     shed_queue: int = 64  # batch hops waiting per worker before new batch chains are shed
     retry_after_s: float = 5.0
     chain_ttl_s: float = 300.0  # forget a chain (and its affinity) after this long idle
+    reuse_window_hops: int = 4  # hops on one worker before placement is decided again; 0 = no limit
+    rebalance_margin: float = 0.1  # after the window, move only for this much more free room
+    kv_warm_s: float = 30.0  # how long an idle chain's context is held on its worker
 
     def time_scaled(self, factor: float) -> ChainAwareConfig:
         """The same policy on a clock running `factor` times faster."""
@@ -75,6 +91,7 @@ class ChainAwareConfig:
             tier_starvation_s=self.tier_starvation_s / factor,
             max_affinity_wait_s=self.max_affinity_wait_s / factor,
             chain_ttl_s=self.chain_ttl_s / factor,
+            kv_warm_s=self.kv_warm_s / factor,
             retry_after_s=self.retry_after_s / factor,
             prefill_tokens_per_s=self.prefill_tokens_per_s * factor,
         )
@@ -89,6 +106,12 @@ class ChainState:
     attained_s: float = 0.0
     hops_done: int = 0
     in_flight: int = 0
+    window_hops: int = 0  # hops run on worker_id since the chain was (re)placed there
+    held_tokens: int = 0  # KV of worker_id held for the chain while none of its hops runs
+    held_until: float = 0.0
+
+
+ChainKey = tuple[str, str]  # (pool, chain key): affinity is per pool (a chain may use several models)
 
 
 class ChainAwarePolicy:
@@ -96,16 +119,26 @@ class ChainAwarePolicy:
 
     def __init__(self, config: ChainAwareConfig | None = None) -> None:
         self.config = config or ChainAwareConfig()
-        self._chains: OrderedDict[str, ChainState] = OrderedDict()  # least recent first
-        self._idle_resident: dict[str, int] = {}  # worker -> context of idle chains homed there
+        self._chains: OrderedDict[ChainKey, ChainState] = OrderedDict()  # least recent first
+        self._held: dict[str, int] = {}  # worker -> KV held there for idle chains and look-aheads
+        self._hold_expiry: list[tuple[float, int, ChainKey]] = []  # heap of (until, seq, chain)
+        self._hold_seq = itertools.count()
         self._pass_load: float | None = None
 
     # ----- chain state ------------------------------------------------------------------
 
-    def chain(self, key: str) -> ChainState | None:
-        return self._chains.get(key)
+    @staticmethod
+    def _key(hop: HopView) -> ChainKey:
+        return (hop.pool, hop.chain_key)
 
-    def _touch(self, key: str, now: float) -> ChainState:
+    def chain(self, chain_key: str, pool: str | None = None) -> ChainState | None:
+        """The state of a chain (in `pool`, or in any pool when None)."""
+        for (state_pool, key), state in self._chains.items():
+            if key == chain_key and (pool is None or state_pool == pool):
+                return state
+        return None
+
+    def _touch(self, key: ChainKey, now: float) -> ChainState:
         state = self._chains.get(key)
         if state is None:
             state = self._chains[key] = ChainState(first_seen=now, last_seen=now)
@@ -115,33 +148,44 @@ class ChainAwarePolicy:
         return state
 
     def _expire(self, now: float) -> None:
+        while self._hold_expiry and self._hold_expiry[0][0] <= now:
+            _, _, key = heapq.heappop(self._hold_expiry)
+            state = self._chains.get(key)
+            if state is not None and state.held_tokens and state.held_until <= now:
+                self._hold(key, state, 0, 0.0)
         while self._chains:
             key, state = next(iter(self._chains.items()))
             if now - state.last_seen <= self.config.chain_ttl_s or state.in_flight:
                 return
             self._forget(key)
 
-    def _forget(self, key: str) -> None:
-        state = self._chains.pop(key)
-        if state.in_flight == 0:
-            self._set_resident(state, -state.context_tokens)
+    def _forget(self, key: ChainKey) -> None:
+        self._hold(key, self._chains[key], 0, 0.0)
+        del self._chains[key]
 
-    def _set_resident(self, state: ChainState, delta: int) -> None:
-        if state.worker_id is not None and delta:
-            left = self._idle_resident.get(state.worker_id, 0) + delta
-            self._idle_resident[state.worker_id] = max(0, left)
+    def _hold(self, key: ChainKey, state: ChainState, tokens: int, until: float) -> None:
+        """Hold `tokens` of the chain's worker's KV for it until `until` (0: let go)."""
+        if state.worker_id is None:
+            tokens = 0
+        delta = tokens - state.held_tokens
+        if delta and state.worker_id is not None:
+            self._held[state.worker_id] = max(0, self._held.get(state.worker_id, 0) + delta)
+        state.held_tokens, state.held_until = tokens, until
+        if tokens:
+            heapq.heappush(self._hold_expiry, (until, next(self._hold_seq), key))
 
     def resident(self, worker_id: str) -> int:
-        return self._idle_resident.get(worker_id, 0)
+        """KV held on the worker for chains between hops and for look-aheads."""
+        return self._held.get(worker_id, 0)
 
     # ----- ordering ---------------------------------------------------------------------
 
     def _under_way(self, hop: HopView) -> bool:
-        state = self._chains.get(hop.chain_key)
+        state = self._chains.get(self._key(hop))
         return hop.hop_index > 0 or (state is not None and state.hops_done > 0)
 
     def _prefill_estimate(self, hop: HopView) -> int:
-        state = self._chains.get(hop.chain_key)
+        state = self._chains.get(self._key(hop))
         cached = state.context_tokens if state is not None and state.worker_id else 0
         return max(hop.prompt_tokens - cached, 0)
 
@@ -159,7 +203,7 @@ class ChainAwarePolicy:
         return tier
 
     def _progress(self, hop: HopView) -> float:
-        state = self._chains.get(hop.chain_key)
+        state = self._chains.get(self._key(hop))
         mode = self.config.progress
         if mode == "slack" and hop.deadline is not None:
             # Slack = deadline - now - remaining; `now` is common to all, so drop it.
@@ -190,8 +234,8 @@ class ChainAwarePolicy:
         """When waiting alone may change this hop's fate (affinity patience runs out,
         the starvation bounds pass); None if only other events can."""
         times = [queued.enqueued_at + self.config.tier_starvation_s]
-        state = self._chains.get(queued.hop.chain_key)
-        if state is not None and state.worker_id is not None:
+        state = self._chains.get(self._key(queued.hop))
+        if state is not None and state.worker_id is not None and not self._window_over(state):
             times.append(queued.enqueued_at + self._patience(state))
         future = [t for t in times if t > now]
         return min(future) if future else None
@@ -245,9 +289,10 @@ class ChainAwarePolicy:
 
     # ----- worker choice ----------------------------------------------------------------
 
-    def _fits(self, worker: WorkerView, hop: HopView, placing: bool) -> bool:
+    def _fits(self, worker: WorkerView, hop: HopView, placing: bool, own_held: int = 0) -> bool:
         """Room for the hop: a slot, KV for it next to what runs there and, when placing
-        a chain on a new worker, next to the contexts idle chains keep cached there."""
+        a chain on a worker, next to what is held there for other chains (`own_held`
+        is the chain's own hold on this worker, which the hop itself may use)."""
         if not worker.has_slot:
             return False
         if not worker.kv_capacity_tokens or worker.in_flight == 0:
@@ -256,12 +301,12 @@ class ChainAwarePolicy:
         running = worker.kv_in_flight + hop.kv_tokens
         if hop.tier_rank != TIER_REALTIME and running > capacity * self.config.shared_kv_share:
             return False
-        resident = self.resident(worker.worker_id) if placing else 0
-        return running + resident <= capacity * self.config.kv_budget
+        held = self.resident(worker.worker_id) - own_held if placing else 0
+        return running + held <= capacity * self.config.kv_budget
 
-    def _headroom(self, worker: WorkerView) -> float:
+    def _headroom(self, worker: WorkerView, own_held: int = 0) -> float:
         if worker.kv_capacity_tokens:
-            used = worker.kv_in_flight + self.resident(worker.worker_id)
+            used = worker.kv_in_flight + self.resident(worker.worker_id) - own_held
             return 1 - max(used / worker.kv_capacity_tokens, worker.slot_load)
         return 1 - worker.slot_load
 
@@ -269,25 +314,75 @@ class ChainAwarePolicy:
         moving_cost_s = state.context_tokens / self.config.prefill_tokens_per_s
         return min(self.config.max_affinity_wait_s, moving_cost_s * self.config.affinity_wait_factor)
 
+    def _window_over(self, state: ChainState) -> bool:
+        window = self.config.reuse_window_hops
+        return window > 0 and state.window_hops >= window
+
+    def _own_held(self, state: ChainState | None, worker: WorkerView) -> int:
+        return state.held_tokens if state is not None and state.worker_id == worker.worker_id else 0
+
     def choose_worker(self, queued: QueuedHop, workers: Sequence[WorkerView], now: float) -> str | None:
         hop = queued.hop
         load = self._pass_load if self._pass_load is not None else self.load(workers)
         if self._held_back(hop, load) and not self._starved(queued, now):
             return None
-        state = self._chains.get(hop.chain_key)
+        state = self._chains.get(self._key(hop))
         home = None
         if state is not None and state.worker_id is not None:
             home = next((w for w in workers if w.worker_id == state.worker_id), None)
-        if home is not None and state is not None:
+        if home is not None and state is not None and not self._window_over(state):
             if self._fits(home, hop, placing=False):
                 return home.worker_id
             if now - queued.enqueued_at < self._patience(state):
                 return None  # cheaper to wait for the warm worker than to re-prefill
-        candidates = [w for w in workers if self._fits(w, hop, placing=True)]
+        candidates = [w for w in workers if self._fits(w, hop, True, self._own_held(state, w))]
         if not candidates:
             return None
-        best = max(candidates, key=lambda w: (self._headroom(w), -w.in_flight, w.worker_id))
-        return best.worker_id
+
+        def score(worker: WorkerView) -> tuple:
+            # Past its reuse window a chain is placed by load, but its own worker (which
+            # holds its prefix) wins unless another has clearly more room.
+            bonus = self.config.rebalance_margin if home is not None and worker is home else 0.0
+            room = self._headroom(worker, self._own_held(state, worker)) + bonus
+            return (room, -worker.in_flight, worker.worker_id)
+
+        return max(candidates, key=score).worker_id
+
+    def plan_ahead(self, hop: HopView, workers: Sequence[WorkerView], until: float, now: float) -> str | None:
+        """Hold room for a chain's coming hop (`hop` describes it: its pool, size) on the
+        worker it will run on -- the chain's worker in that pool if it has room, else
+        the one with the most -- until `until`; None when no worker has room. The hop
+        then finds its room held there (affinity)."""
+        key = self._key(hop)
+        state = self._touch(key, now)
+        if state.in_flight:
+            return None  # a hop of the chain already runs in that pool
+        tokens = hop.kv_tokens
+
+        def room(worker: WorkerView) -> bool:
+            if not worker.kv_capacity_tokens:
+                return True
+            used = worker.kv_in_flight + self.resident(worker.worker_id) - self._own_held(state, worker)
+            return used + tokens <= worker.kv_capacity_tokens * self.config.kv_budget
+
+        home = next((w for w in workers if w.worker_id == state.worker_id), None)
+        target = home if home is not None and room(home) else None
+        if target is None:
+            fitting = [w for w in workers if room(w)]
+            if not fitting:
+                return None
+            target = max(fitting, key=lambda w: (self._headroom(w, self._own_held(state, w)), w.worker_id))
+        if target.worker_id != state.worker_id:
+            self._hold(key, state, 0, 0.0)
+            state.worker_id, state.context_tokens, state.window_hops = target.worker_id, 0, 0
+        self._hold(key, state, max(tokens, state.held_tokens), until)
+        return target.worker_id
+
+    def drop_ahead(self, hop: HopView) -> None:
+        """The look-ahead could not be backed (memory-pool refused): let the room go."""
+        state = self._chains.get(self._key(hop))
+        if state is not None and not state.in_flight:
+            self._hold(self._key(hop), state, 0, 0.0)
 
     def _starved(self, queued: QueuedHop, now: float) -> bool:
         return now - queued.enqueued_at > self.config.tier_starvation_s
@@ -295,27 +390,39 @@ class ChainAwarePolicy:
     # ----- bookkeeping ------------------------------------------------------------------
 
     def on_dispatch(self, queued: QueuedHop, worker_id: str, now: float) -> None:
-        state = self._touch(queued.hop.chain_key, now)
-        if state.in_flight == 0:
-            self._set_resident(state, -state.context_tokens)
+        key = self._key(queued.hop)
+        state = self._touch(key, now)
+        self._hold(key, state, 0, 0.0)  # its KV now counts as running there
         if state.worker_id != worker_id:
             state.context_tokens = 0  # the new worker holds none of it yet
+            state.window_hops = 0
+        elif self._window_over(state):
+            state.window_hops = 0  # placed again (on the same worker): a new window
         state.worker_id = worker_id
         state.in_flight += 1
 
     def on_finish(self, queued: QueuedHop, now: float, context_tokens: int, service_s: float) -> None:
-        state = self._chains.get(queued.hop.chain_key)
+        hop = queued.hop
+        key = self._key(hop)
+        state = self._chains.get(key)
         if state is None or queued.worker_id is None:
             return
         state.in_flight = max(0, state.in_flight - 1)
         state.last_seen = now
+        self._chains.move_to_end(key)
         state.attained_s += service_s
         state.hops_done += 1
-        if context_tokens and queued.worker_id == state.worker_id:
-            state.context_tokens = max(state.context_tokens, context_tokens)
-        if state.in_flight == 0:
-            self._set_resident(state, state.context_tokens)
+        if queued.worker_id == state.worker_id:
+            state.window_hops += 1
+            if context_tokens:
+                state.context_tokens = max(state.context_tokens, context_tokens)
+        if state.in_flight:
+            return
+        if hop.remaining_hops == 0 and not hop.session_id:
+            self._forget(key)  # the run's last hop: nothing of it will be reused
+            return
+        self._hold(key, state, state.context_tokens, now + self.config.kv_warm_s)
 
     def on_chain_end(self, chain_key: str, now: float) -> None:
-        if chain_key in self._chains:
-            self._forget(chain_key)
+        for key in [k for k in self._chains if k[1] == chain_key]:
+            self._forget(key)

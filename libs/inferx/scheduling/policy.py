@@ -57,6 +57,15 @@ class Policy(Protocol):
         worker's prefix cache. Both are 0 when unknown (e.g. the hop failed)."""
         ...
 
+    def plan_ahead(self, hop: HopView, workers: Sequence[WorkerView], until: float, now: float) -> str | None:
+        """Hold room for a chain's coming hop (described by `hop`) until `until`; the
+        worker chosen, or None (no room, or the policy does not look ahead)."""
+        ...
+
+    def drop_ahead(self, hop: HopView) -> None:
+        """Let go of what `plan_ahead` held for the hop."""
+        ...
+
     def on_chain_end(self, chain_key: str, now: float) -> None:
         """The chain will send no more hops (when the caller knows it)."""
         ...
@@ -106,6 +115,12 @@ class BaselinePolicy:
         return None
 
     def on_finish(self, queued: QueuedHop, now: float, context_tokens: int, service_s: float) -> None:
+        return None
+
+    def plan_ahead(self, hop: HopView, workers: Sequence[WorkerView], until: float, now: float) -> str | None:
+        return None  # classic serving does not look ahead
+
+    def drop_ahead(self, hop: HopView) -> None:
         return None
 
     def on_chain_end(self, chain_key: str, now: float) -> None:

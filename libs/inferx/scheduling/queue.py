@@ -95,6 +95,14 @@ class DispatchQueue:
             for w in self._workers.get(pool, [])
         ]
 
+    def plan_ahead(self, view: HopView, until: float, now: float) -> str | None:
+        """Hold room in `view.pool` for a chain's coming hop (the policy decides where)."""
+        self._now = max(self._now, now)
+        return self.policy.plan_ahead(view, self.worker_views(view.pool), until, self._now)
+
+    def drop_ahead(self, view: HopView) -> None:
+        self.policy.drop_ahead(view)
+
     def assign(
         self, workers_by_pool: dict[str, list[WorkerSlots]], now: float | None = None
     ) -> list[QueuedHop]:

@@ -1,0 +1,202 @@
+"""Reservation leases with a real etcd and the real memory-pool process: a dead
+holder's reservations go at once, a short lease ends by itself, and a hop takes over
+the room its look-ahead kept even when the worker is otherwise full.
+
+Only etcd and the memory-pool run; workers and holders are registrations put in etcd
+by the test under leases of its own (the pool's usage poller just fails to reach the
+fake workers' addresses, which it tolerates)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import grpc
+import pytest
+
+from inferx import etcd
+from inferx.devstack import LocalStack, wait_serving
+from inferx.server import to_json_bytes
+from inferx.v1 import common_pb2, memory_pool_pb2, memory_pool_pb2_grpc
+from tests.conftest import dump_logs, make_stack
+
+pytestmark = pytest.mark.integration
+
+HOP = memory_pool_pb2.RESERVATION_KIND_HOP
+LOOKAHEAD = memory_pool_pb2.RESERVATION_KIND_LOOKAHEAD
+CAPACITY = 1000  # usable 800 with the default 20% headroom
+
+
+@pytest.fixture(scope="module")
+def pool_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    """etcd and the memory-pool only."""
+    stack = make_stack(tmp_path_factory.mktemp("pool"))
+    try:
+        stack.start_etcd()
+        wait_serving(stack.start_service("memory-pool"), 60)
+    except BaseException:
+        dump_logs(stack)
+        stack.stop()
+        raise
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+class Registry:
+    """Puts registrations in etcd under leases the test controls."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self.leases: list = []
+
+    async def put(self, key: str, value: bytes, ttl_s: int) -> int:
+        lease = await self.client.lease(ttl_s)
+        self.leases.append(lease)
+        await self.client.put(key.encode(), value, lease=lease.id)
+        return lease.id
+
+    async def worker(self, ttl_s: int = 60) -> tuple[str, int]:
+        worker_id = f"worker-{uuid.uuid4().hex[:8]}"
+        info = common_pb2.WorkerInfo(
+            worker_id=worker_id,
+            pool="lease-test",
+            address="127.0.0.1:9",  # nothing listens there: usage polls fail, harmlessly
+            engine="sim",
+            kv_capacity_tokens=CAPACITY,
+            max_concurrency=4,
+            block_size=16,
+        )
+        return worker_id, await self.put(etcd.worker_key("lease-test", worker_id), to_json_bytes(info), ttl_s)
+
+    async def holder(self, ttl_s: int) -> tuple[str, int]:
+        instance_id = f"scheduler-test-{uuid.uuid4().hex[:8]}"
+        info = common_pb2.ServiceInfo(kind="scheduler", instance_id=instance_id, address="127.0.0.1:9")
+        key = etcd.service_key("scheduler", instance_id)
+        return instance_id, await self.put(key, to_json_bytes(info), ttl_s)
+
+    async def revoke(self, lease_id: int) -> None:
+        await self.client.revoke_lease(lease_id)
+
+    async def close(self) -> None:
+        for lease in self.leases:
+            try:
+                await self.client.revoke_lease(lease.id)
+            except Exception:  # already revoked or expired
+                pass
+
+
+@pytest.fixture
+async def registry(pool_stack: LocalStack) -> AsyncIterator[Registry]:
+    async with etcd.make_client(pool_stack.etcd_endpoint) as client:
+        reg = Registry(client)
+        try:
+            yield reg
+        finally:
+            await reg.close()
+
+
+@pytest.fixture
+async def pool(pool_stack: LocalStack) -> AsyncIterator[memory_pool_pb2_grpc.MemoryPoolStub]:
+    async with grpc.aio.insecure_channel(pool_stack.services["memory-pool"].address) as channel:
+        yield memory_pool_pb2_grpc.MemoryPoolStub(channel)
+
+
+async def usage_of(pool, worker_id: str) -> memory_pool_pb2.WorkerUsage | None:
+    reply = await pool.GetUsage(memory_pool_pb2.GetUsageRequest(), timeout=5)
+    return next((w for w in reply.workers if w.worker_id == worker_id), None)
+
+
+async def wait_for(pool, worker_id: str, check, timeout_s: float = 10.0) -> memory_pool_pb2.WorkerUsage:
+    deadline = time.monotonic() + timeout_s
+    row = None
+    while time.monotonic() < deadline:
+        row = await usage_of(pool, worker_id)
+        if row is not None and check(row):
+            return row
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"worker {worker_id}: condition not met within {timeout_s}s; last usage: {row}")
+
+
+async def new_worker(registry: Registry, pool) -> str:
+    worker_id, _ = await registry.worker()
+    await wait_for(pool, worker_id, lambda row: row.capacity_tokens == CAPACITY)
+    return worker_id
+
+
+async def reserve(pool, worker_id: str, tokens: int, **fields) -> memory_pool_pb2.Reservation:
+    request = memory_pool_pb2.ReserveRequest(worker_id=worker_id, tokens=tokens, **fields)
+    return await pool.Reserve(request, timeout=5)
+
+
+async def test_dead_holders_reservations_are_dropped_at_once(registry: Registry, pool) -> None:
+    worker_id = await new_worker(registry, pool)
+    revoked, revoked_lease = await registry.holder(ttl_s=30)
+    lapsed, _ = await registry.holder(ttl_s=3)  # never refreshed: its lease ends by itself
+    ahead = await reserve(pool, worker_id, 100, holder=revoked, kind=LOOKAHEAD, lease_s=600)
+    assert ahead.kind == LOOKAHEAD and 590 < ahead.expires_in_s <= 600
+    await reserve(pool, worker_id, 50, holder=revoked, kind=HOP, lease_s=600)
+    await reserve(pool, worker_id, 200, holder=lapsed, kind=LOOKAHEAD, lease_s=600)
+    # A holder the pool never saw registered is never dropped for being absent.
+    await reserve(pool, worker_id, 7, holder="scheduler-not-registered", kind=LOOKAHEAD, lease_s=600)
+    row = await usage_of(pool, worker_id)
+    assert (row.reserved_tokens, row.reservations) == (357, 4)
+    assert (row.lookahead_tokens, row.lookahead_reservations) == (307, 3)
+
+    await registry.revoke(revoked_lease)
+    row = await wait_for(pool, worker_id, lambda row: row.reservations == 2, timeout_s=5)
+    assert (row.reserved_tokens, row.lookahead_tokens) == (207, 207)
+
+    # The lapsed holder's 3 s lease ends (etcd may take a little longer to notice).
+    row = await wait_for(pool, worker_id, lambda row: row.reservations == 1, timeout_s=10)
+    assert (row.reserved_tokens, row.lookahead_tokens, row.lookahead_reservations) == (7, 7, 1)
+
+
+async def test_short_lookahead_lease_expires_by_itself(registry: Registry, pool) -> None:
+    worker_id = await new_worker(registry, pool)
+    ahead = await reserve(pool, worker_id, 300, kind=LOOKAHEAD, lease_s=1)
+    assert ahead.kind == LOOKAHEAD and 0 < ahead.expires_in_s <= 1
+    default = await reserve(pool, worker_id, 10, kind=LOOKAHEAD)  # lease_s 0: the pool's default
+    assert 25 < default.expires_in_s <= 30
+    hop = await reserve(pool, worker_id, 10)  # kind unspecified: a hop with the hop default
+    assert hop.kind == HOP and hop.expires_in_s > 60
+    row = await usage_of(pool, worker_id)
+    assert (row.lookahead_tokens, row.lookahead_reservations, row.reserved_tokens) == (310, 2, 320)
+    started = time.monotonic()
+    row = await wait_for(pool, worker_id, lambda row: row.lookahead_tokens == 10, timeout_s=5)
+    assert time.monotonic() - started < 2.5
+    assert (row.lookahead_reservations, row.reserved_tokens) == (1, 20)
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await reserve(pool, worker_id, 10, kind=LOOKAHEAD, lease_s=bad)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "lease_s" in err.value.details()
+
+
+async def test_replaces_swaps_the_lookahead_for_the_hop_on_a_full_worker(registry: Registry, pool) -> None:
+    worker_id = await new_worker(registry, pool)
+    holder, _ = await registry.holder(ttl_s=30)
+    ahead = await reserve(pool, worker_id, 300, holder=holder, kind=LOOKAHEAD)
+    await reserve(pool, worker_id, 500, holder=holder, kind=HOP)  # 800 of 800 usable now
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await reserve(pool, worker_id, 300, holder=holder, kind=HOP)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # refused: the look-ahead stays
+        await reserve(pool, worker_id, 301, holder=holder, kind=HOP, replaces=ahead.reservation_id)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    row = await usage_of(pool, worker_id)
+    assert (row.reserved_tokens, row.lookahead_tokens) == (800, 300)
+
+    hop = await reserve(pool, worker_id, 300, holder=holder, kind=HOP, replaces=ahead.reservation_id)
+    assert hop.kind == HOP and hop.reservation_id != ahead.reservation_id
+    row = await usage_of(pool, worker_id)
+    assert (row.reserved_tokens, row.reservations, row.lookahead_tokens) == (800, 2, 0)
+    released = await pool.Release(memory_pool_pb2.ReleaseRequest(reservation_id=ahead.reservation_id))
+    assert not released.released  # it became the hop's reservation
+    released = await pool.Release(memory_pool_pb2.ReleaseRequest(reservation_id=hop.reservation_id))
+    assert released.released
+    row = await usage_of(pool, worker_id)
+    assert (row.reserved_tokens, row.reservations) == (500, 1)
