@@ -24,6 +24,18 @@ class SchedulerSettings(ServiceSettings):
         description="a next hop in the same pool gets a look-ahead when its context is this many "
         "times the current hop's",
     )
+    reuse_window_hops: int = Field(
+        4,
+        ge=0,
+        description="chain-aware: a chain keeps its worker (where its prefix is cached) for this many "
+        "hops, then is placed by load again; 0 = for as long as the worker has room",
+    )
+    kv_warm_s: float = Field(
+        30.0,
+        gt=0,
+        description="chain-aware: between its hops (tool calls) a chain's context is held on its worker "
+        "this long, so other work is not placed over it",
+    )
     time_scale: float = Field(
         1.0,
         gt=0,

@@ -68,9 +68,13 @@ class HopDispatcher:
         policy: str = "baseline",
         usable: Callable[[str], bool] | None = None,
         time_scale: float = 1.0,
+        policy_options: dict[str, object] | None = None,
     ) -> None:
         self.directory = directory
-        self.queue = DispatchQueue(max_queued_per_pool, make_policy(policy, time_scale=time_scale))
+        options = policy_options if policy == "chain-aware" else None
+        self.queue = DispatchQueue(
+            max_queued_per_pool, make_policy(policy, time_scale=time_scale, **(options or {}))
+        )
         self._waiters: dict[int, asyncio.Future[str]] = {}
         self._wake: asyncio.TimerHandle | None = None
         self._usable = usable or (lambda worker_id: True)

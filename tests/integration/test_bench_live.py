@@ -13,7 +13,7 @@ import pytest
 from inferx.bench import seed_run
 from inferx.bench.live import LiveOptions, run_live_sim
 from inferx.sim.profile import EngineProfile
-from inferx.sim.trace import TraceConfig, generate
+from inferx.sim.trace import TraceConfig, generate, write_trace
 
 pytestmark = pytest.mark.integration
 
@@ -59,3 +59,31 @@ def test_seed_agent_scenario_on_sim_workers(tmp_path: Path) -> None:
     # on: the previous step's prompt is (almost) always found, and repeated queries hit.
     assert on.reusable_hit_rate > 0.9
     assert on.tool_cache_hit_rate > 0
+
+
+def test_bench_replays_a_trace_against_a_running_stack(tmp_path: Path) -> None:
+    """`inferx bench --router`: the scheduler and model come from the router's status;
+    one run with the stack's policy, every chain completed, JSON on stdout."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import running_sim_stack
+
+    trace_file = tmp_path / "trace.jsonl"
+    config = TraceConfig(seed=5, duration_s=4.0, rate_per_s=1.0, mix={"bfcl": 1.0})
+    write_trace(generate(config, EngineProfile()), trace_file)
+    with running_sim_stack(tmp_path / "stack", workers=2, sim_speed=20) as stack:
+        argv = [sys.executable, "-m", "inferx.cli.main", "bench", "--router", stack.router_address]
+        argv += ["--trace", str(trace_file), "--rate", "1", "--speed", "20", "--timeout", "120", "--json"]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        report = json.loads(done.stdout)
+        (summary,) = report["summaries"]
+        assert summary["policy"] == "chain-aware" and summary["workers"] == 2
+        assert summary["overall"]["completed"] == summary["overall"]["chains"] >= 2
+        # Two policies cannot be compared on one running scheduler: a clear refusal.
+        argv[-1:] = ["--compare", "baseline", "chain-aware"]
+        refused = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert refused.returncode != 0 and "one policy" in refused.stderr
+        assert "Traceback" not in refused.stderr

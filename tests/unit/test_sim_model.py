@@ -51,6 +51,19 @@ def test_lru_evicts_the_least_recently_used_prefix() -> None:
     assert engine.kv.evictions >= 1
 
 
+def test_eviction_takes_the_tail_of_a_cached_prefix_first() -> None:
+    # vLLM frees a request's blocks tail first, so memory pressure shortens a cached
+    # prefix instead of dropping its head (which would make the rest useless).
+    engine = EngineModel(EngineProfile(kv_capacity_tokens=3000))
+    prompt = (Segment("c/0i", 1000), Segment("c/1i", 1000))
+    run_alone(engine, SimRequest("a", prompt, 1, output_segments=(Segment("c/1o", 1),)))
+    run_alone(engine, SimRequest("other", (Segment("o", 1500),), 1))
+    assert "c/0i" in engine.kv and "c/1i" not in engine.kv and "c/1o" not in engine.kv
+    again = SimRequest("b", (Segment("c/0i", 1000), Segment("c/1i", 1000)), 1)
+    run_alone(engine, again)
+    assert again.cached_tokens == 1000
+
+
 def test_sequences_are_preempted_when_kv_runs_out_and_still_finish() -> None:
     engine = EngineModel(EngineProfile(kv_capacity_tokens=2200, max_batched_tokens=4096))
     requests = [SimRequest(f"r{i}", (Segment(None, 900),), 300, priority=i) for i in range(2)]

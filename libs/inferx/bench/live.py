@@ -77,7 +77,13 @@ def remaining_path_s(chain: TraceChain, k: int, profile: EngineProfile) -> float
 
 
 def hop_request(
-    chain: TraceChain, k: int, prompt: str, deadline_unix_s: float, remaining_s: float, speed: float
+    chain: TraceChain,
+    k: int,
+    prompt: str,
+    deadline_unix_s: float,
+    remaining_s: float,
+    speed: float,
+    model: str = POOL,
 ) -> scheduler_pb2.HopRequest:
     return scheduler_pb2.HopRequest(
         context=common_pb2.HopContext(
@@ -90,7 +96,7 @@ def hop_request(
             remaining_hops=len(chain.hops) - 1 - k,
             remaining_critical_path_ms=remaining_s / speed * 1000,
         ),
-        model=POOL,
+        model=model,
         prompt=prompt,
         sampling=common_pb2.SamplingOptions(max_tokens=chain.hops[k].output_tokens),
     )
@@ -107,8 +113,11 @@ class LiveOptions:
 class TraceReplayer:
     """Replays chains against one scheduler; pure bookkeeping in ChainRecord."""
 
-    def __init__(self, scheduler: str, trace: Trace, profile: EngineProfile, speed: float) -> None:
+    def __init__(
+        self, scheduler: str, trace: Trace, profile: EngineProfile, speed: float, model: str = POOL
+    ) -> None:
         self.scheduler, self.trace, self.profile, self.speed = scheduler, trace, profile, speed
+        self.model = model
         self.errors: dict[str, int] = {}
 
     async def run(self, timeout_s: float, progress: Callable[[int], None]) -> list[ChainRecord]:
@@ -149,7 +158,7 @@ class TraceReplayer:
         for k, hop in enumerate(chain.hops):
             prompt = build_prompt(chain, k, outputs)
             request = hop_request(
-                chain, k, prompt, deadline_unix_s, remaining_path_s(chain, k, self.profile), speed
+                chain, k, prompt, deadline_unix_s, remaining_path_s(chain, k, self.profile), speed, self.model
             )
             ready = loop.time()
             first: float | None = None
@@ -232,6 +241,61 @@ def preemptions_from_logs(stack: LocalStack) -> int:
             continue
         total += sum(int(m) for m in _PREEMPTIONS.findall(text))
     return total
+
+
+@dataclass(frozen=True)
+class RunningStack:
+    """What `inferx bench --router` learns from a running stack's router."""
+
+    scheduler: str
+    policy: str
+    workers: int
+    model: str
+
+
+async def find_running_stack(router: str, model: str | None) -> RunningStack:
+    """The scheduler, its policy and the model to replay with, from the router's status."""
+    from inferx.client import InferxClient
+    from inferx.errors import InvalidArgument, Unavailable
+
+    async with InferxClient(router) as client:
+        status = await client.status()
+    schedulers = [s.address for s in status.services if s.kind == "scheduler"]
+    if not schedulers:
+        raise Unavailable(f"the stack behind {router} has no scheduler registered")
+    pools = sorted({w.pool for w in status.workers})
+    if not pools:
+        raise Unavailable(f"the stack behind {router} has no model worker registered")
+    if model is None:
+        if len(pools) > 1:
+            raise InvalidArgument(
+                f"the stack serves several pools ({', '.join(pools)}): choose one with --model"
+            )
+        model = pools[0]
+    workers = sum(1 for w in status.workers if w.pool == model) or len(status.workers)
+    return RunningStack(schedulers[0], status.scheduler_policy or "unknown", workers, model)
+
+
+async def run_against(
+    stack: RunningStack, trace: Trace, profile: EngineProfile, speed: float, timeout_s: float, progress
+) -> tuple[RunRecord, dict[str, int]]:
+    """Replay the trace once against a running stack (whatever policy it runs)."""
+    replayer = TraceReplayer(stack.scheduler, trace, profile, speed, stack.model)
+    started = time.perf_counter()
+    with progress(f"{stack.policy} at {stack.scheduler}", len(trace.chains)) as advance:
+        records = await replayer.run(timeout_s, advance)
+    wall = time.perf_counter() - started
+    run = RunRecord(
+        policy=stack.policy,
+        source=f"running stack (x{speed:g})",
+        window_s=trace.window_s,
+        workers=stack.workers,
+        chains=records,
+        preemptions=0,
+        makespan_s=wall * speed,
+        wall_s=wall,
+    )
+    return run, replayer.errors
 
 
 async def run_live_sim(

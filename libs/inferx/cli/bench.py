@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from inferx.bench import runner
-from inferx.errors import InferxError, InvalidArgument
+from inferx.errors import InvalidArgument
 from inferx.sim.profile import load_profile
 from inferx.sim.trace import TraceConfig, generate, write_trace
 
@@ -164,9 +164,39 @@ async def cmd_live(args: argparse.Namespace) -> int:
     return _finish(args, runs, choice, profile, trace, where, extra)
 
 
+async def cmd_router(args: argparse.Namespace) -> int:
+    """`inferx bench --router ADDR`: replay the trace against a running stack, once, with
+    whatever policy its scheduler runs (restart it with the other --policy to compare)."""
+    from inferx.bench.live import find_running_stack, run_against
+
+    if args.compare and len(args.compare) > 1:
+        raise InvalidArgument(
+            "a running stack has one policy: drop --compare, run once per `inferx-scheduler --policy`"
+        )
+    speed = args.speed if args.speed_given else 1.0
+    if speed <= 0:
+        raise InvalidArgument("--speed must be positive")
+    stack = await find_running_stack(args.router, args.model)
+    args.workers = stack.workers
+    profile, trace, choice = _prepare(args)
+    note = (lambda s: None) if args.json else (lambda s: err.print(s, style="dim"))
+    note(f"replaying on model {stack.model!r} via the scheduler at {stack.scheduler} ({stack.policy})")
+    run, errors = await run_against(
+        stack, trace, profile, speed, args.timeout, _progress_factory(not args.json)
+    )
+    where = f"running stack at {args.router} ({stack.workers} workers of {stack.model!r}), x{speed:g} time"
+    return _finish(
+        args, [run], choice, profile, trace, where, {"speed": speed, "errors": {stack.policy: errors}}
+    )
+
+
 async def cmd_bench(args: argparse.Namespace) -> int:
     if args.scenario == "seed-agent":
         return await cmd_seed_agent(args)
+    if args.router:
+        if args.simulate or args.engine:
+            raise InvalidArgument("--router replays against a running stack: drop --simulate/--engine")
+        return await cmd_router(args)
     if args.simulate:
         return cmd_sim(args)
     if args.engine == "sim":
@@ -176,8 +206,6 @@ async def cmd_bench(args: argparse.Namespace) -> int:
             "the trace's contexts reach 32k tokens, beyond the local tiny model: replay it with "
             "--engine sim, or run the seed-shaped scenario on vLLM with --scenario seed-agent"
         )
-    if args.router:
-        raise InferxError("--router (replay against a running stack) is not implemented yet")
     raise InvalidArgument("choose --simulate, --engine sim, or --scenario seed-agent --engine vllm")
 
 
@@ -308,6 +336,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 def _defaults(args: argparse.Namespace) -> None:
     args.workers_given = args.workers is not None
+    args.speed_given = getattr(args, "speed", None) is not None
+    if not args.speed_given:
+        args.speed = 4.0
     if args.workers is None:
         args.workers = 4
     if getattr(args, "scenario", None):
@@ -332,12 +363,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=("sim", "vllm"),
         help="live: start a local stack with this engine per policy",
     )
-    bench.add_argument("--router", help="use a running stack (not implemented yet)")
+    bench.add_argument(
+        "--router",
+        help="replay the trace against a running stack (HOST:PORT of its router), once, with the "
+        "policy its scheduler runs",
+    )
+    bench.add_argument(
+        "--model", help="--router: the model to send the trace's hops to (default: its only pool)"
+    )
     bench.add_argument(
         "--speed",
         type=float,
-        default=4.0,
-        help="live sim: engines and the trace run this many times faster than real time",
+        help="live: engines and the trace run this many times faster than real time "
+        "(default 4 with --engine sim; 1 with --router, unless its workers run faster)",
     )
     bench.add_argument("--timeout", type=float, default=900.0, help="live: give up after S wall seconds")
     bench.add_argument("--max-chains", type=int, help="live: only the first N chains of the trace")

@@ -78,7 +78,7 @@ class ChainAwareConfig:
     retry_after_s: float = 5.0
     chain_ttl_s: float = 300.0  # forget a chain (and its affinity) after this long idle
     reuse_window_hops: int = 4  # hops on one worker before placement is decided again; 0 = no limit
-    rebalance_margin: float = 0.1  # after the window, move only for this much more free room
+    rebalance_margin: float = 0.2  # after the window, move only for this much more free room
     kv_warm_s: float = 30.0  # how long an idle chain's context is held on its worker
 
     def time_scaled(self, factor: float) -> ChainAwareConfig:
@@ -235,7 +235,7 @@ class ChainAwarePolicy:
         the starvation bounds pass); None if only other events can."""
         times = [queued.enqueued_at + self.config.tier_starvation_s]
         state = self._chains.get(self._key(queued.hop))
-        if state is not None and state.worker_id is not None and not self._window_over(state):
+        if state is not None and state.worker_id is not None:
             times.append(queued.enqueued_at + self._patience(state))
         future = [t for t in times if t > now]
         return min(future) if future else None
@@ -299,7 +299,10 @@ class ChainAwarePolicy:
             return True
         capacity = worker.kv_capacity_tokens
         running = worker.kv_in_flight + hop.kv_tokens
-        if hop.tier_rank != TIER_REALTIME and running > capacity * self.config.shared_kv_share:
+        # Moving a chain's context onto a worker where other tiers already fill their
+        # share would slow its realtime decodes; on the chain's own worker the context is
+        # there already, and sending it elsewhere would only add a re-prefill.
+        if placing and hop.tier_rank != TIER_REALTIME and running > capacity * self.config.shared_kv_share:
             return False
         held = self.resident(worker.worker_id) - own_held if placing else 0
         return running + held <= capacity * self.config.kv_budget
@@ -330,12 +333,15 @@ class ChainAwarePolicy:
         home = None
         if state is not None and state.worker_id is not None:
             home = next((w for w in workers if w.worker_id == state.worker_id), None)
-        if home is not None and state is not None and not self._window_over(state):
+        if home is not None and state is not None:
             if self._fits(home, hop, placing=False):
-                return home.worker_id
-            if now - queued.enqueued_at < self._patience(state):
+                if not self._window_over(state):
+                    return home.worker_id
+                # Past its reuse window: placed by load again (below).
+            elif now - queued.enqueued_at < self._patience(state):
                 return None  # cheaper to wait for the warm worker than to re-prefill
-        candidates = [w for w in workers if self._fits(w, hop, True, self._own_held(state, w))]
+        # Home, where the context already is, is judged as when the chain stays there.
+        candidates = [w for w in workers if self._fits(w, hop, w is not home, self._own_held(state, w))]
         if not candidates:
             return None
 

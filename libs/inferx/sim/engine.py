@@ -194,8 +194,7 @@ class EngineModel:
         for request in done:
             self.running.remove(request)
             request.finished_at = now
-            self._free(request)
-            self._cache_output(request)
+            self._finish(request)
         return StepResult(tokens, first, done)
 
     # ----- memory ---------------------------------------------------------------------
@@ -211,10 +210,16 @@ class EngineModel:
             hits.append(segment.key)
             cached += segment.tokens
         rest = request.prompt[len(hits) :]
+        # Cached, but after a miss: not usable as a prefix; recompute into it. Pinned
+        # before making room, or make_room may evict them and the inserts below would
+        # then overcommit the pool.
+        reused = [s.key for s in rest if s.key is not None and s.key in self.kv]
+        for key in reused:
+            self.kv.acquire(key)
         need = sum(s.tokens for s in rest if s.key is None or s.key not in self.kv)
         need += request.generated + reserve  # recompute after preemption; room for decodes
         if not self.kv.make_room(need):
-            for key in hits:
+            for key in reversed(hits + reused):
                 self.kv.release(key)
             return False
         held = list(hits)
@@ -222,9 +227,7 @@ class EngineModel:
         for segment in rest:
             if segment.key is None:
                 private += segment.tokens
-            elif segment.key in self.kv:
-                # Cached, but after a miss: not usable as a prefix; recompute into it.
-                self.kv.acquire(segment.key)
+            elif segment.key in reused:
                 held.append(segment.key)
             else:
                 self.kv.insert(segment.key, segment.tokens, pinned=True)
@@ -241,10 +244,22 @@ class EngineModel:
         return True
 
     def _free(self, request: SimRequest) -> None:
-        for key in request._held:
+        # Tail first, as vLLM frees a request's blocks (KVCacheManager.free): under memory
+        # pressure LRU then evicts the end of a cached prefix before its head, so the
+        # shorter prefix stays usable. Releasing head first evicted a chain's first
+        # segment first, which made every later segment of it useless.
+        for key in reversed(request._held):
             self.kv.release(key)
         self.kv.free_private(request._private)
         request._held, request._private = [], 0
+
+    def _finish(self, request: SimRequest) -> None:
+        """A finished request: its output becomes a cached segment (the tail, so it is
+        evicted first), then its prompt segments are released tail first."""
+        self.kv.free_private(request._private)
+        request._private = 0
+        self._cache_output(request)
+        self._free(request)
 
     def _preempt(self, request: SimRequest) -> None:
         self.running.remove(request)
