@@ -169,7 +169,7 @@ async def cmd_router(args: argparse.Namespace) -> int:
     whatever policy its scheduler runs (restart it with the other --policy to compare)."""
     from inferx.bench.live import find_running_stack, run_against
 
-    if args.compare and len(args.compare) > 1:
+    if args.compare_given and len(args.compare) > 1:
         raise InvalidArgument(
             "a running stack has one policy: drop --compare, run once per `inferx-scheduler --policy`"
         )
@@ -336,6 +336,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 def _defaults(args: argparse.Namespace) -> None:
     args.workers_given = args.workers is not None
+    args.compare_given = bool(args.compare)
     args.speed_given = getattr(args, "speed", None) is not None
     if not args.speed_given:
         args.speed = 4.0
