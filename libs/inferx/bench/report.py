@@ -82,6 +82,13 @@ def print_report(
             style="dim",
         )
     if comparison is not None:
+        base = next((s for s in summaries if s.policy == comparison.baseline), None)
+        if base is not None and math.isinf(base.overall.latency_p99_s):
+            console.print(
+                f"{comparison.baseline}'s P99 is a miss: more than 1% of its chains were shed or "
+                "failed (they count as infinite latency), so the P99 ratio is 0",
+                style="dim",
+            )
         console.print(
             f"[bold]{comparison.candidate} vs {comparison.baseline}[/bold]: "
             f"P99 ratio {comparison.p99_ratio:.2f}, goodput ratio "
