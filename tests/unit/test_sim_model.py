@@ -128,6 +128,17 @@ def test_metrics_count_shed_chains_as_misses() -> None:
     assert percentile([3, 1, 2], 50) == 2
 
 
+def test_serving_time_is_latency_minus_the_chains_tool_and_think_time() -> None:
+    trace = generate(TraceConfig(seed=2, duration_s=30, rate_per_s=1.0, mix={"bfcl": 1.0}))
+    chain = trace.chains[0]
+    record = ChainRecord.start(chain, alone_s=1.0)
+    delays = sum(hop.delay_after_s for hop in chain.hops[:-1])
+    assert delays > 0 and record.delays_s == pytest.approx(delays)
+    record.finish("ok", chain.arrival_s + delays + 3.0)
+    s = stats([record], window_s=30, preemptions=0)
+    assert s.serving_p99_s == pytest.approx(3.0) and s.latency_p99_s == pytest.approx(delays + 3.0)
+
+
 def test_chain_aware_beats_baseline_past_the_baselines_saturation() -> None:
     """A small deterministic run: same trace, same engines, only the policy differs."""
     trace = generate(TraceConfig(seed=11, duration_s=240, rate_per_s=1.5))
