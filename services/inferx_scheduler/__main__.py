@@ -41,7 +41,7 @@ class SchedulerComponent(ServiceComponent):
                 lease_s=settings.lookahead_lease_s / settings.time_scale,
                 growth=settings.lookahead_growth,
             )
-            if settings.lookahead
+            if settings.lookahead and settings.policy == "chain-aware"  # classic serving does not look ahead
             else None
         )
 

@@ -12,8 +12,8 @@ class SchedulerSettings(ServiceSettings):
     reserve_kv: bool = Field(True, description="reserve KV capacity in the memory-pool per hop")
     lookahead: bool = Field(
         True,
-        description="when a chain's next hop needs another pool or a much longer context, reserve "
-        "KV for it on its worker while the current hop runs (needs --reserve-kv)",
+        description="chain-aware: when a chain's next hop needs another pool or a much longer "
+        "context, reserve KV for it on its worker while the current hop runs (needs --reserve-kv)",
     )
     lookahead_lease_s: float = Field(
         30.0, gt=0, description="a look-ahead reservation not used by then is dropped"
