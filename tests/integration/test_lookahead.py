@@ -122,6 +122,9 @@ async def test_unused_lookahead_expires_with_its_lease(two_pool_stack: LocalStac
 
     await _wait_for(held, 5, "the look-ahead reservation")
     started = time.monotonic()
+    async with InferxClient(two_pool_stack.router_address) as client:  # what `inferx status` shows
+        status = await client.status()
+    assert sum(row.lookahead_tokens for row in status.memory) > 0
 
     async def gone() -> bool:
         return _lookahead_tokens(await _usage(two_pool_stack)) == 0

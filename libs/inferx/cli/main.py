@@ -257,6 +257,14 @@ async def cmd_chain_rollback(args: argparse.Namespace) -> int:
 # ----- status ---------------------------------------------------------------------------
 
 
+def _reserved_cell(row) -> str:
+    if row is None:
+        return "?"
+    if row.lookahead_tokens:
+        return f"{row.reserved_tokens:,} ({row.lookahead_tokens:,} look-ahead)"
+    return f"{row.reserved_tokens:,}"
+
+
 async def cmd_status(args: argparse.Namespace) -> int:
     async with InferxClient(args.router) as client:
         status = await client.status()
@@ -281,7 +289,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
             worker.address,
             worker.engine,
             f"{worker.kv_capacity_tokens:,}",
-            f"{row.reserved_tokens:,}" if row else "?",
+            _reserved_cell(row),
             f"{row.engine_kv_usage_ratio:.0%}" if row else "?",
         )
     out.print(workers)
