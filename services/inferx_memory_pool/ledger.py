@@ -5,7 +5,7 @@ Capacity comes from what each worker's engine reported at registration
 free for bursts; a reservation that would eat into it is refused. Reservations carry
 an expiry (a lease) so a holder that dies without releasing cannot leak capacity for
 ever; when the holder is named, its reservations can also be dropped as soon as it is
-known to be dead (`drop_holder`, `set_live_holders`).
+known to be dead (`drop_holder`).
 
 Two kinds of reservation: a `hop` is about to run on the worker; a `lookahead` keeps
 room for a chain's next hop before it is submitted. When that hop is reserved with
@@ -182,11 +182,6 @@ class KvLedger:
         if not holder:
             return 0
         return self._drop(lambda r: r.holder == holder)
-
-    def set_live_holders(self, holders: set[str] | frozenset[str]) -> int:
-        """Drop reservations whose holder is named and not in `holders`; reservations
-        without a holder only expire by time. Returns how many were dropped."""
-        return self._drop(lambda r: bool(r.holder) and r.holder not in holders)
 
     def snapshot(self, now: float | None = None) -> list[WorkerLedger]:
         """One row per worker; expires what is due first when `now` is given."""

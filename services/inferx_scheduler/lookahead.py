@@ -17,6 +17,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -25,6 +26,9 @@ from inferx.scheduling.views import HopView
 from inferx.tokens import estimate_tokens
 from inferx.v1 import common_pb2, memory_pool_pb2, memory_pool_pb2_grpc, scheduler_pb2
 from inferx_scheduler import metrics
+
+if TYPE_CHECKING:
+    from inferx_scheduler.servicer import HopDispatcher
 
 log = logging.getLogger("inferx.scheduler")
 
@@ -39,7 +43,7 @@ class AheadHold:
 class LookAhead:
     def __init__(
         self,
-        dispatcher,  # HopDispatcher (not imported: it imports this module's user)
+        dispatcher: HopDispatcher,
         services: ServiceLocator,
         channels: ChannelPool,
         *,
@@ -54,6 +58,7 @@ class LookAhead:
         self._lease_s = lease_s
         self._growth = growth
         self._held: dict[tuple[str, str], AheadHold] = {}  # (run id, hop id) -> hold
+        self._pending: set[tuple[str, str]] = set()  # being reserved (a re-dispatch must not repeat it)
         self._tasks: set[asyncio.Task[None]] = set()
 
     def wanted(self, pool: str, request: scheduler_pb2.HopRequest) -> list[HopView]:
@@ -69,7 +74,7 @@ class LookAhead:
             next_pool = directory.pool_of(nxt.model)
             if next_pool == pool and nxt.prompt_tokens < self._growth * current:
                 continue
-            if (ctx.run_id, nxt.hop_id) in self._held:
+            if (ctx.run_id, nxt.hop_id) in self._held or (ctx.run_id, nxt.hop_id) in self._pending:
                 continue
             views.append(
                 HopView(
@@ -92,11 +97,18 @@ class LookAhead:
         if not views:
             return
         lease = self._lease_s if deadline_s is None else max(min(self._lease_s, deadline_s), 0.1)
+        self._pending.update((view.run_id, view.hop_id) for view in views)
         task = asyncio.create_task(self._reserve(views, request.context.tier, lease))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _reserve(self, views: list[HopView], tier: int, lease_s: float) -> None:
+        try:
+            await self._reserve_each(views, tier, lease_s)
+        finally:
+            self._pending.difference_update((view.run_id, view.hop_id) for view in views)
+
+    async def _reserve_each(self, views: list[HopView], tier: int, lease_s: float) -> None:
         address = self._services.pick("memory-pool")
         if address is None:
             return

@@ -214,7 +214,7 @@ def test_kinds_in_snapshot() -> None:
     assert (b.reserved_tokens, b.reservations, b.lookahead_tokens, b.lookahead_reservations) == (10, 1, 0, 0)
 
 
-def test_drop_holder_and_set_live_holders() -> None:
+def test_drop_holder() -> None:
     ledger = KvLedger()
     ledger.set_workers({"w": ("p", 10_000)})
     for holder in ("s1", "s1", "s2", "s3", ""):
@@ -223,10 +223,9 @@ def test_drop_holder_and_set_live_holders() -> None:
     assert ledger.drop_holder("s1") == 0
     assert ledger.drop_holder("") == 0  # "no holder" is not a holder
     assert sorted(r.holder for r in ledger.reservations()) == ["", "s2", "s3"]
-    assert ledger.set_live_holders({"s2"}) == 1  # s3 is dead; the holder-less one stays
-    assert sorted(r.holder for r in ledger.reservations()) == ["", "s2"]
-    assert ledger.set_live_holders(set()) == 1
-    assert [r.holder for r in ledger.reservations()] == [""]
+    assert ledger.drop_holder("s3") == 1  # a look-ahead goes with its holder too
+    assert ledger.drop_holder("s2") == 1
+    assert [r.holder for r in ledger.reservations()] == [""]  # the holder-less one stays
     assert ledger.reserved("w") == 10
 
 
@@ -300,13 +299,10 @@ class LedgerMachine(RuleBasedStateMachine):
         expected = len(self.ledger.reservations()) - len(self.model)
         assert self.ledger.expire(self.now) == expected
 
-    @rule(holder=st.sampled_from(HOLDERS), via_live_set=st.booleans())
-    def holder_dies(self, holder, via_live_set) -> None:
+    @rule(holder=st.sampled_from(HOLDERS))
+    def holder_dies(self, holder) -> None:
         self.dead.add(holder)
-        if via_live_set:
-            self.ledger.set_live_holders(set(self.HOLDERS) - self.dead)
-        else:
-            self.ledger.drop_holder(holder)
+        self.ledger.drop_holder(holder)
         self.model = {rid: r for rid, r in self.model.items() if r[3] != holder}
 
     @rule(holder=st.sampled_from(HOLDERS))
