@@ -1,8 +1,6 @@
 """Options of `inferx-scheduler` (flags or INFERX_* environment variables)."""
 
-from typing import Literal
-
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from inferx.settings import ServiceSettings
 
@@ -46,8 +44,15 @@ class SchedulerSettings(ServiceSettings):
         2, ge=0, le=10, description="times a hop goes to another worker after its worker failed"
     )
     health_check_interval_s: float = Field(1.0, gt=0, description="how often each worker is health-checked")
-    policy: Literal["baseline", "chain-aware"] = Field(
+    policy: str = Field(
         "chain-aware",
-        description="chain-aware (tiers, chain progress, affinity, admission) or baseline "
-        "(FCFS, round-robin)",
+        description="a registered scheduling policy: chain-aware (tiers, chain progress, affinity, "
+        "admission), round-robin (alias baseline), or a peer policy (`inferx sim --help` lists them)",
     )
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        from inferx.scheduling.registry import canonical_name
+
+        return canonical_name(value)  # ValueError names the registered policies

@@ -14,7 +14,7 @@ import grpc
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.errors import InvalidArgument, ResourceExhausted, Unavailable, from_rpc_error
 from inferx.pools import PoolDirectory, no_worker_message
-from inferx.scheduling.policy import make_policy
+from inferx.scheduling.registry import make_policy
 from inferx.scheduling.queue import DispatchQueue, QueuedHop, QueueFull, Rejected, WorkerSlots
 from inferx.scheduling.views import HopView
 from inferx.tokens import estimate_tokens
@@ -65,15 +65,14 @@ class HopDispatcher:
         self,
         directory: PoolDirectory,
         max_queued_per_pool: int,
-        policy: str = "baseline",
+        policy: str = "round-robin",
         usable: Callable[[str], bool] | None = None,
         time_scale: float = 1.0,
         policy_options: dict[str, object] | None = None,
     ) -> None:
         self.directory = directory
-        options = policy_options if policy == "chain-aware" else None
         self.queue = DispatchQueue(
-            max_queued_per_pool, make_policy(policy, time_scale=time_scale, **(options or {}))
+            max_queued_per_pool, make_policy(policy, time_scale=time_scale, **(policy_options or {}))
         )
         self._waiters: dict[int, asyncio.Future[str]] = {}
         self._wake: asyncio.TimerHandle | None = None

@@ -174,7 +174,7 @@ def test_engine_priority_follows_the_policy_order() -> None:
 
 def test_baseline_is_fcfs_round_robin_with_one_engine_priority() -> None:
     q = DispatchQueue(policy=make_policy("baseline"))
-    assert isinstance(q.policy, BaselinePolicy) and q.policy_name == "baseline"
+    assert isinstance(q.policy, BaselinePolicy) and q.policy_name == "round-robin"
     submit(q, view("c", tier=TIER_BATCH), now=0)
     submit(q, view("c", "1", tier=TIER_REALTIME), now=1)
     submit(q, view("c", "2", tier=TIER_REALTIME), now=2)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from inferx.bench.metrics import Comparison, RunRecord, Summary, compare, summarize
 from inferx.errors import InvalidArgument
-from inferx.scheduling.policy import POLICY_NAMES, make_policy
+from inferx.scheduling.registry import accepted_names, make_policy, policy_names
 from inferx.sim.cluster import ClusterSim
 from inferx.sim.profile import EngineProfile
 from inferx.sim.saturation import Saturation, find_saturation
@@ -44,8 +44,8 @@ def load_trace(path: str | None) -> Trace:
 
 def check_policies(names: list[str]) -> None:
     for name in names:
-        if name not in POLICY_NAMES:
-            raise InvalidArgument(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
+        if name not in accepted_names():
+            raise InvalidArgument(f"unknown policy {name!r}; choose from {', '.join(policy_names())}")
 
 
 def choose_load(
@@ -93,7 +93,7 @@ def conclude(runs: list[RunRecord]) -> tuple[list[Summary], Comparison | None]:
     summaries = [summarize(run) for run in runs]
     by_name = {s.policy: s for s in summaries}
     comparison = None
-    if len(summaries) == 2 and "baseline" in by_name:
-        other = next(s for s in summaries if s.policy != "baseline")
-        comparison = compare(by_name["baseline"], other)
+    if len(summaries) == 2 and "round-robin" in by_name:
+        other = next(s for s in summaries if s.policy != "round-robin")
+        comparison = compare(by_name["round-robin"], other)
     return summaries, comparison

@@ -348,7 +348,7 @@ def _defaults(args: argparse.Namespace) -> None:
     if args.policy:
         args.compare = None
     elif not args.compare:
-        args.compare = ["baseline", "chain-aware"]
+        args.compare = ["round-robin", "chain-aware"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:

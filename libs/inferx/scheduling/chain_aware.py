@@ -43,6 +43,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from inferx.scheduling.registry import register_policy
 from inferx.scheduling.views import (
     ACCEPT,
     TIER_BATCH,
@@ -432,3 +433,14 @@ class ChainAwarePolicy:
     def on_chain_end(self, chain_key: str, now: float) -> None:
         for key in [k for k in self._chains if k[1] == chain_key]:
             self._forget(key)
+
+
+@register_policy(
+    "chain-aware",
+    summary="tiers, chains under way first, slack to deadline, affinity with a reuse window, "
+    "KV held warm between hops, look-ahead reservations, admission control",
+    options=tuple(ChainAwareConfig.__dataclass_fields__),
+)
+def _chain_aware(time_scale: float = 1.0, **options: object) -> ChainAwarePolicy:
+    config = ChainAwareConfig(**options)  # type: ignore[arg-type]
+    return ChainAwarePolicy(config.time_scaled(time_scale) if time_scale != 1.0 else config)

@@ -2,10 +2,11 @@
 is admitted at all. Pure: no I/O, time is passed in, so the live scheduler and the
 virtual-time simulator run the very same decisions.
 
-`baseline` is what classic serving does: first come first served, round-robin across
-the workers that have a free slot, no affinity, no admission control, every request
-at the same engine priority (so the engine is FCFS too).
-`chain-aware` (chain_aware.py) is the default.
+`round-robin` (alias `baseline`) is what classic serving does: first come first served,
+round-robin across the workers that have a free slot, no affinity, no admission
+control, every request at the same engine priority (so the engine is FCFS too).
+`chain-aware` (chain_aware.py) is the default. Policies are found by name through
+`registry.py`; `make_policy` and `POLICY_NAMES` stay importable from here.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
+from inferx.scheduling.registry import make_policy, policy_names, register_policy
 from inferx.scheduling.views import ACCEPT, Admission, HopView, QueuedHop, WorkerView
 
-POLICY_NAMES = ("baseline", "chain-aware")
+__all__ = ["BaselinePolicy", "Policy", "RoundRobinPolicy", "make_policy", "policy_names"]
 
 
 class Policy(Protocol):
@@ -71,10 +73,10 @@ class Policy(Protocol):
         ...
 
 
-class BaselinePolicy:
-    """FCFS + round-robin: the reference that chain-aware is measured against."""
+class RoundRobinPolicy:
+    """FCFS + round-robin: classic serving behind a plain load balancer."""
 
-    name = "baseline"
+    name = "round-robin"
 
     def __init__(self) -> None:
         self._next: dict[str, int] = {}  # pool -> round-robin position
@@ -127,14 +129,14 @@ class BaselinePolicy:
         return None
 
 
-def make_policy(name: str, time_scale: float = 1.0, **options: object) -> Policy:
-    """`baseline` or `chain-aware` (options: fields of ChainAwareConfig; `time_scale` > 1
-    when the workload runs that many times faster than real time)."""
-    if name == "baseline":
-        return BaselinePolicy()
-    if name == "chain-aware":
-        from inferx.scheduling.chain_aware import ChainAwareConfig, ChainAwarePolicy
+BaselinePolicy = RoundRobinPolicy  # the name this policy had first
 
-        config = ChainAwareConfig(**options)  # type: ignore[arg-type]
-        return ChainAwarePolicy(config.time_scaled(time_scale) if time_scale != 1.0 else config)
-    raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+
+@register_policy(
+    "round-robin",
+    aliases=("baseline",),
+    summary="FCFS queue, round-robin over workers with a free slot; no affinity or tiers",
+    imitates="a plain L4/L7 load balancer in front of vLLM replicas",
+)
+def _round_robin(time_scale: float = 1.0) -> RoundRobinPolicy:
+    return RoundRobinPolicy()
