@@ -9,6 +9,7 @@ import grpc
 
 from inferx.context_guard import ContextTooLong, check_or_truncate
 from inferx.errors import Internal, InvalidArgument, Unavailable
+from inferx.tokens import DEFAULT_MAX_TOKENS
 from inferx.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from inferx_worker import metrics
 from inferx_worker.engines.base import Engine, EngineError, EngineRequest
@@ -22,7 +23,7 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServicer):
     async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         if not request.prompt:
             raise InvalidArgument("prompt: must not be empty")
-        max_tokens = request.sampling.max_tokens or 64
+        max_tokens = request.sampling.max_tokens or DEFAULT_MAX_TOKENS
         prompt = await self._guard_context(request.prompt, request.sampling, max_tokens)
         engine_request = EngineRequest(
             request_id=":".join(

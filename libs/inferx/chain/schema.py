@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -38,12 +38,16 @@ from inferx.chain.durations import (
     parse_availability,
     parse_duration_ms,
 )
+from inferx.chain.kinds import MEMORY_RETRIEVAL, node_kind, node_kinds
 from inferx.chain.template import INPUT_NAME_RE, NODE_ID_RE
+from inferx.errors import InvalidArgument
+from inferx.tokens import DEFAULT_MAX_TOKENS
 
-NODE_TYPES: tuple[str, ...] = ("model_inference", "tool_call", "memory_retrieval")
+NODE_TYPES: tuple[str, ...] = node_kinds()
+NodeType = Literal[NODE_TYPES]  # type: ignore[valid-type]  # the registered kinds, in order
 TIERS: tuple[str, ...] = ("realtime", "standard", "batch")
 PRIORITIES: tuple[str, ...] = ("high", "medium", "normal", "low")  # index = priority_rank
-DEFAULT_MEMORY_TOOL = "session_memory"
+DEFAULT_MEMORY_TOOL = MEMORY_RETRIEVAL.default_tool
 
 # Keys each node type uses beyond the common ones. Others are accepted (extra=forbid
 # still rejects unknown keys) but produce an "ignored" warning, and `to_document`
@@ -61,19 +65,7 @@ COMMON_NODE_KEYS = (
     "cache_ttl",
     "fallback_output",
 )
-TYPE_NODE_KEYS: dict[str, tuple[str, ...]] = {
-    "model_inference": (
-        "model",
-        "fallback_model",
-        "prompt",
-        "max_tokens",
-        "temperature",
-        "max_context_tokens",
-        "context_overflow",
-    ),
-    "tool_call": ("tool", "arguments"),
-    "memory_retrieval": ("tool", "arguments", "limit"),
-}
+TYPE_NODE_KEYS: dict[str, tuple[str, ...]] = {name: node_kind(name).keys for name in NODE_TYPES}
 
 _ID_RE = re.compile(NODE_ID_RE)
 _INPUT_RE = re.compile(INPUT_NAME_RE)
@@ -130,6 +122,14 @@ Identifier = Annotated[
     WithJsonSchema({"type": "string", "pattern": f"^{NODE_ID_RE}$"}),
 ]
 
+class ChainConfigError(InvalidArgument):
+    """An invalid chain config; `.problems` has one line per problem found."""
+
+    def __init__(self, problems: Iterable[str]) -> None:
+        self.problems: list[str] = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
 _MODEL_CONFIG = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
 
 
@@ -158,13 +158,13 @@ class NodeSpec(BaseModel):
     model_config = _MODEL_CONFIG
 
     id: Identifier
-    type: Literal["model_inference", "tool_call", "memory_retrieval"]
+    type: NodeType
     model: str | None = None
     tool: str | None = None
     depends_on: list[str] = Field(default_factory=list)
     prompt: str | None = None
     arguments: dict[str, str] = Field(default_factory=dict)
-    max_tokens: int = Field(64, gt=0)
+    max_tokens: int = Field(DEFAULT_MAX_TOKENS, gt=0)
     temperature: float = Field(0.0, ge=0, allow_inf_nan=False)
     fallback_model: str | None = None
     critical: bool = True
@@ -183,12 +183,17 @@ class NodeSpec(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _default_memory_tool(cls, data: Any) -> Any:
-        # Memory nodes read the session store unless they name another memory tool.
-        if isinstance(data, Mapping) and data.get("type") == "memory_retrieval":
-            if data.get("tool") is None:
-                data = {**data, "tool": DEFAULT_MEMORY_TOOL}
+    def _default_tool(cls, data: Any) -> Any:
+        # e.g. memory nodes read the session store unless they name another memory tool.
+        if isinstance(data, Mapping) and data.get("type") in NODE_TYPES and data.get("tool") is None:
+            default = node_kind(data["type"]).default_tool
+            if default is not None:
+                data = {**data, "tool": default}
         return data
+
+    @property
+    def kind(self):  # -> NodeKind (annotated loosely: pydantic inspects property types)
+        return node_kind(self.type)
 
     @property
     def priority_rank(self) -> int:

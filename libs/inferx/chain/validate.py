@@ -27,7 +27,6 @@ Decisions:
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -36,17 +35,20 @@ import yaml
 from pydantic import ValidationError
 
 from inferx.chain.durations import format_duration_ms
+from inferx.chain.kinds import node_kind
+from inferx.chain.plan import ChainPlan, topological_order
 from inferx.chain.schema import (
     COMMON_NODE_KEYS,
+    NODE_TYPES,
     TYPE_NODE_KEYS,
     ChainConfig,
+    ChainConfigError,
     InputSpec,
     describe_validation_error,
     node_label,
     suggest,
 )
 from inferx.chain.template import check_template, references
-from inferx.errors import InvalidArgument
 
 __all__ = [
     "ChainConfigError",
@@ -65,18 +67,11 @@ MAX_CONFIG_CHARS = 1_000_000
 MAX_CONFIG_VALUES = 100_000
 
 
-class ChainConfigError(InvalidArgument):
-    """An invalid chain config; `.problems` has one line per problem found."""
-
-    def __init__(self, problems: Iterable[str]) -> None:
-        self.problems: list[str] = list(problems)
-        super().__init__("\n".join(self.problems))
-
-
 @dataclass(frozen=True)
 class ValidatedChain:
     config: ChainConfig
     warnings: list[str]
+    plan: ChainPlan  # built once here; every run of this config shares it
 
 
 # --------------------------------------------------------------------------- loading
@@ -170,7 +165,8 @@ def load_chain_text(text: str, *, strict: bool = False, source: str = "<config>"
             extra = _graph_problems(_raw_views(raw_nodes), _raw_declared_inputs(chain.get("inputs")))
             problems += [problem for problem in extra if problem not in problems]
         raise ChainConfigError(problems) from None
-    return ValidatedChain(config, validate_chain(config, strict=strict))
+    warnings = validate_chain(config, strict=strict)
+    return ValidatedChain(config, warnings, ChainPlan.build(config))
 
 
 def validate_chain(config: ChainConfig, strict: bool = False) -> list[str]:
@@ -185,7 +181,7 @@ def validate_chain(config: ChainConfig, strict: bool = False) -> list[str]:
         if key not in COMMON_NODE_KEYS + TYPE_NODE_KEYS[node.type]
     ]
     if not problems:  # the critical path needs an acyclic graph with known deps
-        path, total_ms = critical_path(config)
+        path, total_ms = ChainPlan.build(config).critical_path()
         if total_ms > config.slo.latency_p99_ms:
             warnings.append(
                 f"critical path {' -> '.join(path)} takes up to {format_duration_ms(total_ms)} "
@@ -214,8 +210,7 @@ class _View:
     label: str
     id: str | None
     type: str | None
-    has_model: bool
-    has_tool: bool
+    present: frozenset[str]  # keys set to something other than null
     depends_on: tuple[str, ...]
     templates: tuple[tuple[str, str], ...]
 
@@ -241,8 +236,7 @@ def _raw_views(raw_nodes: list[Any]) -> list[_View]:
                 node_label(raw_nodes, index),
                 node_id,
                 node_type,
-                raw.get("model") is not None,
-                raw.get("tool") is not None,
+                frozenset(str(key) for key, value in raw.items() if value is not None),
                 deps,
                 tuple(templates),
             )
@@ -270,10 +264,9 @@ def _graph_problems(views: list[_View], declared_inputs: set[str] | None) -> lis
             problems.append(f"{view.label}: id: duplicate node id (also nodes[{first[view.id].index}])")
         else:
             first[view.id] = view
-        needs = {"model_inference": ("model", view.has_model), "tool_call": ("tool", view.has_tool)}
-        if view.type in needs and not needs[view.type][1]:
-            key = needs[view.type][0]
-            problems.append(f"{view.label}: {key}: a {view.type} node needs a '{key}'")
+        required = node_kind(view.type).required if view.type in NODE_TYPES else None
+        if required is not None and required not in view.present:
+            problems.append(f"{view.label}: {required}: a {view.type} node needs a '{required}'")
     known = list(first)
     deps: dict[str, list[str]] = {node_id: [] for node_id in known}
     for view in views:
@@ -368,33 +361,6 @@ def _cycles(order: list[str], deps: Mapping[str, list[str]]) -> list[list[str]]:
 # --------------------------------------------------------------------------- helpers
 
 
-def topological_order(config: ChainConfig) -> list[str]:
-    """Node ids with every node after its dependencies; ties keep file order."""
-    index = {node.id: i for i, node in enumerate(config.nodes)}
-    waiting = {node.id: set(node.depends_on) for node in config.nodes}
-    unknown = sorted({dep for deps in waiting.values() for dep in deps} - set(index))
-    if unknown:
-        raise ChainConfigError([f"depends_on: unknown node(s) {', '.join(unknown)}"])
-    dependents: dict[str, list[str]] = {node_id: [] for node_id in index}
-    for node_id, deps in waiting.items():
-        for dep in deps:
-            dependents[dep].append(node_id)
-    ready = [(index[node_id], node_id) for node_id, deps in waiting.items() if not deps]
-    heapq.heapify(ready)
-    order: list[str] = []
-    while ready:
-        _, node_id = heapq.heappop(ready)
-        order.append(node_id)
-        for dependent in dependents[node_id]:
-            waiting[dependent].discard(node_id)
-            if not waiting[dependent]:
-                heapq.heappush(ready, (index[dependent], dependent))
-    if len(order) != len(index):
-        stuck = [node_id for node_id in index if node_id not in order]
-        raise ChainConfigError([f"dependency cycle among nodes {', '.join(stuck)}"])
-    return order
-
-
 def upstream(config: ChainConfig, node_id: str) -> set[str]:
     """Every node `node_id` depends on, directly or transitively."""
     config.node(node_id)  # KeyError for an unknown id rather than an empty set
@@ -423,19 +389,4 @@ def required_inputs(config: ChainConfig) -> dict[str, InputSpec]:
 
 def critical_path(config: ChainConfig) -> tuple[list[str], float]:
     """The dependency path with the largest sum of timeouts, and that sum in ms."""
-    timeouts = {node.id: node.timeout_ms for node in config.nodes}
-    deps = {node.id: node.depends_on for node in config.nodes}
-    best: dict[str, tuple[float, str | None]] = {}
-    for node_id in topological_order(config):
-        via = max(deps[node_id], key=lambda dep: best[dep][0], default=None)
-        before = best[via][0] if via is not None else 0.0
-        best[node_id] = (before + timeouts[node_id], via)
-    if not best:
-        return [], 0.0
-    last = max(best, key=lambda node_id: best[node_id][0])  # first of equals wins
-    path: list[str] = []
-    step: str | None = last
-    while step is not None:
-        path.append(step)
-        step = best[step][1]
-    return path[::-1], best[last][0]
+    return ChainPlan.build(config).critical_path()

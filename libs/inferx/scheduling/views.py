@@ -5,24 +5,59 @@ protobufs and by the simulator from a trace, so one policy serves both."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 
-TIER_REALTIME = 1
-TIER_STANDARD = 2
-TIER_BATCH = 3
-TIER_NAMES = {TIER_REALTIME: "realtime", TIER_STANDARD: "standard", TIER_BATCH: "batch"}
-TIER_BY_NAME = {name: tier for tier, name in TIER_NAMES.items()}
+from inferx.tokens import DEFAULT_MAX_TOKENS
+
+
+class Tier(IntEnum):
+    """A chain's SLO tier; lower is more urgent. The values are those of the proto enum
+    `inferx.v1.Tier`, so codecs convert with `Tier(value)` / `int(tier)`."""
+
+    UNSPECIFIED = 0
+    REALTIME = 1
+    STANDARD = 2
+    BATCH = 3
+
+    @classmethod
+    def parse(cls, name: str) -> Tier:
+        """From the config's spelling (`realtime`, `standard`, `batch`)."""
+        return TIER_BY_NAME[name]
+
+    @property
+    def label(self) -> str:
+        """The config's spelling; unspecified counts as standard."""
+        return TIER_NAMES.get(self, "standard")
+
+    @property
+    def rank(self) -> Tier:
+        """What the tier means for ordering: unspecified is standard."""
+        return self if self in TIER_NAMES else Tier.STANDARD
+
+
+TIER_REALTIME = Tier.REALTIME
+TIER_STANDARD = Tier.STANDARD
+TIER_BATCH = Tier.BATCH
+TIER_NAMES: dict[int, str] = {Tier.REALTIME: "realtime", Tier.STANDARD: "standard", Tier.BATCH: "batch"}
+TIER_BY_NAME: dict[str, Tier] = {name: Tier(tier) for tier, name in TIER_NAMES.items()}
+
+HopKey = tuple[str, str]  # (run id, hop id): one hop of one run, everywhere
 
 
 @dataclass(frozen=True)
 class HopView:
+    """One model hop as every scheduling decision sees it: built once per hop at the
+    service edge (`inferx_scheduler.codec`) or by the simulator, then carried as is.
+    Token counts are estimates made once (`inferx.tokens`); the deadline is monotonic."""
+
     pool: str
     run_id: str
     hop_id: str
     session_id: str = ""
-    tier: int = 0  # 0 = unspecified: treated as standard
+    tier: int = Tier.UNSPECIFIED  # a Tier; unspecified is treated as standard
     node_priority: int = 2  # the chain config's node priority, 0 (high) .. 3 (low)
     prompt_tokens: int = 0
-    max_tokens: int = 64
+    max_tokens: int = DEFAULT_MAX_TOKENS
     deadline: float | None = None  # the chain's deadline, on the caller's clock
     hop_index: int = 0  # 0 = first hop of its chain, or unknown
     remaining_critical_path_s: float = 0.0  # incl. this hop; 0 = unknown
@@ -34,8 +69,12 @@ class HopView:
         return self.session_id or self.run_id
 
     @property
-    def tier_rank(self) -> int:
-        return self.tier if self.tier in TIER_NAMES else TIER_STANDARD
+    def key(self) -> HopKey:
+        return (self.run_id, self.hop_id)
+
+    @property
+    def tier_rank(self) -> Tier:
+        return Tier(self.tier) if self.tier in TIER_NAMES else Tier.STANDARD
 
     @property
     def kv_tokens(self) -> int:

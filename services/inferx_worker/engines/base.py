@@ -7,12 +7,14 @@ import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from inferx.tokens import DEFAULT_MAX_TOKENS, estimate_tokens
+
 
 @dataclass(frozen=True)
 class EngineRequest:
     request_id: str
     prompt: str
-    max_tokens: int = 64
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
@@ -60,7 +62,7 @@ class Engine(abc.ABC):
 
     def count_tokens(self, prompt: str) -> int:
         """Prompt tokens as this engine counts them (an estimate unless overridden)."""
-        return max(1, len(prompt) // 4)
+        return estimate_tokens(prompt)
 
     @abc.abstractmethod
     def capacity(self) -> EngineCapacity: ...
