@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import aetcd
 
 from inferx import etcd
+from inferx.chain.plan import ChainPlan
 from inferx.chain.schema import ChainConfig
 from inferx.chain.validate import ValidatedChain, load_chain_text
 from inferx.chain.yamlio import dump_config_yaml
@@ -46,6 +47,7 @@ class StoredVersion:
     author: str
     message: str
     created_unix_ms: int
+    plan: ChainPlan  # the version's graph facts, computed once for all its runs
 
     def to_yaml(self) -> str:
         return dump_config_yaml(self.config)
@@ -106,7 +108,13 @@ class ChainStore:
             )
             if succeeded:
                 stored = StoredVersion(
-                    config.name, version, config, author, message, record["created_unix_ms"]
+                    config.name,
+                    version,
+                    config,
+                    author,
+                    message,
+                    record["created_unix_ms"],
+                    ChainPlan.build(config),
                 )
                 self._parsed[(config.name, version)] = stored
                 return stored, activate
@@ -146,6 +154,7 @@ class ChainStore:
             record.get("author", ""),
             record.get("message", ""),
             int(record.get("created_unix_ms", 0)),
+            validated.plan,
         )
         self._parsed[(name, version)] = stored
         return stored

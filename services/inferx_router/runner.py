@@ -26,33 +26,25 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
-
 from inferx import telemetry
+from inferx.chain.plan import TIMEOUTS, ChainPlan, LatencyEstimate, LearnedLatency
 from inferx.chain.schema import ChainConfig, NodeSpec
 from inferx.chain.template import MissingReferenceError, render
-from inferx.chain.validate import sinks, topological_order
-from inferx.discovery import ChannelPool, ServiceLocator
-from inferx.errors import InferxError, InvalidArgument, NotFound, Unavailable, from_rpc_error
+from inferx.errors import InferxError, InvalidArgument, NotFound
 from inferx.resilience import Degradation, NodeFallbacks, RetryBudget, backoff_s, degradation_ladder
+from inferx.scheduling.views import Tier
 from inferx.tokens import estimate_tokens
-from inferx.v1 import common_pb2, router_pb2, scheduler_pb2, scheduler_pb2_grpc
+from inferx.v1 import router_pb2
 from inferx_router import metrics, records
 from inferx_router.chain_store import StoredVersion
+from inferx_router.hops import ModelExecutor, ModelHop, NextHop
 from inferx_router.load import LoadMonitor
 from inferx_router.tools import SESSION_MEMORY, CircuitOpen, ToolCall, ToolRouter
 
 log = logging.getLogger("inferx.router.run")
 
-TIERS = {
-    "realtime": common_pb2.TIER_REALTIME,
-    "standard": common_pb2.TIER_STANDARD,
-    "batch": common_pb2.TIER_BATCH,
-}
-
 # Errors that retrying cannot fix: the request itself is wrong.
 NOT_RETRYABLE = (InvalidArgument, NotFound)
-DEFAULT_TOOL_RETRIES = 2
 
 
 @dataclass
@@ -72,39 +64,6 @@ def default_prompt(node: NodeSpec, inputs: dict[str, str], outputs: dict[str, st
     lines += [f"[{dep}] {outputs.get(dep, '')}" for dep in node.depends_on]
     lines.append(f"Task ({node.id}):")
     return "\n".join(lines)
-
-
-def remaining_paths_ms(config: ChainConfig) -> dict[str, float]:
-    """For each node: the longest chain of node timeouts from it (included) to the end.
-    The scheduler uses it as the work still ahead of a run when it orders hops."""
-    dependents: dict[str, list[str]] = {node.id: [] for node in config.nodes}
-    for node in config.nodes:
-        for dep in node.depends_on:
-            dependents[dep].append(node.id)
-    longest: dict[str, float] = {}
-    for node_id in reversed(topological_order(config)):
-        after = max((longest[d] for d in dependents[node_id]), default=0.0)
-        longest[node_id] = config.node(node_id).timeout_ms + after
-    return longest
-
-
-def next_model_nodes(config: ChainConfig) -> dict[str, list[str]]:
-    """For each node: the model nodes that can come next after it (through any tool or
-    memory nodes in between). The scheduler may reserve KV ahead for them."""
-    dependents: dict[str, list[str]] = {node.id: [] for node in config.nodes}
-    for node in config.nodes:
-        for dep in node.depends_on:
-            dependents[dep].append(node.id)
-    found: dict[str, list[str]] = {}
-    for node_id in reversed(topological_order(config)):
-        nexts: list[str] = []
-        for child in dependents[node_id]:
-            if config.node(child).type == "model_inference":
-                nexts.append(child)
-            else:
-                nexts.extend(found[child])
-        found[node_id] = list(dict.fromkeys(nexts))
-    return found
 
 
 def tool_output_text(value: Any) -> str:
@@ -129,54 +88,56 @@ class ChainRun:
         *,
         session_id: str,
         tier: int,
-        services: ServiceLocator,
-        channels: ChannelPool,
+        executor: ModelExecutor,
         tools: ToolRouter,
         load: LoadMonitor | None = None,
+        latency: LearnedLatency | None = None,
         rng: random.Random | None = None,
     ) -> None:
         self.chain = chain
+        self.plan: ChainPlan = chain.plan
         self.config: ChainConfig = chain.config
         self.inputs = inputs
         self.session_id = session_id
         self.run_id = uuid.uuid4().hex[:16]
-        self.tier = tier or TIERS.get(str(self.config.tier), common_pb2.TIER_STANDARD)
-        self._services = services
-        self._channels = channels
+        self.tier = Tier(tier) if tier else Tier.parse(self.config.tier)
+        self._executor = executor
         self._tools = tools
         self._load = load
+        # Expected node times (learned from finished nodes): the remaining critical
+        # path the scheduler orders by is expected time, not the sum of timeouts.
+        self._learned = latency
+        self._latency: LatencyEstimate = latency if latency is not None else TIMEOUTS
         self._rng = rng or random.Random()
         self.budget = RetryBudget(self.config.retry_budget)
         self.events: asyncio.Queue[router_pb2.RunEvent | None] = asyncio.Queue()
         self._outcomes: dict[str, NodeOutcome] = {}
         self._outputs: dict[str, str] = {}
-        self._started = time.perf_counter()
-        self._budget_s = self.config.slo.latency_p99_ms / 1000
-        self._ahead_ms = remaining_paths_ms(self.config)
-        self._next_models = next_model_nodes(self.config)
-        self._model_hops_total = sum(node.type == "model_inference" for node in self.config.nodes)
-        self._model_hops_done = 0
+        # The one deadline of the run, on the monotonic clock; unix time only on the wire.
+        self._started = time.monotonic()
+        self._deadline = self._started + self.config.slo.latency_p99_ms / 1000
         self._deadline_unix_ms = int(time.time() * 1000 + self.config.slo.latency_p99_ms)
+        self._model_hops_done = 0
 
     def _at_ms(self) -> float:
-        return (time.perf_counter() - self._started) * 1000
+        return (time.monotonic() - self._started) * 1000
 
     def _remaining_s(self) -> float:
-        return self._budget_s - (time.perf_counter() - self._started)
+        return self._deadline - time.monotonic()
 
     def _emit(self, **event: Any) -> None:
         self.events.put_nowait(router_pb2.RunEvent(run_id=self.run_id, at_ms=self._at_ms(), **event))
 
     async def run(self) -> router_pb2.ChainFinished:
         """Execute every node; always ends with a ChainFinished event."""
-        nodes = {node.id: node for node in self.config.nodes}
+        nodes = self.plan.nodes
         self._outcomes = {node_id: NodeOutcome(router_pb2.NodeFinished(node_id=node_id)) for node_id in nodes}
         # One trace per run: node spans (and the hops' gRPC spans) are children of this one.
         attributes = {
             "inferx.run_id": self.run_id,
             "inferx.chain": self.config.name,
             "inferx.chain.version": self.chain.version,
-            "inferx.tier": metrics.tier_name(self.tier),
+            "inferx.tier": self.tier.label,
         }
         with telemetry.span(f"chain {self.config.name}", attributes) as span:
             try:
@@ -202,7 +163,7 @@ class ChainRun:
         else:
             status = "error"
         slo_ms = self.config.slo.latency_p99_ms
-        output = "\n".join(self._outputs.get(node_id, "") for node_id in sinks(self.config))
+        output = "\n".join(self._outputs.get(node_id, "") for node_id in self.plan.sinks)
         finished = router_pb2.ChainFinished(
             run_id=self.run_id,
             status=status,
@@ -215,7 +176,7 @@ class ChainRun:
             error="; ".join(f"{hop.node_id}: {hop.error}" for hop in failed if hop.error),
             retries_used=self.budget.used,
         )
-        tier = metrics.tier_name(self.tier)
+        tier = self.tier.label
         metrics.observe_chain(self.config.name, tier, finished, slo_target=self.config.slo.availability)
         records.record_run(self.config, finished, tier=tier, trace_id=telemetry.trace_id_of())
         return finished
@@ -237,12 +198,14 @@ class ChainRun:
                 self._emit(node_finished=result)
                 return
             self._emit(node_started=router_pb2.NodeStarted(node_id=node.id, node_type=node.type))
-            started = time.perf_counter()
+            started = time.monotonic()
             node_attributes = {"inferx.node": node.id, "inferx.node.type": node.type}
             with telemetry.span(f"node {node.id}", node_attributes) as span:
                 await self._execute(node, result)
-                result.latency_ms = (time.perf_counter() - started) * 1000
+                result.latency_ms = (time.monotonic() - started) * 1000
                 telemetry.finish_node_span(span, result)
+            if result.status == "ok" and not result.degradation:
+                self._learn(node, result.latency_ms)
             if result.status == "ok" or _usable(result):
                 # A node skipped on purpose contributes an empty output downstream.
                 self._outputs[node.id] = result.output
@@ -253,7 +216,7 @@ class ChainRun:
 
     async def _execute(self, node: NodeSpec, result: router_pb2.NodeFinished) -> None:
         model = node.model or ""
-        if self._load is not None and node.type == "model_inference" and self._load.overloaded(model):
+        if self._load is not None and node.kind.is_model and self._load.overloaded(model):
             if node.fallback_model:
                 model = node.fallback_model
                 result.degradation, result.degradation_reason = Degradation.FALLBACK_MODEL, "overload"
@@ -297,9 +260,9 @@ class ChainRun:
         attempt = 0
         while True:
             try:
-                kind = "model" if node.type == "model_inference" else "tool"
+                kind = "model" if node.kind.is_model else "tool"
                 with telemetry.span(f"{kind} attempt", {"inferx.attempt": attempt + 1}):
-                    if node.type == "model_inference":
+                    if node.kind.is_model:
                         await self._model_hop(node, result, model)
                     else:
                         await self._tool_call(node, result)
@@ -315,18 +278,17 @@ class ChainRun:
                 await asyncio.sleep(backoff_s(attempt, rng=self._rng))
 
     def _retries_allowed(self, node: NodeSpec) -> int:
-        if node.type == "model_inference":
-            return node.retries
-        if node.type == "memory_retrieval":
-            return node.retries or DEFAULT_TOOL_RETRIES
-        try:
-            tool = self._tools.resolve(node.tool or SESSION_MEMORY)
-        except NotFound:
-            return 0
-        # A non-idempotent tool is retried only when its server de-duplicates by key.
-        if not node.idempotent and not tool.honours_idempotency_key:
-            return 0
-        return node.retries or DEFAULT_TOOL_RETRIES
+        if node.kind.is_model:
+            return node.retries or node.kind.default_retries
+        if not node.idempotent:
+            try:
+                tool = self._tools.resolve(node.tool or SESSION_MEMORY)
+            except NotFound:
+                return 0
+            # A non-idempotent tool is retried only when its server de-duplicates by key.
+            if not tool.honours_idempotency_key:
+                return 0
+        return node.retries or node.kind.default_retries
 
     # ----- degradation ---------------------------------------------------------------
 
@@ -340,12 +302,12 @@ class ChainRun:
     ) -> None:
         reason = failure_reason(failure)
         stale_found, stale = False, None
-        if node.type != "model_inference" and node.cacheable:
+        if not node.kind.is_model and node.cacheable:
             stale_found, stale = await self._tools.stale_result(
                 node.tool or SESSION_MEMORY, self._arguments(node)
             )
         options = NodeFallbacks(
-            fallback_model=node.fallback_model if node.type == "model_inference" else None,
+            fallback_model=node.fallback_model if node.kind.is_model else None,
             has_stale_result=stale_found,
             fallback_output=node.fallback_output,
             critical=node.critical,
@@ -381,68 +343,53 @@ class ChainRun:
             prompt = render(node.prompt, self.inputs, self._outputs)
         else:
             prompt = default_prompt(node, self.inputs, self._outputs)
-        address = self._services.pick("scheduler")
-        if address is None:
-            raise Unavailable("no scheduler is registered in etcd")
-        stub = scheduler_pb2_grpc.SchedulerStub(self._channels.get(address))
-        request = scheduler_pb2.HopRequest(
-            context=common_pb2.HopContext(
-                run_id=self.run_id,
-                hop_id=node.id,
-                session_id=self.session_id,
-                chain_name=self.config.name,
-                chain_version=self.chain.version,
-                tier=self.tier,
-                priority=node.priority_rank,
-                chain_deadline_unix_ms=self._deadline_unix_ms,
-                hop_index=self._model_hops_done,
-                remaining_hops=max(self._model_hops_total - self._model_hops_done - 1, 0),
-                remaining_critical_path_ms=self._ahead_ms.get(node.id, 0.0),
-                next_hops=self._next_hops(node, prompt),
-            ),
+        hop = ModelHop(
+            run_id=self.run_id,
+            hop_id=node.id,
+            session_id=self.session_id,
+            chain_name=self.config.name,
+            chain_version=self.chain.version,
+            tier=self.tier,
+            priority=node.priority_rank,
+            deadline_unix_ms=self._deadline_unix_ms,
+            hop_index=self._model_hops_done,
+            remaining_hops=max(self.plan.model_hops - self._model_hops_done - 1, 0),
+            remaining_critical_path_ms=self.plan.remaining_path_ms(node.id, self._latency),
+            next_hops=self._next_hops(node, prompt),
             model=model,
             prompt=prompt,
-            sampling=common_pb2.SamplingOptions(
-                max_tokens=node.max_tokens,
-                temperature=node.temperature,
-                max_context_tokens=node.max_context_tokens or 0,
-                truncate_context=node.context_overflow == "truncate",
-            ),
+            max_tokens=node.max_tokens,
+            temperature=node.temperature,
+            max_context_tokens=node.max_context_tokens or 0,
+            truncate_context=node.context_overflow == "truncate",
         )
+
+        def dispatched(worker_id: str) -> None:
+            result.worker_id = worker_id
+
         # The deadline the caller set (node timeout or chain budget) travels downstream.
         timeout = max(min(node.timeout_ms / 1000, self._remaining_s()), 0.001)
-        hop = telemetry.HopSpans()  # queue wait / dispatch / engine spans from the reported timings
-        try:
-            async for event in stub.SubmitHop(request, timeout=timeout):
-                if event.kind == scheduler_pb2.HopEvent.KIND_DISPATCHED:
-                    result.worker_id = event.worker_id
-                    hop.dispatched()
-                elif event.kind == scheduler_pb2.HopEvent.KIND_FINISHED:
-                    result.output = event.text
-                    result.usage.CopyFrom(event.usage)
-                    result.queue_ms = event.queue_ms
-                    result.worker_id = event.worker_id
-                    self._model_hops_done += 1
-                    hop.finished(event, tier=metrics.tier_name(self.tier))
-                    metrics.observe_hop(metrics.tier_name(self.tier), event)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise TimeoutError from None
-            raise from_rpc_error(exc, target=f"scheduler at {address}") from None
+        done = await self._executor.run_hop(hop, timeout, dispatched)
+        result.output = done.text
+        result.usage.prompt_tokens = done.prompt_tokens
+        result.usage.completion_tokens = done.completion_tokens
+        result.usage.cached_prompt_tokens = done.cached_prompt_tokens
+        result.queue_ms = done.queue_ms
+        result.worker_id = done.worker_id
+        self._model_hops_done += 1
 
-    def _next_hops(self, node: NodeSpec, prompt: str) -> list[common_pb2.NextHop]:
+    def _next_hops(self, node: NodeSpec, prompt: str) -> tuple[NextHop, ...]:
         """The model hops that can follow this one. Their prompts are not rendered yet:
         estimated as this prompt plus this hop's output, since each hop extends the context."""
         tokens = estimate_tokens(prompt) + node.max_tokens
-        hops = []
-        for next_id in self._next_models.get(node.id, []):
-            nxt = self.config.node(next_id)
-            hops.append(
-                common_pb2.NextHop(
-                    hop_id=nxt.id, model=nxt.model or "", prompt_tokens=tokens, max_tokens=nxt.max_tokens
-                )
-            )
-        return hops
+        return tuple(
+            NextHop(hop_id=nxt.id, model=nxt.model or "", prompt_tokens=tokens, max_tokens=nxt.max_tokens)
+            for nxt in map(self.plan.node, self.plan.next_model_hops[node.id])
+        )
+
+    def _learn(self, node: NodeSpec, latency_ms: float) -> None:
+        if self._learned is not None:
+            self._learned.observe(self.config.name, node.id, latency_ms)
 
     def _arguments(self, node: NodeSpec) -> dict[str, Any]:
         if node.arguments:
@@ -452,7 +399,7 @@ class ChainRun:
             }
         else:
             arguments = dict(self.inputs)
-        if node.type == "memory_retrieval" and (node.tool or SESSION_MEMORY) == SESSION_MEMORY:
+        if "limit" in node.kind.keys and node.tool == SESSION_MEMORY:
             arguments.setdefault("limit", node.limit)
         return arguments
 

@@ -9,6 +9,7 @@ import logging
 
 import grpc
 
+from inferx.chain.plan import LearnedLatency
 from inferx.chain.validate import load_chain_text, required_inputs
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
@@ -23,6 +24,7 @@ from inferx.v1 import (
 )
 from inferx_router import records
 from inferx_router.chain_store import ChainStore, StoredVersion
+from inferx_router.executors import SchedulerExecutor
 from inferx_router.load import LoadMonitor
 from inferx_router.runner import ChainRun
 from inferx_router.tools import ToolRouter, cache_key, stale_key
@@ -49,6 +51,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._load = load
         self._max_active_runs = max_active_runs
         self._active_runs = 0
+        self._executor = SchedulerExecutor(services, channels)
+        # Expected node latencies, learned from this router's finished nodes.
+        self._latency = LearnedLatency()
 
     # ----- running chains -----------------------------------------------------------
 
@@ -76,7 +81,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def _check_workers(self, chain: StoredVersion) -> None:
         for node in chain.config.nodes:
-            if node.type == "model_inference" and not self._directory.workers_for(node.model or ""):
+            if node.kind.is_model and not self._directory.workers_for(node.model or ""):
                 raise Unavailable(
                     no_worker_message(node.model or "", self._directory.pool_of(node.model or ""))
                 )
@@ -98,10 +103,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             inputs,
             session_id=request.session_id,
             tier=request.tier,
-            services=self._services,
-            channels=self._channels,
+            executor=self._executor,
             tools=self._tools,
             load=self._load,
+            latency=self._latency,
         )
         self._active_runs += 1
         task = asyncio.create_task(run.run(), name=f"run:{run.run_id}")

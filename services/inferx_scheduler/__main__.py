@@ -8,9 +8,10 @@ from inferx.pools import PoolDirectory
 from inferx.server import ServiceComponent, ServiceRuntime, run_service
 from inferx.v1 import scheduler_pb2, scheduler_pb2_grpc
 from inferx_scheduler.config import SchedulerSettings
+from inferx_scheduler.dispatcher import HopDispatcher
 from inferx_scheduler.health import WorkerHealth
 from inferx_scheduler.lookahead import LookAhead
-from inferx_scheduler.servicer import HopDispatcher, SchedulerServicer
+from inferx_scheduler.servicer import SchedulerServicer
 
 
 class SchedulerComponent(ServiceComponent):
@@ -34,14 +35,15 @@ class SchedulerComponent(ServiceComponent):
         self._health_interval_s = settings.health_check_interval_s
         self.lookahead = (
             LookAhead(
-                self.dispatcher,
+                self.dispatcher.queue,
                 self.services,
                 self.channels,
                 holder=runtime.instance_id,
                 lease_s=settings.lookahead_lease_s / settings.time_scale,
                 growth=settings.lookahead_growth,
             )
-            if settings.lookahead and settings.policy == "chain-aware"  # classic serving does not look ahead
+            # Only policies that plan ahead (chain-aware) use it; peers do not look ahead.
+            if settings.lookahead and settings.policy == "chain-aware"
             else None
         )
 

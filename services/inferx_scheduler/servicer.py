@@ -6,18 +6,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.errors import InvalidArgument, ResourceExhausted, Unavailable, from_rpc_error
-from inferx.pools import PoolDirectory, no_worker_message
-from inferx.scheduling.registry import make_policy
-from inferx.scheduling.queue import DispatchQueue, QueuedHop, QueueFull, Rejected, WorkerSlots
+from inferx.pools import no_worker_message
+from inferx.scheduling.queue import QueueFull, Rejected
 from inferx.scheduling.views import HopView
-from inferx.tokens import estimate_tokens
 from inferx.v1 import (
     memory_pool_pb2,
     memory_pool_pb2_grpc,
@@ -27,129 +24,14 @@ from inferx.v1 import (
     worker_pb2_grpc,
 )
 from inferx_scheduler import metrics
+from inferx_scheduler.codec import hop_view, next_hop_views
+from inferx_scheduler.dispatcher import HopDispatcher
 from inferx_scheduler.health import WorkerHealth
 from inferx_scheduler.lookahead import AheadHold, LookAhead
 
 log = logging.getLogger("inferx.scheduler")
 
 Event = scheduler_pb2.HopEvent
-
-
-def hop_view(pool: str, request: scheduler_pb2.HopRequest) -> HopView:
-    """What the policy sees of a hop. The chain deadline arrives as unix time; the
-    queue runs on the monotonic clock, so it is converted here (I/O side)."""
-    ctx = request.context
-    deadline = None
-    if ctx.chain_deadline_unix_ms:
-        deadline = time.monotonic() + ctx.chain_deadline_unix_ms / 1000 - time.time()
-    return HopView(
-        pool=pool,
-        run_id=ctx.run_id,
-        hop_id=ctx.hop_id,
-        session_id=ctx.session_id,
-        tier=int(ctx.tier),
-        node_priority=ctx.priority,
-        prompt_tokens=estimate_tokens(request.prompt),
-        max_tokens=request.sampling.max_tokens or 64,
-        deadline=deadline,
-        hop_index=ctx.hop_index,
-        remaining_critical_path_s=ctx.remaining_critical_path_ms / 1000,
-        remaining_hops=ctx.remaining_hops if ctx.HasField("remaining_hops") else None,
-    )
-
-
-class HopDispatcher:
-    """Glue between the pure DispatchQueue + Policy and the live world (futures, etcd)."""
-
-    def __init__(
-        self,
-        directory: PoolDirectory,
-        max_queued_per_pool: int,
-        policy: str = "round-robin",
-        usable: Callable[[str], bool] | None = None,
-        time_scale: float = 1.0,
-        policy_options: dict[str, object] | None = None,
-    ) -> None:
-        self.directory = directory
-        self.queue = DispatchQueue(
-            max_queued_per_pool, make_policy(policy, time_scale=time_scale, **(policy_options or {}))
-        )
-        self._waiters: dict[int, asyncio.Future[str]] = {}
-        self._wake: asyncio.TimerHandle | None = None
-        self._usable = usable or (lambda worker_id: True)
-        # Without the memory-pool nobody guards KV capacity: run at half concurrency.
-        self.conservative = False
-
-    def submit(
-        self, pool: str, run_id: str, hop_id: str, view: HopView | None = None
-    ) -> tuple[QueuedHop, asyncio.Future[str]]:
-        hop = self.queue.submit(pool, run_id, hop_id, time.monotonic(), view)
-        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._waiters[hop.seq] = future
-        self._publish_depth(pool)
-        self.dispatch()
-        return hop, future
-
-    def cancel(self, hop: QueuedHop) -> None:
-        self._waiters.pop(hop.seq, None)
-        if self.queue.cancel(hop):
-            self._publish_depth(hop.pool)
-
-    def finished(self, hop: QueuedHop, context_tokens: int = 0, service_s: float = 0.0) -> None:
-        self.queue.finished(hop, time.monotonic(), context_tokens=context_tokens, service_s=service_s)
-        self.dispatch()
-
-    def dispatch(self) -> None:
-        registered = {pool: bool(workers) for pool, workers in self.directory.workers_by_pool.items()}
-        slots = {
-            pool: [
-                WorkerSlots(w.worker_id, self._concurrency(w.max_concurrency), w.kv_capacity_tokens)
-                for w in workers.values()
-                if self._usable(w.worker_id)  # circuit open: failed hops or health checks
-            ]
-            for pool, workers in self.directory.workers_by_pool.items()
-        }
-        now = time.monotonic()
-        assigned = self.queue.assign(slots, now)
-        self._schedule_wake(now)
-        for hop in assigned:
-            future = self._waiters.pop(hop.seq, None)
-            if future is None or future.done():
-                self.queue.finished(hop)  # its caller left meanwhile
-                continue
-            future.set_result(hop.worker_id or "")
-        for pool in self.queue.pools():
-            self._publish_depth(pool)
-            if not registered.get(pool):
-                # The pool's last worker left: fail its queued hops now, not at their deadline.
-                for hop in self.queue.drain_pool(pool):
-                    future = self._waiters.pop(hop.seq, None)
-                    if future is not None and not future.done():
-                        future.set_exception(Unavailable(f"all workers of pool '{pool}' left"))
-
-    def _publish_depth(self, pool: str) -> None:
-        metrics.QUEUE_DEPTH.labels(pool).set(self.queue.queued(pool))
-        metrics.set_queued_by_tier(pool, self.queue.queued_by_tier(pool))
-
-    def _concurrency(self, max_concurrency: int) -> int:
-        limit = max_concurrency or 1
-        return max(1, limit // 2) if self.conservative else limit
-
-    def _schedule_wake(self, now: float) -> None:
-        """Some queued hops wait on time alone (affinity patience, starvation bounds):
-        look again then, even if nothing else happens."""
-        wake = self.queue.next_wake
-        if wake is None:
-            return
-        if self._wake is not None:
-            if self._wake.when() <= asyncio.get_running_loop().time() + (wake - now):
-                return
-            self._wake.cancel()
-        self._wake = asyncio.get_running_loop().call_later(max(wake - now, 0.005), self._woken)
-
-    def _woken(self) -> None:
-        self._wake = None
-        self.dispatch()
 
 
 @dataclass
@@ -199,13 +81,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         pool = self._directory.pool_of(request.model)
         if not self._directory.workers_for(request.model):
             raise Unavailable(no_worker_message(request.model, pool))
+        view = hop_view(pool, request)  # the hop's facts, worked out once
         # Room a look-ahead kept for this hop: its own reservation replaces that one.
-        ahead = self._lookahead.take(request.context) if self._lookahead is not None else None
+        ahead = self._lookahead.take(view) if self._lookahead is not None else None
         # A worker that dies or fails mid-hop costs a re-dispatch to another one of the
         # pool, not the hop: its breaker keeps new hops away from it meanwhile.
         for attempt in range(self._max_redispatch + 1):
             try:
-                async for event in self._dispatch_once(request, pool, context, ahead):
+                async for event in self._dispatch_once(request, view, context, ahead):
                     yield event
                 return
             except WorkerFailed as exc:
@@ -216,12 +99,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 log.warning("re-dispatching %s/%s: %s", request.context.run_id, request.context.hop_id, exc)
 
     async def _dispatch_once(
-        self, request, pool: str, context: grpc.aio.ServicerContext, ahead: AheadHold | None = None
+        self, request, view: HopView, context: grpc.aio.ServicerContext, ahead: AheadHold | None = None
     ):
+        pool = view.pool
         try:
-            hop, assigned = self._dispatcher.submit(
-                pool, request.context.run_id, request.context.hop_id, hop_view(pool, request)
-            )
+            hop, assigned = self._dispatcher.submit(view)
         except QueueFull as exc:
             metrics.SHED.labels(pool).inc()
             raise ResourceExhausted(str(exc), retry_after_s=1.0) from None
@@ -245,7 +127,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if ahead is not None:
                 metrics.LOOKAHEAD.labels(pool, "used" if ahead.worker_id == worker_id else "moved").inc()
             if self._lookahead is not None:
-                self._lookahead.start(pool, request, context.time_remaining())
+                self._lookahead.start(view, self._next_hops(view, request), context.time_remaining())
             # The engine orders by the policy's priority (vLLM runs with priority
             # scheduling); baseline sends 0 to every hop, so the engine is FCFS.
             forwarded = scheduler_pb2.HopRequest()
@@ -253,7 +135,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             forwarded.context.priority = hop.engine_priority
             try:
                 async for event in self._run_on_worker(
-                    forwarded, worker.address, worker_id, pool, queue_ms, context, ahead
+                    forwarded, view, worker.address, worker_id, queue_ms, context, ahead
                 ):
                     if event.kind == Event.KIND_FINISHED:
                         outcome.context_tokens = event.usage.prompt_tokens + event.usage.completion_tokens
@@ -266,11 +148,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             self._dispatcher.finished(hop, outcome.context_tokens, outcome.service_s)
 
-    async def _run_on_worker(self, request, address, worker_id, pool, queue_ms, context, ahead=None):
-        reservation = await self._reserve(worker_id, request, context, ahead)
+    def _next_hops(self, view: HopView, request: scheduler_pb2.HopRequest) -> list[HopView]:
+        def pool_of(model: str) -> str | None:
+            return self._directory.pool_of(model) if self._directory.workers_for(model) else None
+
+        return next_hop_views(view, request, pool_of)
+
+    async def _run_on_worker(self, request, view: HopView, address, worker_id, queue_ms, context, ahead=None):
+        pool = view.pool
+        reservation = await self._reserve(worker_id, view, context, ahead)
         stub = worker_pb2_grpc.ModelWorkerStub(self._channels.get(address))
         remaining = context.time_remaining()
-        text_parts: list[str] = []
         try:
             call = stub.Generate(
                 worker_pb2.GenerateRequest(
@@ -279,8 +167,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 timeout=remaining,
             )
             async for chunk in call:
-                if chunk.text:
-                    text_parts.append(chunk.text)
+                # Each piece of text crosses once: TOKENS as it comes, FINISHED only
+                # with what the worker's last chunk carried (the caller joins them).
                 if not chunk.finished:
                     yield Event(kind=Event.KIND_TOKENS, text=chunk.text, worker_id=worker_id)
                     continue
@@ -288,7 +176,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     kind=Event.KIND_FINISHED,
                     worker_id=worker_id,
                     pool=pool,
-                    text="".join(text_parts),
+                    text=chunk.text,
                     usage=chunk.usage,
                     queue_ms=queue_ms,
                     engine_ms=chunk.engine_ms,
@@ -306,7 +194,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             await self._release(reservation)
 
     async def _reserve(
-        self, worker_id: str, request: scheduler_pb2.HopRequest, context, ahead: AheadHold | None = None
+        self, worker_id: str, view: HopView, context, ahead: AheadHold | None = None
     ) -> str | None:
         """Reserve the hop's KV before it runs (replacing the look-ahead reservation kept
         for it, if any). A refusal (no room, or usage above the high mark for
@@ -319,14 +207,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if address is None:
             self._set_conservative(True, "no memory-pool is registered")
             return None
-        tokens = estimate_tokens(request.prompt) + (request.sampling.max_tokens or 64)
         stub = memory_pool_pb2_grpc.MemoryPoolStub(self._channels.get(address))
         message = memory_pool_pb2.ReserveRequest(
             worker_id=worker_id,
-            tokens=tokens,
-            run_id=request.context.run_id,
-            hop_id=request.context.hop_id,
-            tier=request.context.tier,
+            tokens=view.kv_tokens,
+            run_id=view.run_id,
+            hop_id=view.hop_id,
+            tier=int(view.tier),
             holder=self._holder,
             kind=memory_pool_pb2.RESERVATION_KIND_HOP,
             replaces=ahead.reservation_id if ahead is not None else "",

@@ -29,14 +29,3 @@ def test_cache_key_is_canonical_and_versioned() -> None:
     assert cache_key("t", "1", {"a": 1, "b": [1, 2]}) == cache_key("t", "1", {"b": [1, 2], "a": 1})
     assert cache_key("t", "1", {"a": 1}) != cache_key("t", "2", {"a": 1})
     assert cache_key("t", "1", {"a": 1}) != cache_key("u", "1", {"a": 1})
-
-
-def test_remaining_critical_path_per_node() -> None:
-    from inferx.chain.validate import load_chain_text
-    from inferx_router.runner import remaining_paths_ms
-
-    config = load_chain_text(
-        (ROOT / "examples" / "chains" / "customer_service_agent.yaml").read_text()
-    ).config
-    ahead = remaining_paths_ms(config)
-    assert ahead == {"intent_recognition": 3500, "knowledge_retrieval": 3300, "response_generation": 3000}

@@ -39,7 +39,9 @@ MODEL_INFERENCE = NodeKind(
     # an overloaded or broken pool, and the fallback model is the better second try.
     default_retries=0,
 )
-TOOL_CALL = NodeKind("tool_call", keys=("tool", "arguments"), required="tool", is_model=False, default_retries=2)
+TOOL_CALL = NodeKind(
+    "tool_call", keys=("tool", "arguments"), required="tool", is_model=False, default_retries=2
+)
 MEMORY_RETRIEVAL = NodeKind(
     "memory_retrieval",
     keys=("tool", "arguments", "limit"),

@@ -122,6 +122,7 @@ Identifier = Annotated[
     WithJsonSchema({"type": "string", "pattern": f"^{NODE_ID_RE}$"}),
 ]
 
+
 class ChainConfigError(InvalidArgument):
     """An invalid chain config; `.problems` has one line per problem found."""
 

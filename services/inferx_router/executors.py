@@ -1,0 +1,103 @@
+"""The gRPC side of the chain walker: a model hop goes to the scheduler.
+
+The protobuf conversion of a hop happens here and nowhere else in the router."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import grpc
+
+from inferx import telemetry
+from inferx.discovery import ChannelPool, ServiceLocator
+from inferx.errors import Unavailable, from_rpc_error
+from inferx.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from inferx_router import metrics
+from inferx_router.hops import HopDone, ModelHop
+
+Event = scheduler_pb2.HopEvent
+
+
+def hop_request(hop: ModelHop) -> scheduler_pb2.HopRequest:
+    return scheduler_pb2.HopRequest(
+        context=common_pb2.HopContext(
+            run_id=hop.run_id,
+            hop_id=hop.hop_id,
+            session_id=hop.session_id,
+            chain_name=hop.chain_name,
+            chain_version=hop.chain_version,
+            tier=int(hop.tier),
+            priority=hop.priority,
+            chain_deadline_unix_ms=hop.deadline_unix_ms,
+            hop_index=hop.hop_index,
+            remaining_hops=hop.remaining_hops,
+            remaining_critical_path_ms=hop.remaining_critical_path_ms,
+            next_hops=[
+                common_pb2.NextHop(
+                    hop_id=nxt.hop_id,
+                    model=nxt.model,
+                    prompt_tokens=nxt.prompt_tokens,
+                    max_tokens=nxt.max_tokens,
+                )
+                for nxt in hop.next_hops
+            ],
+        ),
+        model=hop.model,
+        prompt=hop.prompt,
+        sampling=common_pb2.SamplingOptions(
+            max_tokens=hop.max_tokens,
+            temperature=hop.temperature,
+            max_context_tokens=hop.max_context_tokens,
+            truncate_context=hop.truncate_context,
+        ),
+    )
+
+
+class SchedulerExecutor:
+    """Runs model hops through a scheduler found in etcd."""
+
+    def __init__(self, services: ServiceLocator, channels: ChannelPool) -> None:
+        self._services = services
+        self._channels = channels
+
+    async def run_hop(self, hop: ModelHop, timeout_s: float, on_dispatched: Callable[[str], None]) -> HopDone:
+        address = self._services.pick("scheduler")
+        if address is None:
+            raise Unavailable("no scheduler is registered in etcd")
+        stub = scheduler_pb2_grpc.SchedulerStub(self._channels.get(address))
+        spans = telemetry.HopSpans()  # queue wait / dispatch / engine spans from the reported timings
+        tier = hop.tier.label
+        text: list[str] = []
+        done: HopDone | None = None
+        try:
+            async for event in stub.SubmitHop(hop_request(hop), timeout=timeout_s):
+                if event.text:
+                    text.append(event.text)  # each piece of text arrives once (TOKENS, then FINISHED's tail)
+                if event.kind == Event.KIND_DISPATCHED:
+                    spans.dispatched()
+                    on_dispatched(event.worker_id)
+                elif event.kind == Event.KIND_FINISHED:
+                    spans.finished(event, tier=tier)
+                    metrics.observe_hop(tier, event)
+                    usage = event.usage
+                    done = HopDone(
+                        text="".join(text),
+                        worker_id=event.worker_id,
+                        pool=event.pool,
+                        queue_ms=event.queue_ms,
+                        engine_ms=event.engine_ms,
+                        ttft_ms=event.ttft_ms,
+                        prompt_tokens=usage.prompt_tokens,
+                        completion_tokens=usage.completion_tokens,
+                        cached_prompt_tokens=usage.cached_prompt_tokens,
+                        finish_reason=event.finish_reason,
+                    )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise TimeoutError from None
+            raise from_rpc_error(exc, target=f"scheduler at {address}") from None
+        # The stream is read to its end (not left at FINISHED), so the call and its
+        # client span close normally.
+        if done is None:
+            raise Unavailable(f"scheduler at {address} ended the hop without a result")
+        return done

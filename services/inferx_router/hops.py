@@ -1,0 +1,63 @@
+"""The model hop as the router's chain walker hands it to an executor, and what comes
+back: plain values, so the walker runs (and is unit-tested) without gRPC."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from inferx.scheduling.views import Tier
+
+
+@dataclass(frozen=True)
+class NextHop:
+    """A model hop that may follow this one: what look-ahead reserves for."""
+
+    hop_id: str
+    model: str
+    prompt_tokens: int  # estimated: this hop's prompt plus its output
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class ModelHop:
+    run_id: str
+    hop_id: str  # the node id
+    session_id: str
+    chain_name: str
+    chain_version: int
+    tier: Tier
+    priority: int  # the node's priority rank, 0 (high) .. 3 (low)
+    deadline_unix_ms: int  # the chain's end-to-end deadline
+    hop_index: int  # model hops of the run finished before this one
+    remaining_hops: int  # model hops of the run after this one
+    remaining_critical_path_ms: float  # expected time left on the longest path, this hop included
+    next_hops: tuple[NextHop, ...]
+    model: str
+    prompt: str
+    max_tokens: int
+    temperature: float
+    max_context_tokens: int = 0
+    truncate_context: bool = False
+
+
+@dataclass(frozen=True)
+class HopDone:
+    text: str
+    worker_id: str
+    pool: str = ""
+    queue_ms: float = 0.0
+    engine_ms: float = 0.0
+    ttft_ms: float = 0.0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    finish_reason: str = ""
+
+
+class ModelExecutor(Protocol):
+    async def run_hop(self, hop: ModelHop, timeout_s: float, on_dispatched: Callable[[str], None]) -> HopDone:
+        """Run one model hop within `timeout_s`. Raises TimeoutError when the time runs
+        out, an InferxError for a failure the caller may retry or degrade around."""
+        ...

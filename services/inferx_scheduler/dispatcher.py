@@ -1,0 +1,108 @@
+"""The live side of the pure `DispatchQueue` + `Policy`: futures for waiting hops,
+the worker set from etcd, a timer for decisions that wait on time alone."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from inferx.errors import Unavailable
+from inferx.pools import PoolDirectory
+from inferx.scheduling.queue import DispatchQueue, QueuedHop, WorkerSlots
+from inferx.scheduling.registry import make_policy
+from inferx.scheduling.views import HopView
+from inferx_scheduler import metrics
+
+
+class HopDispatcher:
+    """Glue between the pure DispatchQueue + Policy and the live world (futures, etcd)."""
+
+    def __init__(
+        self,
+        directory: PoolDirectory,
+        max_queued_per_pool: int,
+        policy: str = "chain-aware",
+        usable: Callable[[str], bool] | None = None,
+        time_scale: float = 1.0,
+        policy_options: dict[str, object] | None = None,
+    ) -> None:
+        self.directory = directory
+        self.queue = DispatchQueue(
+            max_queued_per_pool, make_policy(policy, time_scale=time_scale, **(policy_options or {}))
+        )
+        self._waiters: dict[int, asyncio.Future[str]] = {}
+        self._wake: asyncio.TimerHandle | None = None
+        self._usable = usable or (lambda worker_id: True)
+        # Without the memory-pool nobody guards KV capacity: run at half concurrency.
+        self.conservative = False
+
+    def submit(self, view: HopView) -> tuple[QueuedHop, asyncio.Future[str]]:
+        """Queue a hop; the future resolves to the worker it is assigned to."""
+        hop = self.queue.submit(view.pool, view.run_id, view.hop_id, time.monotonic(), view)
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._waiters[hop.seq] = future
+        self._publish_depth(view.pool)
+        self.dispatch()
+        return hop, future
+
+    def cancel(self, hop: QueuedHop) -> None:
+        self._waiters.pop(hop.seq, None)
+        if self.queue.cancel(hop):
+            self._publish_depth(hop.pool)
+
+    def finished(self, hop: QueuedHop, context_tokens: int = 0, service_s: float = 0.0) -> None:
+        self.queue.finished(hop, time.monotonic(), context_tokens=context_tokens, service_s=service_s)
+        self.dispatch()
+
+    def dispatch(self) -> None:
+        registered = {pool: bool(workers) for pool, workers in self.directory.workers_by_pool.items()}
+        slots = {
+            pool: [
+                WorkerSlots(w.worker_id, self._concurrency(w.max_concurrency), w.kv_capacity_tokens)
+                for w in workers.values()
+                if self._usable(w.worker_id)  # circuit open: failed hops or health checks
+            ]
+            for pool, workers in self.directory.workers_by_pool.items()
+        }
+        now = time.monotonic()
+        assigned = self.queue.assign(slots, now)
+        self._schedule_wake(now)
+        for hop in assigned:
+            future = self._waiters.pop(hop.seq, None)
+            if future is None or future.done():
+                self.queue.finished(hop)  # its caller left meanwhile
+                continue
+            future.set_result(hop.worker_id or "")
+        for pool in self.queue.pools():
+            self._publish_depth(pool)
+            if not registered.get(pool):
+                # The pool's last worker left: fail its queued hops now, not at their deadline.
+                for hop in self.queue.drain_pool(pool):
+                    future = self._waiters.pop(hop.seq, None)
+                    if future is not None and not future.done():
+                        future.set_exception(Unavailable(f"all workers of pool '{pool}' left"))
+
+    def _publish_depth(self, pool: str) -> None:
+        metrics.QUEUE_DEPTH.labels(pool).set(self.queue.queued(pool))
+        metrics.set_queued_by_tier(pool, self.queue.queued_by_tier(pool))
+
+    def _concurrency(self, max_concurrency: int) -> int:
+        limit = max_concurrency or 1
+        return max(1, limit // 2) if self.conservative else limit
+
+    def _schedule_wake(self, now: float) -> None:
+        """Some queued hops wait on time alone (affinity patience, starvation bounds):
+        look again then, even if nothing else happens."""
+        wake = self.queue.next_wake
+        if wake is None:
+            return
+        if self._wake is not None:
+            if self._wake.when() <= asyncio.get_running_loop().time() + (wake - now):
+                return
+            self._wake.cancel()
+        self._wake = asyncio.get_running_loop().call_later(max(wake - now, 0.005), self._woken)
+
+    def _woken(self) -> None:
+        self._wake = None
+        self.dispatch()
