@@ -13,10 +13,10 @@ DEFAULT_MODEL_PATH = ".inferx/models/tiny-llama"
 
 class WorkerSettings(ServiceSettings):
     model: str = Field(..., description="the model pool this worker serves, e.g. qwen-7b")
-    engine: Literal["vllm", "openai", "sim"] = Field(
+    engine: str = Field(
         "vllm",
-        description="vllm (in-process AsyncLLM), openai (an OpenAI-compatible server), "
-        "or sim (SIMULATED latency model)",
+        description="a registered engine: vllm (in-process AsyncLLM), openai (an OpenAI-compatible "
+        "server), or sim (SIMULATED latency model)",
     )
     openai_base_url: str = Field(
         "http://127.0.0.1:8000", description="openai: the server's base URL (without /v1)"
@@ -55,6 +55,13 @@ class WorkerSettings(ServiceSettings):
         True, description="vllm, sim: automatic prefix caching (off: for A/B benchmarks)"
     )
     warm_up: bool = Field(True, description="run one short request before reporting ready")
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, value: str) -> str:
+        from inferx_worker.engines.registry import engine_info
+
+        return engine_info(value).name  # ValueError names the registered engines
 
     @field_validator("model")
     @classmethod

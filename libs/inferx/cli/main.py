@@ -431,12 +431,50 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(handler=cmd_status)
 
     up = sub.add_parser("up", help="start etcd and every service locally (what `make run` does)")
-    up.add_argument("--engine", choices=("vllm", "sim"), default="vllm")
+    standalone = _standalone_engines()
+    up.add_argument(
+        "--engine",
+        choices=standalone,  # registered engines that need no outside server; see `inferx engines`
+        default="vllm",
+        help=f"one of {', '.join(standalone)} (default vllm; sim is a SIMULATED latency model)",
+    )
     up.add_argument("--workers", type=int, default=1, help="model-workers to start")
     up.set_defaults(handler=cmd_up)
+    engines = sub.add_parser("engines", help="the model-worker engines this install has")
+    engines.set_defaults(handler=cmd_engines)
+    policies = sub.add_parser("policies", help="the scheduling policies this install has")
+    policies.set_defaults(handler=cmd_policies)
     observe.register(sub)
     bench.register(sub)
     return parser
+
+
+def _standalone_engines() -> list[str]:
+    from inferx_worker.engines.registry import engine_info, engine_names
+
+    return [name for name in engine_names() if engine_info(name).standalone]
+
+
+def cmd_engines(args: argparse.Namespace) -> int:
+    from inferx_worker.engines.registry import engine_info, engine_names
+
+    table = Table("engine", "what it is", "inferx up")
+    for name in engine_names():
+        info = engine_info(name)
+        table.add_row(name, info.summary, "yes" if info.standalone else "no (needs its server)")
+    out.print(table)
+    return 0
+
+
+def cmd_policies(args: argparse.Namespace) -> int:
+    from inferx.scheduling.registry import policy_info, policy_names
+
+    table = Table("policy", "aliases", "what it does", "imitates")
+    for name in policy_names():
+        info = policy_info(name)
+        table.add_row(name, ", ".join(info.aliases), info.summary, info.imitates)
+    out.print(table)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -75,15 +75,21 @@ def _load_builtins() -> None:
 
 
 def policy_names() -> tuple[str, ...]:
-    """Canonical names, in registration order."""
+    """Canonical names: built-ins in `BUILTIN_MODULES` order (whatever was imported
+    first), then others in registration order."""
     _load_builtins()
-    return tuple(_POLICIES)
+
+    def position(name: str) -> int:
+        module = _POLICIES[name].factory.__module__
+        return BUILTIN_MODULES.index(module) if module in BUILTIN_MODULES else len(BUILTIN_MODULES)
+
+    return tuple(sorted(_POLICIES, key=position))  # stable: registration order within a module
 
 
 def accepted_names() -> tuple[str, ...]:
     """Canonical names and aliases: what `--policy` accepts."""
     _load_builtins()
-    return tuple(_POLICIES) + tuple(_ALIASES)
+    return policy_names() + tuple(_ALIASES)
 
 
 def policy_info(name: str) -> PolicyInfo:

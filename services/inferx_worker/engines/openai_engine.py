@@ -9,6 +9,13 @@ What the server does not report, InferX cannot know: KV capacity comes from
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from inferx_worker.engines.registry import register_engine
+
+if TYPE_CHECKING:
+    from inferx_worker.config import WorkerSettings
+
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -127,3 +134,18 @@ class OpenAIEngine(Engine):
             completion_tokens=int(usage.get("completion_tokens", 0)),
             cached_prompt_tokens=int(details.get("cached_tokens") or 0),
         )
+
+
+@register_engine(
+    "openai",
+    summary="any OpenAI-compatible server (vLLM, SGLang, TGI, Ollama) over HTTP",
+    standalone=False,  # needs that server running
+)
+def from_settings(settings: WorkerSettings) -> OpenAIEngine:
+    return OpenAIEngine(
+        settings.openai_base_url,
+        settings.model_path,
+        api_key=settings.openai_api_key,
+        kv_capacity_tokens=settings.openai_kv_capacity_tokens,
+        max_concurrency=settings.max_num_seqs,
+    )

@@ -24,6 +24,13 @@ depend on how busy the host is (as long as it keeps up on average).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from inferx_worker.engines.registry import register_engine
+
+if TYPE_CHECKING:
+    from inferx_worker.config import WorkerSettings
+
 import asyncio
 import contextlib
 import hashlib
@@ -252,3 +259,25 @@ class SimEngine(Engine):
             if not done:
                 self.model.abort(request.request_id)
                 self._kick.set()
+
+
+@register_engine(
+    "sim",
+    summary="SIMULATED: the latency model of a GPU engine, for benchmarks and fast tests",
+    simulated=True,
+)
+def from_settings(settings: WorkerSettings) -> SimEngine:
+    from inferx.sim.profile import load_profile
+
+    log.warning("engine 'sim' is SIMULATED: latency model only, no model runs")
+    return SimEngine(
+        SimParams.with_overrides(
+            load_profile(settings.sim_profile),
+            speed=settings.sim_speed,
+            prefix_caching=settings.prefix_caching,
+            decode_step_ms=settings.sim_decode_step_ms,
+            prefill_tokens_per_s=settings.sim_prefill_tokens_per_s,
+            max_num_seqs=settings.max_num_seqs,
+            kv_capacity_tokens=settings.sim_kv_capacity_tokens,
+        )
+    )

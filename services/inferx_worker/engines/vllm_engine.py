@@ -14,6 +14,14 @@ fraction of host memory (default here 0.1) and the block size must be a multiple
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from inferx_worker.engines.registry import register_engine
+
+if TYPE_CHECKING:
+    from inferx_worker.config import WorkerSettings
+
 import asyncio
 import logging
 import time
@@ -353,3 +361,32 @@ def _make_renderer(engine: Any) -> Any:
         return engine_input
 
     return render
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+@register_engine("vllm", summary="vLLM AsyncLLM in-process, prefix caching on (the default)")
+def from_settings(settings: WorkerSettings) -> VllmEngine:
+    path = Path(settings.model_path)
+    if settings.dummy_weights == "auto":
+        dummy = path.is_dir() and not any(f.suffix in WEIGHT_SUFFIXES for f in path.iterdir())
+    else:
+        dummy = settings.dummy_weights == "yes"
+    if path.is_dir():
+        model = str(path.resolve())
+    elif "/" in settings.model_path and not settings.model_path.startswith((".", "/")):
+        model = settings.model_path  # a hub id such as Qwen/Qwen2.5-7B-Instruct
+    else:
+        raise SystemExit(
+            f"inferx-worker: error: --model-path {settings.model_path!r} is not a directory "
+            "(run `make model` to generate the tiny local model, or pass a model dir or hub id)"
+        )
+    return VllmEngine(
+        model,
+        dummy_weights=dummy,
+        max_model_len=settings.max_model_len,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        max_num_seqs=settings.max_num_seqs,
+        prefix_caching=settings.prefix_caching,
+    )

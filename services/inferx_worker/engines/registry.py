@@ -1,0 +1,74 @@
+"""The engine registry: a new engine is one module with one `@register_engine` factory.
+
+`inferx-worker --engine`, `inferx up --engine` and the docs list what is registered
+here. Built-in engines live in the modules of `BUILTIN_MODULES`, imported on first
+use; each module is cheap to import (heavy libraries such as vLLM load in `start()`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from inferx_worker.config import WorkerSettings
+    from inferx_worker.engines.base import Engine
+
+BUILTIN_MODULES: tuple[str, ...] = (
+    "inferx_worker.engines.vllm_engine",
+    "inferx_worker.engines.openai_engine",
+    "inferx_worker.engines.sim_engine",
+)
+
+EngineFactory = Callable[["WorkerSettings"], "Engine"]
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    name: str
+    factory: EngineFactory
+    summary: str
+    simulated: bool = False  # a latency model, never a stand-in for a real engine
+    standalone: bool = True  # runs without an outside server (what `inferx up` can start)
+
+
+_ENGINES: dict[str, EngineInfo] = {}
+_loaded = False
+
+
+def register_engine(
+    name: str, *, summary: str, simulated: bool = False, standalone: bool = True
+) -> Callable[[EngineFactory], EngineFactory]:
+    def decorate(factory: EngineFactory) -> EngineFactory:
+        if name in _ENGINES:
+            raise ValueError(f"engine {name!r} is registered twice")
+        _ENGINES[name] = EngineInfo(name, factory, summary, simulated, standalone)
+        return factory
+
+    return decorate
+
+
+def _load_builtins() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for module in BUILTIN_MODULES:
+            importlib.import_module(module)
+
+
+def engine_names() -> tuple[str, ...]:
+    _load_builtins()
+    return tuple(_ENGINES)
+
+
+def engine_info(name: str) -> EngineInfo:
+    _load_builtins()
+    if name not in _ENGINES:
+        raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(_ENGINES)}")
+    return _ENGINES[name]
+
+
+def make_engine(settings: WorkerSettings) -> Engine:
+    return engine_info(settings.engine).factory(settings)

@@ -1,0 +1,59 @@
+"""Policies and engines are found by name in one registry each."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from inferx.scheduling import registry
+from inferx.scheduling.chain_aware import ChainAwarePolicy
+from inferx.scheduling.policy import RoundRobinPolicy
+from inferx_scheduler.config import SchedulerSettings
+from inferx_worker.config import WorkerSettings
+from inferx_worker.engines.registry import engine_info, engine_names
+
+
+def test_policies_are_registered_with_aliases() -> None:
+    names = registry.policy_names()
+    assert names[:2] == ("round-robin", "chain-aware")
+    assert "baseline" in registry.accepted_names() and "baseline" not in names
+    assert isinstance(registry.make_policy("baseline"), RoundRobinPolicy)
+    assert registry.canonical_name("baseline") == "round-robin"
+
+
+def test_options_reach_only_the_policies_that_take_them() -> None:
+    aware = registry.make_policy("chain-aware", reuse_window_hops=7, kv_warm_s=3.0)
+    assert isinstance(aware, ChainAwarePolicy)
+    assert aware.config.reuse_window_hops == 7 and aware.config.kv_warm_s == 3.0
+    # The scheduler passes its chain-aware flags whatever the policy: others ignore them.
+    assert isinstance(registry.make_policy("round-robin", reuse_window_hops=7), RoundRobinPolicy)
+    scaled = registry.make_policy("chain-aware", time_scale=10.0, kv_warm_s=30.0)
+    assert scaled.config.kv_warm_s == pytest.approx(3.0)
+
+
+def test_unknown_policy_names_the_choices() -> None:
+    with pytest.raises(ValueError, match="unknown policy 'fastest'; choose one of round-robin, chain-aware"):
+        registry.make_policy("fastest")
+    with pytest.raises(ValueError, match="time scale"):
+        registry.make_policy("chain-aware", time_scale=0)
+
+
+def test_a_name_cannot_be_registered_twice() -> None:
+    registry.policy_names()  # built-ins loaded
+    with pytest.raises(ValueError, match="registered twice"):
+        registry.register_policy("baseline", summary="x")(lambda time_scale=1.0: RoundRobinPolicy())
+
+
+def test_scheduler_flag_accepts_registered_policies_only() -> None:
+    assert SchedulerSettings(policy="baseline").policy == "round-robin"
+    with pytest.raises(ValidationError, match="unknown policy 'nope'"):
+        SchedulerSettings(policy="nope")
+
+
+def test_engines_are_registered() -> None:
+    assert engine_names() == ("vllm", "openai", "sim")
+    assert engine_info("sim").simulated and not engine_info("vllm").simulated
+    assert not engine_info("openai").standalone
+    assert WorkerSettings(model="m", engine="sim").engine == "sim"
+    with pytest.raises(ValidationError, match="unknown engine 'tgi'; choose one of vllm, openai, sim"):
+        WorkerSettings(model="m", engine="tgi")
