@@ -17,7 +17,7 @@ from inferx import etcd
 from inferx.client import InferxClient
 from inferx.devstack import LocalStack
 from inferx.etcd import make_client
-from inferx.toolkit import IdempotencyRecords
+from inferx.idempotency import IdempotencyRecords
 from inferx.v1 import tool_pb2, tool_pb2_grpc
 from tests.conftest import running_sim_stack
 from tests.integration.faults import ToolServer, describe, run_batch
