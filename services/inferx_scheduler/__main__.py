@@ -63,6 +63,7 @@ class SchedulerComponent(ServiceComponent):
                 settings.max_redispatch,
                 holder=runtime.instance_id,
                 lookahead=self.lookahead,
+                max_kv_wait_s=settings.max_kv_wait_s,
             ),
             runtime.server,
         )

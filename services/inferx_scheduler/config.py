@@ -8,6 +8,12 @@ from inferx.settings import ServiceSettings
 class SchedulerSettings(ServiceSettings):
     max_queued_per_pool: int = Field(1024, gt=0, description="bound of each pool's hop queue")
     reserve_kv: bool = Field(True, description="reserve KV capacity in the memory-pool per hop")
+    max_kv_wait_s: float = Field(
+        120.0,
+        gt=0,
+        description="a hop the memory-pool has no KV room for waits this long at most (less when "
+        "its deadline is nearer), then fails with RESOURCE_EXHAUSTED",
+    )
     lookahead: bool = Field(
         True,
         description="chain-aware: when a chain's next hop needs another pool or a much longer "

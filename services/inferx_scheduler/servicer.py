@@ -47,7 +47,6 @@ class WorkerFailed(Unavailable):
 # The status of a worker call that says "this worker", not "this request", failed:
 # it is gone, draining, or its engine died. Other codes fail the hop, not the worker.
 WORKER_FAULTS = {grpc.StatusCode.UNAVAILABLE}
-MAX_RESERVATION_WAIT_S = 2.0
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -62,6 +61,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         *,
         holder: str = "",
         lookahead: LookAhead | None = None,
+        max_kv_wait_s: float = 120.0,
     ) -> None:
         self._dispatcher = dispatcher
         self._directory = dispatcher.directory
@@ -72,6 +72,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._max_redispatch = max_redispatch
         self._holder = holder  # this instance: the memory-pool drops our reservations if it dies
         self._lookahead = lookahead if reserve_kv else None
+        self._max_kv_wait_s = max_kv_wait_s
 
     async def SubmitHop(self, request: scheduler_pb2.HopRequest, context: grpc.aio.ServicerContext):
         if not request.model:
@@ -198,8 +199,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     ) -> str | None:
         """Reserve the hop's KV before it runs (replacing the look-ahead reservation kept
         for it, if any). A refusal (no room, or usage above the high mark for
-        non-realtime work) makes the hop wait, briefly, then gives up with
-        RESOURCE_EXHAUSTED; a memory-pool that cannot be reached makes the scheduler
+        non-realtime work) makes the hop wait for room within its deadline, then gives
+        up with RESOURCE_EXHAUSTED; a memory-pool that cannot be reached makes the scheduler
         conservative (half concurrency) but does not stop the hop."""
         if not self._reserve_kv:
             return None
@@ -228,11 +229,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     self._set_conservative(True, f"memory-pool: {exc.code().name}")
                     return None
+                # No room now: wait for it, as an engine queues a request it has no
+                # KV for, for as long as the hop's own deadline allows (bounded by
+                # max_kv_wait_s when the caller set none). Failing fast here would turn
+                # a momentary peak into lost hops.
                 remaining = context.time_remaining()
                 budget = (
-                    MAX_RESERVATION_WAIT_S
-                    if remaining is None
-                    else min(MAX_RESERVATION_WAIT_S, remaining - 0.1)
+                    self._max_kv_wait_s if remaining is None else min(self._max_kv_wait_s, remaining - 0.1)
                 )
                 if waited + delay > budget:
                     raise ResourceExhausted(f"KV memory: {exc.details()}", retry_after_s=1.0) from None

@@ -1,0 +1,396 @@
+"""ChainRun (the router's chain walker) driven by a fake model executor and tool router."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import defaultdict
+
+import pytest
+
+from inferx.chain.plan import TIMEOUTS, LearnedLatency
+from inferx.chain.validate import load_chain_text
+from inferx.errors import InvalidArgument, Unavailable
+from inferx.scheduling.views import Tier
+from inferx.tokens import estimate_tokens
+from inferx_router import runner
+from inferx_router.chain_store import StoredVersion
+from inferx_router.hops import HopDone, ModelHop, NextHop
+from inferx_router.runner import ChainRun
+from inferx_router.tools import ResolvedTool, ToolResult
+
+
+class FakeExecutor:
+    """Records every hop; per hop id, `script` gives the outcome of each attempt in turn
+    (HopDone, an exception to raise, or a float to sleep first); default "<id>@<model>"."""
+
+    def __init__(self) -> None:
+        self.hops: list[ModelHop] = []
+        self.timeouts: list[float] = []
+        self.script: dict[str, list] = defaultdict(list)
+        self.gates: dict[str, asyncio.Event] = {}
+        self.entered: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        self.log: list[tuple[str, str]] = []
+
+    async def run_hop(self, hop, timeout_s, on_dispatched) -> HopDone:
+        self.hops.append(hop)
+        self.timeouts.append(timeout_s)
+        self.log.append(("enter", hop.hop_id))
+        self.entered[hop.hop_id].set()
+        on_dispatched("w-1")
+        if hop.hop_id in self.gates:
+            await self.gates[hop.hop_id].wait()
+        outcome = self.script[hop.hop_id].pop(0) if self.script[hop.hop_id] else None
+        if isinstance(outcome, float):
+            await asyncio.sleep(outcome)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        self.log.append(("exit", hop.hop_id))
+        if isinstance(outcome, HopDone):
+            return outcome
+        return HopDone(text=f"{hop.hop_id}@{hop.model}", worker_id="w-1")
+
+
+class FakeTools:
+    """The ToolRouter methods ChainRun uses; `results[tool]` is a value or an exception."""
+
+    def __init__(self, results: dict | None = None) -> None:
+        self.results = results or {}
+        self.calls = []
+        self.remembered = []
+
+    def resolve(self, tool: str) -> ResolvedTool:
+        return ResolvedTool(tool, "1", f"tool:{tool}", True, None)
+
+    async def call(self, call, *, cacheable, cache_ttl_s) -> ToolResult:
+        self.calls.append(call)
+        value = self.results.get(call.tool, "tool-out")
+        if isinstance(value, BaseException):
+            raise value
+        return ToolResult(value)
+
+    async def stale_result(self, tool, arguments):
+        return False, None
+
+    async def remember(self, session_id, turn) -> None:
+        self.remembered.append((session_id, turn))
+
+
+class FakeLoad:
+    def __init__(self, hot: set[str]) -> None:
+        self.hot = hot
+
+    def overloaded(self, model: str) -> bool:
+        return model in self.hot
+
+
+def chain(nodes: str, *, slo: str = "60s", tier: str = "standard", budget: int = 3) -> StoredVersion:
+    text = (
+        f"agent_chain:\n  name: c\n  tier: {tier}\n  retry_budget: {budget}\n"
+        f"  slo: {{end_to_end_latency_p99: {slo}}}\n  nodes:\n{nodes}"
+    )
+    validated = load_chain_text(text)
+    return StoredVersion("c", 7, validated.config, "tester", "", 0, validated.plan)
+
+
+def make_run(stored, executor, tools=None, **kwargs) -> ChainRun:
+    kwargs.setdefault("session_id", "")
+    kwargs.setdefault("tier", 0)
+    return ChainRun(
+        stored, {"q": "hi"}, executor=executor, tools=tools or FakeTools(), rng=random.Random(0), **kwargs
+    )
+
+
+async def finish(run: ChainRun):
+    return await asyncio.wait_for(run.run(), timeout=10)
+
+
+def hop_of(finished, node_id: str):
+    return next(hop for hop in finished.hops if hop.node_id == node_id)
+
+
+def drain(run: ChainRun) -> list:
+    events = []
+    while not run.events.empty():
+        events.append(run.events.get_nowait())
+    return events
+
+
+LINEAR = """\
+    - {id: a, type: model_inference, model: m1, timeout: 1s, max_tokens: 10, temperature: 0.5}
+    - {id: t, type: tool_call, tool: search, depends_on: [a], timeout: 2s,
+       arguments: {query: "{{ nodes.a.output }}"}}
+    - {id: b, type: model_inference, model: m2, depends_on: [t], timeout: 3s, priority: high,
+       max_tokens: 20, max_context_tokens: 500, context_overflow: truncate,
+       prompt: "Q={{ inputs.q }} T={{ nodes.t.output }}"}
+    - {id: c, type: model_inference, model: m3, depends_on: [b], timeout: 4s}
+"""
+
+PARALLEL = """\
+    - {id: x, type: model_inference, model: mx, timeout: 1s}
+    - {id: y, type: model_inference, model: my, timeout: 1s}
+    - {id: z, type: model_inference, model: mz, depends_on: [x, y]}
+"""
+
+
+async def test_independent_nodes_run_concurrently_and_join_waits_for_both() -> None:
+    """x and y are both in flight before either finishes; z starts after both, with their outputs."""
+    executor = FakeExecutor()
+    executor.gates = {"x": executor.entered["y"], "y": executor.entered["x"]}  # each waits for the other
+    finished = await finish(make_run(chain(PARALLEL), executor))
+    assert finished.status == "ok"
+    assert set(executor.log[:2]) == {("enter", "x"), ("enter", "y")}
+    assert set(executor.log[2:4]) == {("exit", "x"), ("exit", "y")}
+    assert executor.log[4:] == [("enter", "z"), ("exit", "z")]
+    assert executor.hops[2].prompt == "q: hi\n[x] x@mx\n[y] y@my\nTask (z):"
+
+
+async def test_model_hop_fields(monkeypatch) -> None:
+    """hop_index/remaining_hops count model hops, next_hops pass through tools, tier, deadline, path."""
+    stored = chain(LINEAR, tier="batch")
+    executor, tools = FakeExecutor(), FakeTools({"search": "found"})
+    before = time.time()
+    run = make_run(stored, executor, tools, session_id="s1")
+    after = time.time()
+    finished = await finish(run)
+    assert finished.status == "ok"
+    a, b, c = executor.hops
+    assert [h.hop_id for h in executor.hops] == ["a", "b", "c"]
+    assert [h.hop_index for h in executor.hops] == [0, 1, 2]
+    assert [h.remaining_hops for h in executor.hops] == [2, 1, 0]
+    assert [h.remaining_critical_path_ms for h in executor.hops] == [10_000.0, 7_000.0, 4_000.0]
+    assert a.remaining_critical_path_ms == stored.plan.remaining_path_ms("a", TIMEOUTS)
+    assert a.next_hops == (NextHop("b", "m2", estimate_tokens(a.prompt) + 10, 20),)
+    assert b.next_hops == (NextHop("c", "m3", estimate_tokens(b.prompt) + 20, 64),)
+    assert c.next_hops == ()
+    assert {h.tier for h in executor.hops} == {Tier.BATCH}
+    assert [h.priority for h in executor.hops] == [2, 0, 2]
+    assert (a.prompt, b.prompt) == ("q: hi\nTask (a):", "Q=hi T=found")
+    assert (a.max_tokens, a.temperature, a.max_context_tokens, a.truncate_context) == (10, 0.5, 0, False)
+    assert (b.max_tokens, b.max_context_tokens, b.truncate_context) == (20, 500, True)
+    assert {(h.run_id, h.session_id, h.chain_name, h.chain_version) for h in executor.hops} == {
+        (run.run_id, "s1", "c", 7)
+    }
+    assert {h.deadline_unix_ms for h in executor.hops} == {a.deadline_unix_ms}
+    assert int(before * 1000 + 60_000) <= a.deadline_unix_ms <= int(after * 1000 + 60_000)
+    assert 0.9 < executor.timeouts[0] <= 1.0
+    assert 2.9 < executor.timeouts[1] <= 3.0
+    (call,) = tools.calls
+    assert (call.tool, call.arguments, call.idempotency_key) == (
+        "search",
+        {"query": "a@m1"},
+        f"{run.run_id}:t",
+    )
+
+
+async def test_explicit_tier_overrides_the_config() -> None:
+    """A run's tier argument wins over the config's tier."""
+    executor = FakeExecutor()
+    await finish(make_run(chain(LINEAR, tier="batch"), executor, FakeTools(), tier=int(Tier.REALTIME)))
+    assert [h.tier for h in executor.hops] == [Tier.REALTIME] * 3
+
+
+async def test_hop_result_fills_node_finished() -> None:
+    """Text, usage, queue time and worker of the HopDone land in NodeFinished."""
+    executor = FakeExecutor()
+    executor.script["x"] = [
+        HopDone("hello", "w-7", queue_ms=12.5, prompt_tokens=11, completion_tokens=3, cached_prompt_tokens=4)
+    ]
+    finished = await finish(make_run(chain(PARALLEL), executor))
+    x = hop_of(finished, "x")
+    assert (x.status, x.output, x.worker_id, x.queue_ms, x.model) == ("ok", "hello", "w-7", 12.5, "mx")
+    assert (x.usage.prompt_tokens, x.usage.completion_tokens, x.usage.cached_prompt_tokens) == (11, 3, 4)
+
+
+@pytest.fixture
+def backoffs(monkeypatch) -> list[int]:
+    attempts: list[int] = []
+
+    def no_wait(attempt: int, *, rng=None) -> float:
+        attempts.append(attempt)
+        return 0.0
+
+    monkeypatch.setattr(runner, "backoff_s", no_wait)
+    return attempts
+
+
+async def test_retries_stop_when_the_run_budget_is_spent(backoffs) -> None:
+    """retries: 5 with retry_budget 2: three attempts in all, then the node fails."""
+    executor = FakeExecutor()
+    executor.script["a"] = [Unavailable("pool down")] * 6
+    stored = chain("    - {id: a, type: model_inference, model: m1, retries: 5}\n", budget=2)
+    finished = await finish(make_run(stored, executor))
+    assert [h.hop_id for h in executor.hops] == ["a", "a", "a"]
+    assert backoffs == [1, 2]
+    a = hop_of(finished, "a")
+    assert (a.status, a.retries, a.error) == ("error", 2, "pool down")
+    assert (finished.status, finished.retries_used) == ("error", 2)
+
+
+async def test_retry_succeeds_within_budget_and_budget_is_shared(backoffs) -> None:
+    """Two failing nodes share one budget of 3; a node succeeding on retry is ok."""
+    executor = FakeExecutor()
+    executor.script["x"] = [Unavailable("x down")] * 3
+    executor.script["y"] = [TimeoutError(), HopDone("y fine", "w-2")]
+    nodes = (
+        "    - {id: x, type: model_inference, model: mx, retries: 2}\n"
+        "    - {id: y, type: model_inference, model: my, retries: 2}\n"
+    )
+    finished = await finish(make_run(chain(nodes, budget=3), executor))
+    x, y = hop_of(finished, "x"), hop_of(finished, "y")
+    assert (y.status, y.output, y.retries) == ("ok", "y fine", 1)
+    assert (x.status, x.retries) == ("error", 2)
+    assert len(executor.hops) == 5
+    assert finished.retries_used == 3
+
+
+async def test_invalid_argument_is_not_retried(backoffs) -> None:
+    """InvalidArgument fails the node at once, spending no retry."""
+    executor = FakeExecutor()
+    executor.script["a"] = [InvalidArgument("prompt too long")]
+    finished = await finish(
+        make_run(chain("    - {id: a, type: model_inference, model: m1, retries: 3}\n"), executor)
+    )
+    assert len(executor.hops) == 1
+    assert backoffs == []
+    assert (hop_of(finished, "a").error, finished.retries_used, finished.status) == (
+        "prompt too long",
+        0,
+        "error",
+    )
+
+
+async def test_fallback_model_after_failure() -> None:
+    """A failed hop is retried on fallback_model and recorded as that degradation."""
+    executor = FakeExecutor()
+    executor.script["a"] = [TimeoutError()]
+    nodes = "    - {id: a, type: model_inference, model: big, fallback_model: small}\n"
+    finished = await finish(make_run(chain(nodes), executor))
+    assert [h.model for h in executor.hops] == ["big", "small"]
+    a = hop_of(finished, "a")
+    assert (a.status, a.model, a.output) == ("ok", "small", "a@small")
+    assert (a.degradation, a.degradation_reason) == ("fallback_model", "timeout")
+    assert finished.status == "ok"
+
+
+async def test_overload_uses_fallback_at_once_and_skips_non_critical() -> None:
+    """Under load: the fallback model is used first, a non-critical node is not run at all."""
+    executor = FakeExecutor()
+    nodes = (
+        "    - {id: a, type: model_inference, model: big, fallback_model: small}\n"
+        "    - {id: n, type: model_inference, model: big, critical: false}\n"
+    )
+    finished = await finish(make_run(chain(nodes), executor, load=FakeLoad({"big"})))
+    assert [(h.hop_id, h.model) for h in executor.hops] == [("a", "small")]
+    a, n = hop_of(finished, "a"), hop_of(finished, "n")
+    assert (a.degradation, a.degradation_reason) == ("fallback_model", "overload")
+    assert (n.status, n.degradation, n.degradation_reason) == ("skipped", "skipped", "overload")
+
+
+async def test_non_critical_failure_is_skipped_and_downstream_runs() -> None:
+    """A failed critical: false node is skipped; its dependent runs with an empty output."""
+    executor = FakeExecutor()
+    executor.script["a"] = [Unavailable("down")]
+    nodes = (
+        "    - {id: a, type: model_inference, model: m1, critical: false}\n"
+        "    - {id: b, type: model_inference, model: m2, depends_on: [a]}\n"
+    )
+    finished = await finish(make_run(chain(nodes), executor))
+    a = hop_of(finished, "a")
+    assert (a.status, a.degradation, a.degradation_reason, a.output) == ("skipped", "skipped", "error", "")
+    assert executor.hops[1].prompt == "q: hi\n[a] \nTask (b):"
+    assert (hop_of(finished, "b").status, finished.status, finished.output) == ("ok", "ok", "b@m2")
+
+
+async def test_failed_critical_node_blocks_dependents() -> None:
+    """Dependents of a failed critical node are skipped as blocked and the chain errors."""
+    executor = FakeExecutor()
+    executor.script["a"] = [Unavailable("down")]
+    nodes = (
+        "    - {id: a, type: model_inference, model: m1}\n"
+        "    - {id: b, type: model_inference, model: m2, depends_on: [a]}\n"
+        "    - {id: c, type: tool_call, tool: search, depends_on: [b]}\n"
+    )
+    run = make_run(chain(nodes), executor)
+    finished = await finish(run)
+    assert [h.hop_id for h in executor.hops] == ["a"]
+    assert [(h.node_id, h.status, h.degradation) for h in finished.hops] == [
+        ("a", "error", ""),
+        ("b", "skipped", ""),
+        ("c", "skipped", ""),
+    ]
+    assert hop_of(finished, "c").error == "upstream b did not finish"
+    assert finished.status == "error"
+    assert finished.error == "a: down; b: upstream a did not finish; c: upstream b did not finish"
+    kinds = [e.WhichOneof("event") for e in drain(run)[:-1]]
+    assert kinds == ["node_started", "node_finished", "node_finished", "node_finished", "chain_finished"]
+
+
+async def test_slow_executor_exceeds_the_chain_deadline() -> None:
+    """A hop slower than the chain's SLO budget ends the run as deadline_exceeded."""
+    executor = FakeExecutor()
+    executor.script["a"] = [5.0]
+    nodes = (
+        "    - {id: a, type: model_inference, model: m1, timeout: 10s}\n"
+        "    - {id: b, type: model_inference, model: m2, depends_on: [a]}\n"
+    )
+    started = time.monotonic()
+    finished = await finish(make_run(chain(nodes, slo="150ms"), executor))
+    assert time.monotonic() - started < 2.0
+    assert executor.timeouts[0] <= 0.15
+    a = hop_of(finished, "a")
+    assert (a.status, a.error) == ("deadline_exceeded", "the chain's end-to-end budget is spent")
+    assert hop_of(finished, "b").status == "skipped"
+    assert (finished.status, finished.slo_met) == ("deadline_exceeded", False)
+
+
+async def test_learned_latency_lowers_the_next_runs_critical_path() -> None:
+    """Fast finished nodes are learned: run 2's remaining path is the observed sum, not timeouts."""
+    latency = LearnedLatency(min_samples=1)
+    stored = chain(LINEAR)
+    first, second = FakeExecutor(), FakeExecutor()
+    done = await finish(make_run(stored, first, FakeTools(), latency=latency))
+    await finish(make_run(stored, second, FakeTools(), latency=latency))
+    assert first.hops[0].remaining_critical_path_ms == 10_000.0
+    observed = {hop.node_id: hop.latency_ms for hop in done.hops}
+    expected = observed["a"] + (observed["t"] + (observed["b"] + (observed["c"] + 0.0)))
+    assert second.hops[0].remaining_critical_path_ms == pytest.approx(expected)
+    assert second.hops[0].remaining_critical_path_ms < first.hops[0].remaining_critical_path_ms
+
+
+async def test_events_stream_in_order_and_end_with_none() -> None:
+    """node_started/node_finished per node in order, then chain_finished, then None."""
+    executor = FakeExecutor()
+    nodes = (
+        "    - {id: a, type: model_inference, model: m1}\n"
+        "    - {id: b, type: tool_call, tool: kv, depends_on: [a]}\n"
+    )
+    run = make_run(chain(nodes), executor)
+    finished = await finish(run)
+    events = drain(run)
+    assert events[-1] is None
+    steps = [(e.WhichOneof("event"), getattr(e, e.WhichOneof("event")).node_id) for e in events[:-2]]
+    assert steps == [
+        ("node_started", "a"),
+        ("node_finished", "a"),
+        ("node_started", "b"),
+        ("node_finished", "b"),
+    ]
+    assert events[-2].WhichOneof("event") == "chain_finished"
+    assert events[-2].chain_finished == finished
+    assert {e.run_id for e in events[:-1]} == {run.run_id}
+    assert [e.at_ms for e in events[:-1]] == sorted(e.at_ms for e in events[:-1])
+
+
+async def test_sink_outputs_are_joined_and_the_turn_remembered() -> None:
+    """The output is every sink's text in file order; an ok run with a session is remembered."""
+    executor, tools = FakeExecutor(), FakeTools({"kv": {"k": 1}})
+    nodes = (
+        "    - {id: s, type: model_inference, model: ms}\n"
+        "    - {id: y, type: tool_call, tool: kv, depends_on: [s]}\n"
+        "    - {id: w, type: model_inference, model: mw, depends_on: [s]}\n"
+    )
+    finished = await finish(make_run(chain(nodes), executor, tools, session_id="s9"))
+    assert finished.output == '{"k": 1}\nw@mw'
+    assert tools.remembered == [("s9", {"inputs": {"q": "hi"}, "output": '{"k": 1}\nw@mw'})]
