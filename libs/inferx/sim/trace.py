@@ -12,6 +12,13 @@ Kinds (`generate`):
   * swe   -- SWE-style coding agent: 15-30 calls, tool outputs (files, test logs)
              grow the context to 16-32k tokens, tools take seconds.
   * chat  -- a few conversational turns separated by the user's think time.
+  * coding -- a long-context coding agent shaped on the GitHub Copilot coding-agent
+             dataset (Azure public dataset, 2026): about 4 user turns x 8 LLM calls,
+             contexts growing from ~20k to ~110k tokens (about 68k per call on average),
+             about 530 completion tokens per call, heavy-tailed tool delays (test runs
+             of minutes) and the user's think time between turns.
+Tiers are chosen per kind (`TraceConfig.tiers`): one tier, or a weighted mix, so a
+realtime coding session exists beside a batch one.
 Tool delays are lognormal; arrivals Poisson, or bursty with gamma inter-arrival
 times (shape = `burstiness`, as vLLM's benchmark `--burstiness`: < 1 is burstier).
 Each chain's SLO = its delays + `slo_factors[tier]` x its model time alone on an
@@ -30,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from inferx.errors import InvalidArgument
 from inferx.sim.profile import EngineProfile
 
-Kind = Literal["bfcl", "swe", "chat"]
+Kind = Literal["bfcl", "swe", "chat", "coding"]
 TierName = Literal["realtime", "standard", "batch"]
 
 
@@ -77,8 +84,14 @@ class TraceConfig(BaseModel):
     rate_per_s: float = Field(0.5, gt=0, description="chain arrivals per second")
     burstiness: float = Field(1.0, gt=0, description="gamma shape; 1 = Poisson")
     mix: dict[str, float] = Field(default_factory=lambda: {"chat": 0.45, "bfcl": 0.4, "swe": 0.15})
-    tiers: dict[str, TierName] = Field(
-        default_factory=lambda: {"chat": "realtime", "bfcl": "standard", "swe": "batch"}
+    # Per kind: a tier, or a weighted mix of tiers (chosen per chain).
+    tiers: dict[str, TierName | dict[TierName, float]] = Field(
+        default_factory=lambda: {
+            "chat": "realtime",
+            "bfcl": "standard",
+            "swe": "batch",
+            "coding": {"realtime": 0.2, "standard": 0.5, "batch": 0.3},
+        }
     )
     slo_factors: dict[str, float] = Field(
         default_factory=lambda: {"realtime": 3.0, "standard": 4.0, "batch": 6.0}
@@ -166,7 +179,54 @@ def _chat(rng: random.Random) -> tuple[str, int, list[TraceHop]]:
     return "chat-system", 400, hops
 
 
-_KINDS = {"bfcl": _bfcl, "swe": _swe, "chat": _chat}
+def _coding(rng: random.Random) -> tuple[str, int, list[TraceHop]]:
+    """User turns of agent calls. Within a turn each call adds tool output (file reads,
+    diffs, test logs: heavy-tailed sizes) and waits on the tool before the next call;
+    between turns the user thinks. The first call brings the repository context."""
+    shared = 8_000  # system prompt + tool definitions + repository instructions
+    turns = max(1, min(8, int(round(rng.gauss(4, 1.2)))))
+    hops: list[TraceHop] = []
+    context = shared
+    for turn in range(turns):
+        calls = max(2, min(16, int(round(rng.gauss(8, 2.5)))))
+        for call in range(calls):
+            if not hops:
+                new = rng.randint(10_000, 18_000)  # the task + repository map + first files
+            elif call == 0:
+                new = int(_lognormal(rng, 300, 0.8, 30, 4_000))  # the user's next message
+            else:
+                new = int(_lognormal(rng, 1_500, 1.0, 80, 20_000))  # tool output
+            out = int(_lognormal(rng, 510, 0.6, 40, 3_000))
+            # Contexts stop near 110k tokens (agents truncate old tool output there).
+            room = 110_000 - context - out
+            new, out = (max(20, min(new, room)), out) if room > 20 else (20, 40)
+            last_of_turn = call == calls - 1
+            if last_of_turn:
+                delay = _lognormal(rng, 30.0, 0.9, 3.0, 600.0) if turn < turns - 1 else 0.0
+            else:
+                # Most tools (read, search, edit) take about a second; about one call in
+                # twelve runs the tests or a build, which takes minutes.
+                test_run = rng.random() < 0.08
+                delay = (
+                    _lognormal(rng, 90.0, 0.8, 5.0, 900.0)
+                    if test_run
+                    else _lognormal(rng, 1.5, 1.0, 0.05, 60.0)
+                )
+            hops.append(TraceHop(new_tokens=new, output_tokens=out, delay_after_s=round(delay, 4)))
+            context += new + out
+    return "coding-system", shared, hops
+
+
+_KINDS = {"bfcl": _bfcl, "swe": _swe, "chat": _chat, "coding": _coding}
+
+
+def _tier(rng: random.Random, choice: str | dict[str, float] | None) -> TierName:
+    if choice is None:
+        return "standard"
+    if isinstance(choice, str):
+        return choice  # type: ignore[return-value]
+    names, weights = zip(*sorted(choice.items()), strict=True)
+    return rng.choices(names, weights)[0]  # type: ignore[return-value]
 
 
 def generate(config: TraceConfig, profile: EngineProfile | None = None) -> Trace:
@@ -185,7 +245,7 @@ def generate(config: TraceConfig, profile: EngineProfile | None = None) -> Trace
             break
         kind = rng.choices(kinds, weights)[0]
         prefix, shared, hops = _KINDS[kind](rng)
-        tier = config.tiers.get(kind, "standard")
+        tier = _tier(rng, config.tiers.get(kind))
         draft = TraceChain(
             chain_id=f"c{len(chains):05d}",
             kind=kind,
