@@ -8,6 +8,7 @@ import time
 from collections import defaultdict
 
 import pytest
+import yaml
 
 from inferx.chain.plan import TIMEOUTS, LearnedLatency
 from inferx.chain.validate import load_chain_text
@@ -85,12 +86,18 @@ class FakeLoad:
         return model in self.hot
 
 
-def chain(nodes: str, *, slo: str = "60s", tier: str = "standard", budget: int = 3) -> StoredVersion:
-    text = (
-        f"agent_chain:\n  name: c\n  tier: {tier}\n  retry_budget: {budget}\n"
-        f"  slo: {{end_to_end_latency_p99: {slo}}}\n  nodes:\n{nodes}"
-    )
-    validated = load_chain_text(text)
+def m(node_id: str, model: str, **keys) -> dict:
+    return {"id": node_id, "type": "model_inference", "model": model, **keys}
+
+
+def tool(node_id: str, name: str, **keys) -> dict:
+    return {"id": node_id, "type": "tool_call", "tool": name, **keys}
+
+
+def chain(*nodes: dict, slo: str = "60s", tier: str = "standard", budget: int = 3) -> StoredVersion:
+    """A stored version (v7) of a chain config written as YAML and loaded as the router does."""
+    document = {"name": "c", "tier": tier, "retry_budget": budget, "slo": {"end_to_end_latency_p99": slo}}
+    validated = load_chain_text(yaml.safe_dump({"agent_chain": {**document, "nodes": list(nodes)}}))
     return StoredVersion("c", 7, validated.config, "tester", "", 0, validated.plan)
 
 

@@ -47,6 +47,19 @@ class TraceHop(BaseModel):
     new_tokens: int = Field(gt=0)
     output_tokens: int = Field(gt=0)
     delay_after_s: float = Field(0.0, ge=0)  # tool delay / think time before the next call
+    # The request's `max_tokens` cap, what a scheduler knows of the output before it is
+    # generated (`output_tokens` is what the replay generates: never shown to a policy).
+    # None: the workload's default cap for its kind (`default_max_tokens`).
+    max_tokens: int | None = Field(None, gt=0)
+
+
+# The output cap agents of each kind typically send when a trace does not say.
+DEFAULT_MAX_TOKENS_BY_KIND = {"bfcl": 512, "chat": 1024, "swe": 2048, "coding": 4096}
+DEFAULT_MAX_TOKENS = 2048
+
+
+def default_max_tokens(kind: str) -> int:
+    return DEFAULT_MAX_TOKENS_BY_KIND.get(kind, DEFAULT_MAX_TOKENS)
 
 
 class TraceChain(BaseModel):
@@ -60,6 +73,10 @@ class TraceChain(BaseModel):
     shared_prefix: str  # id of the prefix shared with other chains of its kind
     shared_tokens: int = Field(ge=0)
     hops: list[TraceHop] = Field(min_length=1)
+
+    def max_tokens(self, k: int) -> int:
+        """Call k's output cap: what a policy may know of its output length."""
+        return self.hops[k].max_tokens or default_max_tokens(self.kind)
 
     def prompt_tokens(self, k: int) -> int:
         before = sum(h.new_tokens + h.output_tokens for h in self.hops[:k])
