@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from inferx.chain.schema import ChainConfig
 from inferx.errors import InvalidArgument, NotFound
+from inferx.stats import percentile
 from inferx.v1 import router_pb2
 
 DEFAULT_CAPACITY = 1000
@@ -80,17 +81,6 @@ def node_timings(
     ]
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default); 0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
 @dataclass(frozen=True)
 class Percentiles:
     p50: float
@@ -100,11 +90,15 @@ class Percentiles:
 
     @classmethod
     def of(cls, values: Sequence[float]) -> Percentiles:
+        """Linear interpolation (few, finite samples: no jumps between runs). No samples
+        gives zeros: the wire message has no "absent", and the sample count says so."""
+        if not values:
+            return cls(0.0, 0.0, 0.0, 0.0)
         return cls(
-            percentile(values, 0.5),
-            percentile(values, 0.9),
-            percentile(values, 0.99),
-            max(values, default=0.0),
+            percentile(values, 50, method="linear"),
+            percentile(values, 90, method="linear"),
+            percentile(values, 99, method="linear"),
+            max(values),
         )
 
 
@@ -157,7 +151,11 @@ def chain_stats(chain: str, records: Sequence[RunRecord]) -> ChainStats:
                 per_node[hop.node_id] = []
             per_node[hop.node_id].append(hop)
     ran = {n: [h for h in hops if h.status != "skipped" or h.latency_ms > 0] for n, hops in per_node.items()}
-    median = {n: percentile([h.latency_ms for h in hops], 0.5) for n, hops in ran.items()}
+    # A node that never ran (always skipped) has no median; 0 means any latency is excess.
+    median = {
+        n: percentile([h.latency_ms for h in hops], 50, method="linear") if hops else 0.0
+        for n, hops in ran.items()
+    }
     timings = [{t.node_id: t for t in node_timings(r.finished.hops, r.depends_on)} for r in records]
     tail = [i for i, total in enumerate(totals) if total >= chain_p.p99]
     excess: dict[str, float] = dict.fromkeys(order, 0.0)

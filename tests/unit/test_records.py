@@ -9,7 +9,7 @@ from inferx.chain.schema import ChainConfig
 from inferx.errors import InvalidArgument, NotFound
 from inferx.v1 import router_pb2
 from inferx_router import records
-from inferx_router.records import RunRecord, RunStore, chain_stats, node_timings, percentile
+from inferx_router.records import Percentiles, RunRecord, RunStore, chain_stats, node_timings
 
 # a -> c, b -> c: `a` and `b` run in parallel, `c` after both.
 DEPS = {"a": (), "b": (), "c": ("a", "b")}
@@ -61,11 +61,22 @@ def test_skipped_nodes_take_no_time() -> None:
 
 
 @pytest.mark.parametrize(
-    ("values", "q", "expected"),
-    [([], 0.5, 0.0), ([7], 0.99, 7), ([1, 2, 3, 4], 0.5, 2.5), (list(range(1, 101)), 0.99, 99.01)],
+    ("values", "expected"),
+    [
+        ([7], (7, 7, 7, 7)),
+        ([1, 2, 3, 4], (2.5, 3.7, 3.97, 4)),
+        (list(range(1, 101)), (50.5, 90.1, 99.01, 100)),
+    ],
 )
-def test_percentile_interpolates_between_ranks(values, q, expected) -> None:
-    assert percentile(values, q) == pytest.approx(expected)
+def test_node_percentiles_interpolate_between_ranks(values, expected) -> None:
+    p = Percentiles.of(values)
+    assert (p.p50, p.p90, p.p99, p.max) == pytest.approx(expected)
+
+
+def test_no_samples_gives_zeros_for_the_wire_message() -> None:
+    # The shared percentile says NaN for "no values"; the router's message has no
+    # "absent", so the router turns it into zeros (and sends the sample count).
+    assert Percentiles.of([]) == Percentiles(0.0, 0.0, 0.0, 0.0)
 
 
 # ----- stats: who makes the P99 -----------------------------------------------------------

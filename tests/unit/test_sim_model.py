@@ -5,13 +5,14 @@ import math
 
 import pytest
 
-from inferx.bench.metrics import ChainRecord, RunRecord, percentile, stats, summarize
+from inferx.bench.metrics import stats, summarize
 from inferx.errors import InvalidArgument
-from inferx.scheduling.policy import make_policy
+from inferx.scheduling.registry import make_policy
 from inferx.sim.cluster import ClusterSim, alone_latency_s
 from inferx.sim.engine import EngineModel, SimRequest
 from inferx.sim.kv import Segment
 from inferx.sim.profile import EngineProfile, load_profile
+from inferx.sim.records import ChainRecord, ReplayResult
 from inferx.sim.trace import TraceConfig, generate, read_trace, write_trace
 
 
@@ -125,7 +126,6 @@ def test_metrics_count_shed_chains_as_misses() -> None:
     s = stats([ok, shed], window_s=10, preemptions=0)
     assert s.slo_attainment == 0.5 and s.goodput_per_s == pytest.approx(0.1)
     assert math.isinf(s.latency_p99_s) and s.latency_p50_s == 4
-    assert percentile([3, 1, 2], 50) == 2
 
 
 def test_serving_time_is_latency_minus_the_chains_tool_and_think_time() -> None:
@@ -139,14 +139,14 @@ def test_serving_time_is_latency_minus_the_chains_tool_and_think_time() -> None:
     assert s.serving_p99_s == pytest.approx(3.0) and s.latency_p99_s == pytest.approx(delays + 3.0)
 
 
-def test_chain_aware_beats_baseline_past_the_baselines_saturation() -> None:
+def test_chain_aware_beats_round_robin_past_round_robins_saturation() -> None:
     """A small deterministic run: same trace, same engines, only the policy differs."""
     trace = generate(TraceConfig(seed=11, duration_s=240, rate_per_s=1.5))
     results = {}
-    for name in ("baseline", "chain-aware"):
+    for name in ("round-robin", "chain-aware"):
         run = ClusterSim(trace, make_policy(name), EngineProfile(), workers=4).run()
         results[name] = summarize(run)
-    base, aware = results["baseline"].overall, results["chain-aware"].overall
+    base, aware = results["round-robin"].overall, results["chain-aware"].overall
     assert aware.prefix_hit_rate > base.prefix_hit_rate + 0.1
     assert aware.latency_p99_s < base.latency_p99_s
     assert aware.goodput_per_s > base.goodput_per_s
@@ -160,9 +160,9 @@ def test_alone_latency_includes_delays_and_model_time() -> None:
     assert alone > chain.delays_s() + chain.model_alone_s(EngineProfile()) * 0.9
 
 
-def test_run_record_summary_has_every_tier_of_the_trace() -> None:
+def test_replay_summary_has_every_tier_of_the_trace() -> None:
     trace = generate(TraceConfig(seed=5, duration_s=60, rate_per_s=1.0))
-    run: RunRecord = ClusterSim(trace, make_policy("chain-aware"), workers=2).run()
+    run: ReplayResult = ClusterSim(trace, make_policy("chain-aware"), workers=2).run()
     summary = summarize(run)
     assert set(summary.tiers) == {c.tier for c in trace.chains}
     assert summary.overall.completed == len(trace.chains)

@@ -31,11 +31,11 @@ from pathlib import Path
 
 import grpc
 
-from inferx.bench.metrics import ChainRecord, RunRecord
 from inferx.devstack import LocalStack, StackPorts, wait_serving
 from inferx.scheduling.views import TIER_BY_NAME
 from inferx.sim.cluster import alone_latency_s
 from inferx.sim.profile import EngineProfile
+from inferx.sim.records import ChainRecord, ReplayResult
 from inferx.sim.trace import Trace, TraceChain
 from inferx.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
@@ -232,14 +232,19 @@ async def _wait_workers_seen(scheduler: str, workers: int, timeout_s: float = 30
     raise TimeoutError(f"the scheduler did not see {workers} workers within {timeout_s:.0f}s")
 
 
-def preemptions_from_logs(stack: LocalStack) -> int:
+def preemptions_from_logs(stack: LocalStack) -> int | None:
+    """The workers' preemptions, from the count each logs at shutdown; None unless every
+    worker logged it (a worker killed before logging would make the sum too small)."""
     total = 0
     for worker in stack.workers:
         try:
             text = worker.log_path.read_text(errors="replace")
         except OSError:
-            continue
-        total += sum(int(m) for m in _PREEMPTIONS.findall(text))
+            return None
+        counts = _PREEMPTIONS.findall(text)
+        if not counts:
+            return None
+        total += sum(int(m) for m in counts)
     return total
 
 
@@ -278,20 +283,22 @@ async def find_running_stack(router: str, model: str | None) -> RunningStack:
 
 async def run_against(
     stack: RunningStack, trace: Trace, profile: EngineProfile, speed: float, timeout_s: float, progress
-) -> tuple[RunRecord, dict[str, int]]:
+) -> tuple[ReplayResult, dict[str, int]]:
     """Replay the trace once against a running stack (whatever policy it runs)."""
     replayer = TraceReplayer(stack.scheduler, trace, profile, speed, stack.model)
     started = time.perf_counter()
     with progress(f"{stack.policy} at {stack.scheduler}", len(trace.chains)) as advance:
         records = await replayer.run(timeout_s, advance)
     wall = time.perf_counter() - started
-    run = RunRecord(
+    run = ReplayResult(
         policy=stack.policy,
         source=f"running stack (x{speed:g})",
         window_s=trace.window_s,
         workers=stack.workers,
         chains=records,
-        preemptions=0,
+        # Not measured: the workers of a stack we did not start log their count to
+        # files we cannot read, and the scheduler does not report it.
+        preemptions=None,
         makespan_s=wall * speed,
         wall_s=wall,
     )
@@ -305,9 +312,11 @@ async def run_live_sim(
     options: LiveOptions,
     progress,
     on_note: Callable[[str], None] = lambda s: None,
-) -> tuple[list[RunRecord], dict[str, dict[str, int]]]:
+    on_run: Callable[[ReplayResult, dict[str, int]], None] = lambda run, errors: None,
+) -> tuple[list[ReplayResult], dict[str, dict[str, int]]]:
     """One fresh stack per policy, the same trace on each. Returns the runs and, per
-    policy, the count of errors by gRPC code (shed hops are RESOURCE_EXHAUSTED)."""
+    policy, the count of errors by gRPC code (shed hops are RESOURCE_EXHAUSTED).
+    `on_run` gets each policy's run as soon as it ends (to save it before the next)."""
     runs, errors = [], {}
     for policy in policies:
         with tempfile.TemporaryDirectory(prefix=f"inferx-bench-{policy}-") as tmp:
@@ -324,7 +333,7 @@ async def run_live_sim(
             finally:
                 await asyncio.to_thread(stack.stop)
             runs.append(
-                RunRecord(
+                ReplayResult(
                     policy=policy,
                     source=f"live (sim workers, x{options.speed:g})",
                     window_s=trace.window_s,
@@ -336,4 +345,5 @@ async def run_live_sim(
                 )
             )
             errors[policy] = replayer.errors
+            on_run(runs[-1], replayer.errors)
     return runs, errors

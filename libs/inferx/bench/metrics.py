@@ -1,5 +1,6 @@
-"""Benchmark results, shared by simulator and live runs: one record per chain, and the
-summaries `inferx bench` prints (per policy, overall and per tier).
+"""Benchmark summaries, shared by simulator and live runs: what `inferx bench` prints
+(per policy, overall and per tier) from each replay's `ReplayResult`
+(`inferx.sim.records`), and the comparison with the reference policy.
 
 A chain that was shed or failed counts as a miss everywhere: its latency is infinite
 in the percentiles and it earns no goodput. Goodput is chains meeting their SLO per
@@ -9,55 +10,13 @@ second of the arrival window (the same window for every policy on a trace).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from inferx.sim.trace import TraceChain
+from inferx.sim.records import ChainRecord, ReplayResult
+from inferx.stats import percentile
 
 TIER_ORDER = ("realtime", "standard", "batch")
-
-
-@dataclass
-class ChainRecord:
-    chain_id: str
-    kind: str
-    tier: str
-    arrival_s: float
-    slo_s: float
-    alone_s: float
-    delays_s: float = 0.0  # the chain's tool delays and think time: no scheduler can save those
-    status: str = "running"  # ok | shed | failed
-    latency_s: float | None = None
-    ttft_s: list[float] = field(default_factory=list)
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    preemptions: int = 0
-
-    @classmethod
-    def start(cls, chain: TraceChain, alone_s: float) -> ChainRecord:
-        delays = sum(hop.delay_after_s for hop in chain.hops[:-1])
-        return cls(chain.chain_id, chain.kind, chain.tier, chain.arrival_s, chain.slo_s, alone_s, delays)
-
-    def finish(self, status: str, now: float) -> None:
-        self.status = status
-        self.latency_s = now - self.arrival_s if status == "ok" else None
-
-    @property
-    def slo_met(self) -> bool:
-        return self.latency_s is not None and self.latency_s <= self.slo_s
-
-
-@dataclass
-class RunRecord:
-    policy: str
-    source: str  # simulator | live
-    window_s: float
-    workers: int
-    chains: list[ChainRecord]
-    preemptions: int = 0
-    makespan_s: float = 0.0
-    wall_s: float = 0.0
 
 
 class Stats(BaseModel):
@@ -77,7 +36,7 @@ class Stats(BaseModel):
     ttft_p50_s: float
     ttft_p99_s: float
     prefix_hit_rate: float
-    preemptions: int
+    preemptions: int | None  # None: not measured by this kind of replay
 
 
 class Summary(BaseModel):
@@ -92,16 +51,13 @@ class Summary(BaseModel):
     tiers: dict[str, Stats]
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (inf entries are misses and sort last); nan if empty."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[rank - 1]
+def _pct(values: list[float], pct: float) -> float:
+    # Nearest-rank: a miss (inf) is never blended with a finished chain, so a P99 is
+    # infinite exactly when more than 1% of the chains missed (see inferx.stats).
+    return percentile(values, pct, method="nearest-rank")
 
 
-def stats(chains: list[ChainRecord], window_s: float, preemptions: int) -> Stats:
+def stats(chains: list[ChainRecord], window_s: float, preemptions: int | None) -> Stats:
     latencies = [c.latency_s if c.latency_s is not None else math.inf for c in chains]
     slowdowns = [
         lat / c.alone_s if c.alone_s > 0 else math.inf for lat, c in zip(latencies, chains, strict=True)
@@ -114,32 +70,37 @@ def stats(chains: list[ChainRecord], window_s: float, preemptions: int) -> Stats
         chains=len(chains),
         completed=sum(1 for c in chains if c.status == "ok"),
         shed=sum(1 for c in chains if c.status == "shed"),
-        latency_p50_s=percentile(latencies, 50),
-        latency_p90_s=percentile(latencies, 90),
-        latency_p99_s=percentile(latencies, 99),
-        serving_p50_s=percentile(serving, 50),
-        serving_p99_s=percentile(serving, 99),
-        slowdown_p50=percentile(slowdowns, 50),
-        slowdown_p99=percentile(slowdowns, 99),
+        latency_p50_s=_pct(latencies, 50),
+        latency_p90_s=_pct(latencies, 90),
+        latency_p99_s=_pct(latencies, 99),
+        serving_p50_s=_pct(serving, 50),
+        serving_p99_s=_pct(serving, 99),
+        slowdown_p50=_pct(slowdowns, 50),
+        slowdown_p99=_pct(slowdowns, 99),
         slo_attainment=met / len(chains) if chains else math.nan,
         goodput_per_s=met / window_s if window_s > 0 else math.nan,
-        ttft_p50_s=percentile(ttfts, 50),
-        ttft_p99_s=percentile(ttfts, 99),
+        ttft_p50_s=_pct(ttfts, 50),
+        ttft_p99_s=_pct(ttfts, 99),
         prefix_hit_rate=sum(c.cached_tokens for c in chains) / prompt if prompt else 0.0,
         preemptions=preemptions,
     )
 
 
-def summarize(run: RunRecord) -> Summary:
-    tiers = {
-        tier: stats(
-            [c for c in run.chains if c.tier == tier],
-            run.window_s,
-            sum(c.preemptions for c in run.chains if c.tier == tier),
-        )
-        for tier in TIER_ORDER
-        if any(c.tier == tier for c in run.chains)
-    }
+def _tier_preemptions(chains: list[ChainRecord]) -> int | None:
+    """The tier's preemptions, if every chain's count was measured (else None: a sum of
+    some measured counts and some unknown ones would be a made-up figure)."""
+    counts = [c.preemptions for c in chains]
+    if any(n is None for n in counts):
+        return None
+    return sum(n for n in counts if n is not None)
+
+
+def summarize(run: ReplayResult) -> Summary:
+    tiers = {}
+    for tier in TIER_ORDER:
+        members = [c for c in run.chains if c.tier == tier]
+        if members:
+            tiers[tier] = stats(members, run.window_s, _tier_preemptions(members))
     return Summary(
         policy=run.policy,
         source=run.source,
@@ -153,35 +114,72 @@ def summarize(run: RunRecord) -> Summary:
     )
 
 
+def ratio_or_none(value: float, reference: float) -> float | None:
+    """value / reference, or None when the reference is not a finite positive number
+    (an infinite reference P99 would give 0, a zero one infinity: neither means
+    anything) or the value is NaN."""
+    if math.isnan(value) or not math.isfinite(reference) or reference <= 0:
+        return None
+    return value / reference
+
+
+def undefined_p99(name: str, s: Stats) -> str | None:
+    """Why `name`'s P99 cannot be a reference, or None if it can."""
+    if s.chains == 0:
+        return f"{name} ran no chains; P99 undefined"
+    if math.isinf(s.latency_p99_s):
+        failed = s.chains - s.completed - s.shed
+        what = f"shed {s.shed} chains" + (f" and {failed} failed" if failed else "")
+        if not s.shed:
+            what = f"failed {failed} chains"
+        return f"{name} {what} (of {s.chains}); P99 undefined"
+    if s.latency_p99_s <= 0:
+        return f"{name}'s P99 is {s.latency_p99_s:g} s; no ratio against it"
+    return None
+
+
 class Comparison(BaseModel):
-    """chain-aware against baseline on the same trace, with the issue's targets."""
+    """A candidate policy against the reference (round-robin) on the same trace, with
+    the issue's targets. A ratio is None when it is undefined (`notes` say why), and a
+    target that depends on it is None ("undefined"), never met or not met."""
 
     baseline: str
     candidate: str
-    p99_ratio: float  # candidate / baseline, lower is better
-    goodput_ratio: float  # candidate / baseline, higher is better
-    realtime_attainment: float  # the candidate's
-    targets: dict[str, bool]
+    p99_ratio: float | None  # candidate / baseline, lower is better
+    goodput_ratio: float | None  # candidate / baseline, higher is better
+    realtime_attainment: float | None  # the candidate's; None: no realtime chains
+    baseline_shed: int
+    baseline_failed: int
+    notes: list[str]
+    targets: dict[str, bool | None]
 
 
 def compare(base: Summary, cand: Summary) -> Comparison:
-    def ratio(a: float, b: float) -> float:
-        if b == 0 or math.isinf(b) or math.isnan(b):
-            return math.nan if a == b or b == 0 else 0.0
-        return a / b
-
-    p99 = ratio(cand.overall.latency_p99_s, base.overall.latency_p99_s)
-    goodput = ratio(cand.overall.goodput_per_s, base.overall.goodput_per_s)
-    realtime = cand.tiers["realtime"].slo_attainment if "realtime" in cand.tiers else math.nan
+    b, c = base.overall, cand.overall
+    notes: list[str] = []
+    p99 = ratio_or_none(c.latency_p99_s, b.latency_p99_s)
+    if p99 is None:
+        notes.append(undefined_p99(base.policy, b) or f"{cand.policy}'s P99 is undefined")
+    elif math.isinf(p99):
+        notes.append(f"{cand.policy}'s P99 is a miss: more than 1% of its chains were shed or failed")
+    goodput = ratio_or_none(c.goodput_per_s, b.goodput_per_s)
+    if goodput is None:
+        notes.append(f"{base.policy} met no SLO (goodput {b.goodput_per_s:g}/s); goodput ratio undefined")
+    realtime = cand.tiers["realtime"].slo_attainment if "realtime" in cand.tiers else None
+    if realtime is None:
+        notes.append("the trace has no realtime chains; realtime SLO attainment undefined")
     return Comparison(
         baseline=base.policy,
         candidate=cand.policy,
         p99_ratio=p99,
         goodput_ratio=goodput,
         realtime_attainment=realtime,
+        baseline_shed=b.shed,
+        baseline_failed=b.chains - b.completed - b.shed,
+        notes=notes,
         targets={
-            "p99 ratio <= 0.5": p99 <= 0.5,
-            "realtime SLO attainment >= 99%": realtime >= 0.99,
-            "goodput >= 1.5x baseline": goodput >= 1.5,
+            "p99 ratio <= 0.5": None if p99 is None else p99 <= 0.5,
+            "realtime SLO attainment >= 99%": None if realtime is None else realtime >= 0.99,
+            f"goodput >= 1.5x {base.policy}": None if goodput is None else goodput >= 1.5,
         },
     )

@@ -1,4 +1,10 @@
-"""Human output of `inferx bench` / `inferx sim` (rich tables) and the JSON form."""
+"""Human output of `inferx bench` / `inferx sim` (rich tables) and the JSON form.
+
+Rendering comes after the raw results are on disk (`inferx.bench.results`), so a bug
+here costs a table, never the figures. Every row names a field of the summary it
+renders (`ROWS` for `Stats`, `SEED_ROWS` for `SeedSummary`); the unit tests check them.
+A value of None was not measured and shows as "-"; a row nobody measured is left out.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from inferx.bench.metrics import Comparison, Stats, Summary
+from inferx.bench.results import jsonable
 
 ROWS: tuple[tuple[str, str, str], ...] = (
     # (label, Stats field, format)
@@ -31,7 +38,9 @@ ROWS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def fmt(value: float, kind: str) -> str:
+def fmt(value: float | None, kind: str) -> str:
+    if value is None:  # not measured
+        return "-"
     if isinstance(value, float) and math.isnan(value):
         return "-"
     if isinstance(value, float) and math.isinf(value):
@@ -57,11 +66,20 @@ def stats_table(title: str, columns: dict[str, Stats], ratio: bool) -> Table:
         table.add_column(f"{names[1]} / {names[0]}", justify="right")
     for label, attr, kind in ROWS:
         values = [getattr(columns[name], attr) for name in names]
+        if all(v is None for v in values):
+            continue  # measured by none of these runs (e.g. preemptions of a running stack)
         row = [label] + [fmt(v, kind) for v in values]
         if ratio and len(names) == 2:
             base, cand = values
-            ok = base not in (0, None) and not (isinstance(base, float) and math.isinf(base))
-            row.append(f"{cand / base:.2f}" if ok and kind not in ("int",) else "")
+            ok = (
+                base is not None
+                and cand is not None
+                and kind != "int"
+                and math.isfinite(base)
+                and base != 0
+                and not math.isnan(cand)
+            )
+            row.append(f"{cand / base:.2f}" if ok else "")
         table.add_row(*row)
     return table
 
@@ -84,38 +102,37 @@ def print_report(
             style="dim",
         )
     if comparison is not None:
-        base = next((s for s in summaries if s.policy == comparison.baseline), None)
-        if base is not None and math.isinf(base.overall.latency_p99_s):
-            console.print(
-                f"{comparison.baseline}'s P99 is a miss: more than 1% of its chains were shed or "
-                "failed (they count as infinite latency), so the P99 ratio is 0",
-                style="dim",
-            )
-        console.print(
-            f"[bold]{comparison.candidate} vs {comparison.baseline}[/bold]: "
-            f"P99 ratio {comparison.p99_ratio:.2f}, goodput ratio "
-            f"{comparison.goodput_ratio:.2f}x, realtime SLO attainment "
-            f"{comparison.realtime_attainment * 100:.1f}%"
-        )
-        for target, met in comparison.targets.items():
-            mark = "[green]met[/green]" if met else "[red]not met[/red]"
-            console.print(f"  target {target}: {mark}")
+        print_comparison(console, comparison)
+
+
+def _ratio(value: float | None, suffix: str = "") -> str:
+    if value is None:
+        return "undefined"
+    return "inf" if math.isinf(value) else f"{value:.2f}{suffix}"
+
+
+def print_comparison(console: Console, comparison: Comparison) -> None:
+    """The ratios and the issue's targets. An undefined ratio (a reference that shed
+    chains has no P99) is said so, with the reason; it is never 0 and never "met"."""
+    realtime = comparison.realtime_attainment
+    console.print(
+        f"[bold]{comparison.candidate} vs {comparison.baseline}[/bold]: "
+        f"P99 ratio {_ratio(comparison.p99_ratio)}, goodput ratio "
+        f"{_ratio(comparison.goodput_ratio, 'x')}, realtime SLO attainment "
+        + ("undefined" if realtime is None else f"{realtime * 100:.1f}%")
+    )
+    for note in comparison.notes:
+        console.print(f"  {note}", style="dim")
+    marks = {True: "[green]met[/green]", False: "[red]not met[/red]", None: "[yellow]undefined[/yellow]"}
+    for target, met in comparison.targets.items():
+        console.print(f"  target {target}: {marks[met]}")
 
 
 def to_json(
     summaries: list[Summary], comparison: Comparison | None, context: dict[str, Any]
 ) -> dict[str, Any]:
-    def clean(value: Any) -> Any:
-        # JSON has no inf/nan: misses and empty groups become null.
-        if isinstance(value, float) and (math.isinf(value) or math.isnan(value)):
-            return None
-        if isinstance(value, dict):
-            return {k: clean(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [clean(v) for v in value]
-        return value
-
-    return clean(
+    """The `--json` form: context, summaries and the comparison (inf and nan as null)."""
+    return jsonable(
         {
             **context,
             "summaries": [s.model_dump() for s in summaries],
@@ -144,35 +161,58 @@ def agreement_table(live: list[Summary], simulated: list[dict[str, Any]]) -> Tab
     return table
 
 
-def seed_table(summaries: list[Any]) -> Table:
-    """The seed-agent scenario: one column per configuration, the on/off ratio."""
+SEED_ROWS: tuple[tuple[str, str, str], ...] = (
+    # (label, SeedSummary field, format)
+    ("chains", "chains", "int"),
+    ("completed", "completed", "int"),
+    ("latency P50", "latency_p50_s", "s"),
+    ("latency P90", "latency_p90_s", "s"),
+    ("latency P99", "latency_p99_s", "s"),
+    ("reusable-prefix hit rate", "reusable_hit_rate", "%"),
+    ("prefix-cache hits (all prompt tokens)", "prefix_hit_rate", "%"),
+    ("tool-cache hits", "tool_cache_hit_rate", "%"),
+    ("worker switches per chain", "worker_switches", "f3"),
+    ("wall time", "wall_s", "s"),
+)
+
+
+def seed_table(summaries: list[Any], reference: str = "reference", candidate: str = "on") -> Table:
+    """The seed-agent scenario: one column per configuration, and candidate / reference
+    for the times when both ran (blank where the reference's time is not finite)."""
     table = Table(title="seed-agent chains", title_justify="left")
     table.add_column("metric")
     for s in summaries:
         table.add_column(s.config, justify="right")
-    names = [s.config for s in summaries]
-    both = "on" in names and "off" in names
-    if both:
-        table.add_column("on / off", justify="right")
-    rows = (
-        ("chains", "chains", "int"),
-        ("completed", "completed", "int"),
-        ("latency P50", "latency_p50_s", "s"),
-        ("latency P90", "latency_p90_s", "s"),
-        ("latency P99", "latency_p99_s", "s"),
-        ("serving time P50", "serving_p50_s", "s"),
-        ("serving time P99", "serving_p99_s", "s"),
-        ("reusable-prefix hit rate", "reusable_hit_rate", "%"),
-        ("prefix-cache hits (all prompt tokens)", "prefix_hit_rate", "%"),
-        ("tool-cache hits", "tool_cache_hit_rate", "%"),
-        ("worker switches per chain", "worker_switches", "f3"),
-        ("wall time", "wall_s", "s"),
-    )
     by = {s.config: s for s in summaries}
-    for label, attr, kind in rows:
+    both = reference in by and candidate in by
+    if both:
+        table.add_column(f"{candidate} / {reference}", justify="right")
+    for label, attr, kind in SEED_ROWS:
         row = [label] + [fmt(getattr(s, attr), kind) for s in summaries]
         if both:
-            a, b = getattr(by["on"], attr), getattr(by["off"], attr)
+            a, b = getattr(by[candidate], attr), getattr(by[reference], attr)
             row.append(f"{a / b:.2f}" if kind == "s" and b and math.isfinite(b) else "")
         table.add_row(*row)
     return table
+
+
+def print_seed_report(console: Console, summaries: list[Any], comparison: Any, header: str) -> None:
+    """The seed-agent report: the table, the P99 ratio against the reference (or why
+    there is none) and each configuration's errors."""
+    console.print(header)
+    console.print(seed_table(summaries))
+    if comparison is not None:
+        if comparison.p99_ratio is None:
+            console.print(
+                f"P99 ratio {comparison.candidate}/{comparison.reference} undefined: {comparison.note} "
+                "(target <= 0.5: [yellow]undefined[/yellow])"
+            )
+        else:
+            mark = "[green]met[/green]" if comparison.target_met else "[red]not met[/red]"
+            console.print(
+                f"P99 ratio {comparison.candidate}/{comparison.reference} "
+                f"{_ratio(comparison.p99_ratio)} (target <= 0.5: {mark})"
+            )
+    for s in summaries:
+        if s.errors:
+            console.print(f"{s.config}: errors {s.errors}", style="dim")

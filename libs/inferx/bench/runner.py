@@ -10,11 +10,12 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
-from inferx.bench.metrics import Comparison, RunRecord, Summary, compare, summarize
+from inferx.bench.metrics import Comparison, Summary, compare, summarize
 from inferx.errors import InvalidArgument
-from inferx.scheduling.registry import accepted_names, make_policy, policy_names
+from inferx.scheduling.registry import accepted_names, canonical_name, make_policy, policy_names
 from inferx.sim.cluster import ClusterSim
 from inferx.sim.profile import EngineProfile
+from inferx.sim.records import ReplayResult
 from inferx.sim.saturation import Saturation, find_saturation
 from inferx.sim.trace import Trace, read_trace
 
@@ -42,10 +43,21 @@ def load_trace(path: str | None) -> Trace:
     return read_trace(path)
 
 
-def check_policies(names: list[str]) -> None:
+# The policy every other one is compared with (what a deployment without InferX does).
+REFERENCE_POLICY = "round-robin"
+
+
+def check_policies(names: list[str]) -> list[str]:
+    """The registered (canonical) names of `names`: an alias such as `baseline` becomes
+    `round-robin`, so results, comparisons and reports use one name per policy."""
+    canonical = []
     for name in names:
         if name not in accepted_names():
             raise InvalidArgument(f"unknown policy {name!r}; choose from {', '.join(policy_names())}")
+        canonical.append(canonical_name(name))
+    if len(set(canonical)) < len(canonical):
+        raise InvalidArgument(f"--compare names a policy twice: {' '.join(names)}")
+    return canonical
 
 
 def choose_load(
@@ -56,17 +68,18 @@ def choose_load(
     load: float | None,
     on_probe: Callable[[object], None] | None = None,
 ) -> LoadChoice:
-    """An explicit --rate, else `load` x the baseline's saturation rate in the simulator."""
+    """An explicit --rate, else `load` x the reference policy's saturation rate in the
+    simulator."""
     if rate is not None:
         return LoadChoice(rate, f"{rate:.3f} chains/s (--rate)")
     if load is None:
         base = trace.meta.config.rate_per_s
         return LoadChoice(base, f"{base:.3f} chains/s (the trace's own rate)")
-    saturation = find_saturation(trace, profile, workers, on_probe=on_probe)
+    saturation = find_saturation(trace, profile, workers, policy=REFERENCE_POLICY, on_probe=on_probe)
     chosen = saturation.rate_per_s * load
     return LoadChoice(
         chosen,
-        f"{chosen:.3f} chains/s = {load:.0%} of the baseline's saturation "
+        f"{chosen:.3f} chains/s = {load:.0%} of {REFERENCE_POLICY}'s saturation "
         f"({saturation.rate_per_s:.3f} chains/s, {workers} simulated workers)",
         saturation,
     )
@@ -78,7 +91,7 @@ def run_simulated(
     profile: EngineProfile,
     workers: int,
     progress: ProgressFactory,
-) -> list[RunRecord]:
+) -> list[ReplayResult]:
     runs = []
     for name in policies:
         started = time.perf_counter()
@@ -89,11 +102,11 @@ def run_simulated(
     return runs
 
 
-def conclude(runs: list[RunRecord]) -> tuple[list[Summary], Comparison | None]:
+def conclude(runs: list[ReplayResult]) -> tuple[list[Summary], Comparison | None]:
     summaries = [summarize(run) for run in runs]
     by_name = {s.policy: s for s in summaries}
     comparison = None
-    if len(summaries) == 2 and "round-robin" in by_name:
-        other = next(s for s in summaries if s.policy != "round-robin")
-        comparison = compare(by_name["round-robin"], other)
+    if len(summaries) == 2 and REFERENCE_POLICY in by_name:
+        other = next(s for s in summaries if s.policy != REFERENCE_POLICY)
+        comparison = compare(by_name[REFERENCE_POLICY], other)
     return summaries, comparison

@@ -7,9 +7,13 @@
                                   (SIMULATED sim workers, time-compressed by --speed)
   inferx bench --scenario seed-agent --engine vllm
                                   the seed-shaped agent chain on real vLLM workers,
-                                  all optimisations on vs all off (see seed_agent.py)
-By default both policies run on the default trace at 80% of the baseline's
-saturation load (found in the simulator) and the ratios are printed.
+                                  InferX on vs the reference: round-robin in front
+                                  of stock vLLM, prefix caching on (see seed_run.py)
+By default round-robin and chain-aware run on the default trace at 80% of
+round-robin's saturation load (found in the simulator) and the ratios are printed.
+
+Every benchmark writes its raw results to a JSON file (`--results`, default
+.inferx/bench-results/) as they come in, before it renders anything.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from inferx.bench import runner
-from inferx.errors import InvalidArgument
+from inferx.bench import results, runner
+from inferx.errors import InferxError, InvalidArgument
 from inferx.sim.profile import load_profile
 from inferx.sim.trace import TraceConfig, generate, write_trace
 
@@ -53,9 +57,28 @@ def _progress_factory(enabled: bool) -> runner.ProgressFactory:
 
 
 def _policies(args: argparse.Namespace) -> list[str]:
+    """The registered names (`baseline` is accepted and becomes `round-robin`)."""
     names = args.compare if args.compare else [args.policy]
-    runner.check_policies(names)
-    return names
+    return runner.check_policies(names)
+
+
+class _Results:
+    """This benchmark's results file (inferx.bench.results), rewritten as results come
+    in. Opened once the arguments are checked, before the (possibly long) run."""
+
+    def __init__(self, args: argparse.Namespace, kind: str) -> None:
+        path = Path(args.results) if args.results else results.default_path(kind)
+        self.file = results.ResultsFile(path)
+        self.data: dict = {"kind": kind, "complete": False}
+        err.print(f"raw results: {path} (written before any table)", style="dim")
+
+    def save(self, **fields) -> None:
+        self.data.update(fields)
+        try:
+            self.file.write(self.data)
+        except InferxError as exc:
+            # The run is over: show the figures anyway rather than lose them too.
+            err.print(f"warning: {exc.message}; the figures below are not saved", style="yellow")
 
 
 def _prepare(args: argparse.Namespace):
@@ -70,13 +93,13 @@ def _prepare(args: argparse.Namespace):
         def on_probe(p) -> None:
             verdict = "sustainable" if p.sustainable else "overloaded"
             err.print(
-                f"  baseline at {p.rate_per_s:.3f} chains/s: median slowdown "
+                f"  {runner.REFERENCE_POLICY} at {p.rate_per_s:.3f} chains/s: median slowdown "
                 f"{p.early_slowdown:.2f} -> {p.late_slowdown:.2f} ({verdict})",
                 style="dim",
             )
 
         if args.rate is None and args.load is not None:
-            err.print("finding the baseline's saturation load in the simulator ...")
+            err.print(f"finding {runner.REFERENCE_POLICY}'s saturation load in the simulator ...")
     choice = runner.choose_load(trace, profile, args.workers, args.rate, args.load, on_probe)
     trace = trace.at_rate(choice.rate_per_s)
     if args.duration is not None:
@@ -89,9 +112,8 @@ def _prepare(args: argparse.Namespace):
     return profile, trace, choice
 
 
-def _finish(args, runs, choice, profile, trace, where: str, extra: dict | None = None) -> int:
-    summaries, comparison = runner.conclude(runs)
-    context = {
+def _context(args, choice, profile, trace, where: str) -> dict:
+    return {
         "where": where,
         "trace": args.trace or str(runner.DEFAULT_TRACE),
         "trace_seed": trace.meta.config.seed,
@@ -101,8 +123,19 @@ def _finish(args, runs, choice, profile, trace, where: str, extra: dict | None =
         "saturation_per_s": choice.saturation.rate_per_s if choice.saturation else None,
         "workers": args.workers,
         "profile": profile.model_dump(),
-        **(extra or {}),
     }
+
+
+def _finish(
+    args, runs, choice, profile, trace, where: str, saved: _Results, extra: dict | None = None
+) -> int:
+    context = {**_context(args, choice, profile, trace, where), **(extra or {})}
+    errors = (extra or {}).get("errors", {})
+    # Raw runs first (a bug in summarizing must not lose them), then the summaries;
+    # both before anything is rendered.
+    saved.save(context=context, runs=[results.replay_data(r, errors.get(r.policy)) for r in runs])
+    summaries, comparison = runner.conclude(runs)
+    saved.save(summaries=summaries, comparison=comparison, complete=True)
     if args.json:
         print(json.dumps(runner_json(summaries, comparison, context), indent=2))
     else:
@@ -131,9 +164,10 @@ def runner_json(summaries, comparison, context):
 def cmd_sim(args: argparse.Namespace) -> int:
     policies = _policies(args)
     profile, trace, choice = _prepare(args)
+    saved = _Results(args, "sim")
     runs = runner.run_simulated(trace, policies, profile, args.workers, _progress_factory(not args.json))
     where = f"simulator ({profile.name}, SIMULATED engines)"
-    return _finish(args, runs, choice, profile, trace, where)
+    return _finish(args, runs, choice, profile, trace, where, saved)
 
 
 async def cmd_live(args: argparse.Namespace) -> int:
@@ -151,17 +185,25 @@ async def cmd_live(args: argparse.Namespace) -> int:
         state_dir=Path(args.state_dir) if args.state_dir else None,
     )
     note = (lambda s: None) if args.json else (lambda s: err.print(s, style="dim"))
-    runs, errors = await run_live_sim(trace, policies, profile, options, progress, note)
+    where = f"live stack, {args.workers} SIMULATED sim workers ({profile.name}), x{args.speed:g} time"
+    saved = _Results(args, "live")
+    done: list = []
+
+    def keep(run, run_errors) -> None:
+        # Each policy's chains as soon as its stack is done: the next one may crash.
+        done.append(results.replay_data(run, run_errors))
+        saved.save(context=_context(args, choice, profile, trace, where), runs=done)
+
+    runs, errors = await run_live_sim(trace, policies, profile, options, progress, note, keep)
     # The simulator on the same chains: how far live and virtual time agree.
     simulated = runner.run_simulated(trace, policies, profile, args.workers, progress)
     sim_summaries, _ = runner.conclude(simulated)
-    where = f"live stack, {args.workers} SIMULATED sim workers ({profile.name}), x{args.speed:g} time"
     extra = {
         "speed": args.speed,
         "errors": errors,
         "simulator": [s.model_dump() for s in sim_summaries],
     }
-    return _finish(args, runs, choice, profile, trace, where, extra)
+    return _finish(args, runs, choice, profile, trace, where, saved, extra)
 
 
 async def cmd_router(args: argparse.Namespace) -> int:
@@ -181,12 +223,13 @@ async def cmd_router(args: argparse.Namespace) -> int:
     profile, trace, choice = _prepare(args)
     note = (lambda s: None) if args.json else (lambda s: err.print(s, style="dim"))
     note(f"replaying on model {stack.model!r} via the scheduler at {stack.scheduler} ({stack.policy})")
+    saved = _Results(args, "router")
     run, errors = await run_against(
         stack, trace, profile, speed, args.timeout, _progress_factory(not args.json)
     )
     where = f"running stack at {args.router} ({stack.workers} workers of {stack.model!r}), x{speed:g} time"
     return _finish(
-        args, [run], choice, profile, trace, where, {"speed": speed, "errors": {stack.policy: errors}}
+        args, [run], choice, profile, trace, where, saved, {"speed": speed, "errors": {stack.policy: errors}}
     )
 
 
@@ -210,19 +253,23 @@ async def cmd_bench(args: argparse.Namespace) -> int:
 
 
 async def cmd_seed_agent(args: argparse.Namespace) -> int:
-    """`inferx bench --scenario seed-agent`: all optimisations on vs all off."""
+    """`inferx bench --scenario seed-agent`: InferX on vs the reference (round-robin in
+    front of stock vLLM, whose prefix caching is on by default)."""
     import tempfile
 
     from inferx.bench import seed_run
 
     engine = args.engine or "vllm"
-    configs = args.compare or ["off", "on"]
-    unknown = [c for c in configs if c not in seed_run.CONFIGS]
-    if unknown:
-        known = ", ".join(seed_run.CONFIGS)
-        raise InvalidArgument(f"seed-agent configurations are {known}, not {unknown}")
+    try:
+        configs, renamed = seed_run.resolve_configs(args.compare or [seed_run.REFERENCE, seed_run.CANDIDATE])
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+    for note_text in renamed:
+        err.print(f"note: {note_text}", style="yellow")
     if args.rate is not None and args.rate <= 0:
         raise InvalidArgument("--rate must be positive")
+    if args.chains <= 0:
+        raise InvalidArgument("--chains must be positive")
     model_path = Path(args.model_path)
     if engine == "vllm" and not (model_path / "config.json").exists():
         raise InvalidArgument(f"{model_path}: no model here (run `make model`)")
@@ -240,37 +287,38 @@ async def cmd_seed_agent(args: argparse.Namespace) -> int:
     )
     knowledge = runner.DEFAULT_TRACE.parents[1] / "examples" / "knowledge_base.jsonl"
     note = (lambda s: None) if args.json else (lambda s: err.print(s, style="dim"))
+    context = {
+        "scenario": "seed-agent",
+        "configs": {name: seed_run.CONFIGS[name] for name in configs},
+        "options": options.__dict__,
+    }
+    saved = _Results(args, "seed-agent")
+    done: list = []
+
+    def keep(summary, outcomes) -> None:
+        # Each configuration as soon as its stack is done: the next may take minutes.
+        done.append({"summary": summary, "outcomes": outcomes})
+        saved.save(context=context, runs=done)
+
     with tempfile.TemporaryDirectory(prefix="inferx-seed-") as tmp:
         root = Path(args.state_dir) if args.state_dir else Path(tmp)
         summaries = await seed_run.run_seed(
-            options, configs, root, knowledge, _progress_factory(not args.json), note
+            options, configs, root, knowledge, _progress_factory(not args.json), note, keep
         )
-    by_name = {s.config: s for s in summaries}
-    ratio = None
-    if "on" in by_name and "off" in by_name and by_name["off"].latency_p99_s:
-        ratio = by_name["on"].latency_p99_s / by_name["off"].latency_p99_s
-    context = {"scenario": "seed-agent", "options": options.__dict__, "p99_ratio_on_off": ratio}
+    comparison = seed_run.compare_seed(summaries)
+    saved.save(summaries=summaries, comparison=comparison, complete=True)
     if args.json:
-        from inferx.bench.report import to_json
-
-        data = to_json([], None, context)
-        data["summaries"] = to_json([], None, {"s": [s.model_dump() for s in summaries]})["s"]
-        print(json.dumps(data, indent=2))
+        data = {**context, "summaries": summaries, "comparison": comparison}
+        print(json.dumps(results.jsonable(data), indent=2))
         return 0
-    from inferx.bench.report import seed_table
+    from inferx.bench.report import print_seed_report
 
-    out.print(
+    header = (
         f"[bold]seed-agent[/bold] on {options.workers} {engine} workers: {options.chains} chains, "
         f"Poisson {options.rate_per_s:g}/s, max_tokens {options.max_tokens}, "
         f"tool latency lognormal median {args.tool_median_ms:g} ms"
     )
-    out.print(seed_table(summaries))
-    if ratio is not None:
-        mark = "[green]met[/green]" if ratio <= 0.5 else "[red]not met[/red]"
-        out.print(f"P99 ratio on/off {ratio:.2f} (target <= 0.5: {mark})")
-    for s in summaries:
-        if s.errors:
-            out.print(f"{s.config}: errors {s.errors}", style="dim")
+    print_seed_report(out, summaries, comparison, header)
     return 0
 
 
@@ -313,11 +361,19 @@ def cmd_trace(args: argparse.Namespace) -> int:
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", help="JSONL trace (default: benchmarks/default_trace.jsonl)")
     parser.add_argument(
+        "--results",
+        metavar="FILE",
+        help="write the raw results here, as they come in and before any table "
+        f"(default: {results.RESULTS_DIR}/<UTC time>-<kind>.json)",
+    )
+    parser.add_argument(
         "--compare",
         nargs="+",
         metavar="POLICY",
         default=None,
-        help="policies to run on the same trace (default: baseline chain-aware)",
+        help="policies to run on the same trace (default: round-robin chain-aware; `baseline` "
+        "is accepted for round-robin); with --scenario seed-agent, configurations "
+        "(default: reference on; also no-affinity)",
     )
     parser.add_argument("--policy", help="run one policy instead of comparing")
     parser.add_argument("--workers", type=int, default=None, help="model workers (default 4; seed-agent 2)")
@@ -327,7 +383,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "--load",
         type=float,
         default=0.8,
-        help="fraction of the baseline's saturation rate (default 0.8)",
+        help="fraction of round-robin's saturation rate (default 0.8)",
     )
     parser.add_argument("--duration", type=float, help="only chains arriving in the first S s")
     parser.add_argument("--profile", help="engine calibration file (YAML/JSON)")
@@ -343,8 +399,7 @@ def _defaults(args: argparse.Namespace) -> None:
     if args.workers is None:
         args.workers = 4
     if getattr(args, "scenario", None):
-        args.compare = args.compare or ["off", "on"]
-        return
+        return  # cmd_seed_agent resolves its configuration names
     if args.policy:
         args.compare = None
     elif not args.compare:
@@ -385,7 +440,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--scenario",
         choices=("seed-agent",),
         help="seed-agent: an 8-call agent chain with knowledge-tool calls on real vLLM, "
-        "affinity + prefix cache + tool cache on vs off (see docs/benchmarks.md)",
+        "InferX (affinity + tool cache) vs the reference: round-robin in front of stock "
+        "vLLM, prefix caching on (see docs/benchmarks.md)",
     )
     _seed_arguments(bench)
     bench.set_defaults(handler=lambda a: (_defaults(a), cmd_bench(a))[1])

@@ -15,13 +15,13 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from inferx.bench.metrics import ChainRecord, RunRecord
 from inferx.scheduling.policy import Policy
 from inferx.scheduling.queue import DispatchQueue, QueuedHop, Rejected, WorkerSlots
 from inferx.scheduling.views import TIER_BY_NAME, HopView
 from inferx.sim.engine import EngineModel, Plan, SimRequest
 from inferx.sim.kv import Segment
 from inferx.sim.profile import EngineProfile
+from inferx.sim.records import ChainRecord, ReplayResult
 from inferx.sim.trace import Trace, TraceChain
 
 POOL = "sim"
@@ -87,7 +87,7 @@ class ClusterSim:
     workers: int = 4
     horizon_factor: float = 20.0  # give up on chains this many windows after the start
 
-    def run(self, progress: Callable[[int], None] | None = None) -> RunRecord:
+    def run(self, progress: Callable[[int], None] | None = None) -> ReplayResult:
         profile = self.profile
         queue = DispatchQueue(max_queued_per_pool=1 << 30, policy=self.policy)
         workers = [_Worker(f"w{i}", EngineModel(profile)) for i in range(self.workers)]
@@ -105,6 +105,7 @@ class ClusterSim:
         chains = []
         for spec in self.trace.chains:
             record = ChainRecord.start(spec, alone_s=alone_latency_s(spec, profile))
+            record.preemptions = 0  # the simulator sees every preemption of every request
             chain = _Chain(spec, record)
             chains.append(chain)
             heapq.heappush(events, (spec.arrival_s, next(order), "hop", chain))
@@ -208,7 +209,7 @@ class ClusterSim:
                 )
                 chain.record.prompt_tokens += request.prompt_tokens
                 chain.record.cached_tokens += request.cached_tokens
-                chain.record.preemptions += request.preemptions
+                chain.record.preemptions = (chain.record.preemptions or 0) + request.preemptions
                 delay = chain.spec.hops[chain.hop].delay_after_s
                 chain.hop += 1
                 if chain.hop == len(chain.spec.hops):
@@ -235,7 +236,7 @@ class ClusterSim:
         for chain in chains:
             if chain.record.status == "running":
                 chain.record.finish("failed", now)
-        return RunRecord(
+        return ReplayResult(
             policy=self.policy.name,
             source="simulator",
             window_s=self.trace.window_s,

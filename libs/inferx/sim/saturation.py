@@ -5,7 +5,7 @@ slowdown of chains arriving in the last quarter of the window is at most
 `GROWTH_BOUND` x that of the second quarter (the first quarter is warm-up), and no
 chain was shed or failed. Saturation is the highest sustainable rate, found by
 doubling then bisecting the trace's arrival rate (same chains, time squeezed).
-`inferx bench --load 0.8` runs at 80% of the baseline's saturation.
+`inferx bench --load 0.8` runs at 80% of round-robin's saturation (the reference policy).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from collections.abc import Callable
 
 from pydantic import BaseModel
 
-from inferx.bench.metrics import RunRecord
-from inferx.scheduling.policy import make_policy
+from inferx.scheduling.registry import make_policy
 from inferx.sim.cluster import ClusterSim
 from inferx.sim.profile import EngineProfile
+from inferx.sim.records import ReplayResult
 from inferx.sim.trace import Trace
 
 GROWTH_BOUND = 1.25
@@ -37,7 +37,7 @@ class Saturation(BaseModel):
     probes: list[Probe]
 
 
-def probe(run: RunRecord, rate: float) -> Probe:
+def probe(run: ReplayResult, rate: float) -> Probe:
     window = run.window_s
 
     def median_slowdown(lo: float, hi: float) -> float:
@@ -62,7 +62,7 @@ def find_saturation(
     trace: Trace,
     profile: EngineProfile,
     workers: int,
-    policy: str = "baseline",
+    policy: str = "round-robin",
     bisections: int = 5,
     on_probe: Callable[[Probe], None] | None = None,
 ) -> Saturation:
