@@ -124,28 +124,30 @@ def drain(run: ChainRun) -> list:
     return events
 
 
-LINEAR = """\
-    - {id: a, type: model_inference, model: m1, timeout: 1s, max_tokens: 10, temperature: 0.5}
-    - {id: t, type: tool_call, tool: search, depends_on: [a], timeout: 2s,
-       arguments: {query: "{{ nodes.a.output }}"}}
-    - {id: b, type: model_inference, model: m2, depends_on: [t], timeout: 3s, priority: high,
-       max_tokens: 20, max_context_tokens: 500, context_overflow: truncate,
-       prompt: "Q={{ inputs.q }} T={{ nodes.t.output }}"}
-    - {id: c, type: model_inference, model: m3, depends_on: [b], timeout: 4s}
-"""
-
-PARALLEL = """\
-    - {id: x, type: model_inference, model: mx, timeout: 1s}
-    - {id: y, type: model_inference, model: my, timeout: 1s}
-    - {id: z, type: model_inference, model: mz, depends_on: [x, y]}
-"""
+LINEAR = (
+    m("a", "m1", timeout="1s", max_tokens=10, temperature=0.5),
+    tool("t", "search", depends_on=["a"], timeout="2s", arguments={"query": "{{ nodes.a.output }}"}),
+    m(
+        "b",
+        "m2",
+        depends_on=["t"],
+        timeout="3s",
+        priority="high",
+        max_tokens=20,
+        max_context_tokens=500,
+        context_overflow="truncate",
+        prompt="Q={{ inputs.q }} T={{ nodes.t.output }}",
+    ),
+    m("c", "m3", depends_on=["b"], timeout="4s"),
+)
+PARALLEL = (m("x", "mx", timeout="1s"), m("y", "my", timeout="1s"), m("z", "mz", depends_on=["x", "y"]))
 
 
 async def test_independent_nodes_run_concurrently_and_join_waits_for_both() -> None:
     """x and y are both in flight before either finishes; z starts after both, with their outputs."""
     executor = FakeExecutor()
     executor.gates = {"x": executor.entered["y"], "y": executor.entered["x"]}  # each waits for the other
-    finished = await finish(make_run(chain(PARALLEL), executor))
+    finished = await finish(make_run(chain(*PARALLEL), executor))
     assert finished.status == "ok"
     assert set(executor.log[:2]) == {("enter", "x"), ("enter", "y")}
     assert set(executor.log[2:4]) == {("exit", "x"), ("exit", "y")}
@@ -153,15 +155,14 @@ async def test_independent_nodes_run_concurrently_and_join_waits_for_both() -> N
     assert executor.hops[2].prompt == "q: hi\n[x] x@mx\n[y] y@my\nTask (z):"
 
 
-async def test_model_hop_fields(monkeypatch) -> None:
+async def test_model_hop_fields() -> None:
     """hop_index/remaining_hops count model hops, next_hops pass through tools, tier, deadline, path."""
-    stored = chain(LINEAR, tier="batch")
+    stored = chain(*LINEAR, tier="batch")
     executor, tools = FakeExecutor(), FakeTools({"search": "found"})
     before = time.time()
     run = make_run(stored, executor, tools, session_id="s1")
     after = time.time()
-    finished = await finish(run)
-    assert finished.status == "ok"
+    assert (await finish(run)).status == "ok"
     a, b, c = executor.hops
     assert [h.hop_id for h in executor.hops] == ["a", "b", "c"]
     assert [h.hop_index for h in executor.hops] == [0, 1, 2]
@@ -171,47 +172,42 @@ async def test_model_hop_fields(monkeypatch) -> None:
     assert a.next_hops == (NextHop("b", "m2", estimate_tokens(a.prompt) + 10, 20),)
     assert b.next_hops == (NextHop("c", "m3", estimate_tokens(b.prompt) + 20, 64),)
     assert c.next_hops == ()
-    assert {h.tier for h in executor.hops} == {Tier.BATCH}
+    assert [h.tier for h in executor.hops] == [Tier.BATCH] * 3
     assert [h.priority for h in executor.hops] == [2, 0, 2]
     assert (a.prompt, b.prompt) == ("q: hi\nTask (a):", "Q=hi T=found")
     assert (a.max_tokens, a.temperature, a.max_context_tokens, a.truncate_context) == (10, 0.5, 0, False)
     assert (b.max_tokens, b.max_context_tokens, b.truncate_context) == (20, 500, True)
-    assert {(h.run_id, h.session_id, h.chain_name, h.chain_version) for h in executor.hops} == {
-        (run.run_id, "s1", "c", 7)
-    }
+    identity = {(h.run_id, h.session_id, h.chain_name, h.chain_version) for h in executor.hops}
+    assert identity == {(run.run_id, "s1", "c", 7)}
     assert {h.deadline_unix_ms for h in executor.hops} == {a.deadline_unix_ms}
     assert int(before * 1000 + 60_000) <= a.deadline_unix_ms <= int(after * 1000 + 60_000)
     assert 0.9 < executor.timeouts[0] <= 1.0
     assert 2.9 < executor.timeouts[1] <= 3.0
     (call,) = tools.calls
-    assert (call.tool, call.arguments, call.idempotency_key) == (
-        "search",
-        {"query": "a@m1"},
-        f"{run.run_id}:t",
-    )
+    assert (call.tool, call.arguments) == ("search", {"query": "a@m1"})
+    assert call.idempotency_key == f"{run.run_id}:t"
 
 
 async def test_explicit_tier_overrides_the_config() -> None:
     """A run's tier argument wins over the config's tier."""
     executor = FakeExecutor()
-    await finish(make_run(chain(LINEAR, tier="batch"), executor, FakeTools(), tier=int(Tier.REALTIME)))
+    await finish(make_run(chain(*LINEAR, tier="batch"), executor, tier=int(Tier.REALTIME)))
     assert [h.tier for h in executor.hops] == [Tier.REALTIME] * 3
 
 
 async def test_hop_result_fills_node_finished() -> None:
     """Text, usage, queue time and worker of the HopDone land in NodeFinished."""
     executor = FakeExecutor()
-    executor.script["x"] = [
-        HopDone("hello", "w-7", queue_ms=12.5, prompt_tokens=11, completion_tokens=3, cached_prompt_tokens=4)
-    ]
-    finished = await finish(make_run(chain(PARALLEL), executor))
-    x = hop_of(finished, "x")
+    usage = {"prompt_tokens": 11, "completion_tokens": 3, "cached_prompt_tokens": 4}
+    executor.script["x"] = [HopDone("hello", "w-7", queue_ms=12.5, **usage)]
+    x = hop_of(await finish(make_run(chain(*PARALLEL), executor)), "x")
     assert (x.status, x.output, x.worker_id, x.queue_ms, x.model) == ("ok", "hello", "w-7", 12.5, "mx")
     assert (x.usage.prompt_tokens, x.usage.completion_tokens, x.usage.cached_prompt_tokens) == (11, 3, 4)
 
 
 @pytest.fixture
 def backoffs(monkeypatch) -> list[int]:
+    """Backoff made instant; the attempts it was asked about are recorded."""
     attempts: list[int] = []
 
     def no_wait(attempt: int, *, rng=None) -> float:
@@ -226,8 +222,7 @@ async def test_retries_stop_when_the_run_budget_is_spent(backoffs) -> None:
     """retries: 5 with retry_budget 2: three attempts in all, then the node fails."""
     executor = FakeExecutor()
     executor.script["a"] = [Unavailable("pool down")] * 6
-    stored = chain("    - {id: a, type: model_inference, model: m1, retries: 5}\n", budget=2)
-    finished = await finish(make_run(stored, executor))
+    finished = await finish(make_run(chain(m("a", "m1", retries=5), budget=2), executor))
     assert [h.hop_id for h in executor.hops] == ["a", "a", "a"]
     assert backoffs == [1, 2]
     a = hop_of(finished, "a")
@@ -240,55 +235,40 @@ async def test_retry_succeeds_within_budget_and_budget_is_shared(backoffs) -> No
     executor = FakeExecutor()
     executor.script["x"] = [Unavailable("x down")] * 3
     executor.script["y"] = [TimeoutError(), HopDone("y fine", "w-2")]
-    nodes = (
-        "    - {id: x, type: model_inference, model: mx, retries: 2}\n"
-        "    - {id: y, type: model_inference, model: my, retries: 2}\n"
-    )
-    finished = await finish(make_run(chain(nodes, budget=3), executor))
+    stored = chain(m("x", "mx", retries=2), m("y", "my", retries=2), budget=3)
+    finished = await finish(make_run(stored, executor))
     x, y = hop_of(finished, "x"), hop_of(finished, "y")
     assert (y.status, y.output, y.retries) == ("ok", "y fine", 1)
     assert (x.status, x.retries) == ("error", 2)
-    assert len(executor.hops) == 5
-    assert finished.retries_used == 3
+    assert (len(executor.hops), finished.retries_used) == (5, 3)
 
 
 async def test_invalid_argument_is_not_retried(backoffs) -> None:
     """InvalidArgument fails the node at once, spending no retry."""
     executor = FakeExecutor()
     executor.script["a"] = [InvalidArgument("prompt too long")]
-    finished = await finish(
-        make_run(chain("    - {id: a, type: model_inference, model: m1, retries: 3}\n"), executor)
-    )
-    assert len(executor.hops) == 1
-    assert backoffs == []
-    assert (hop_of(finished, "a").error, finished.retries_used, finished.status) == (
-        "prompt too long",
-        0,
-        "error",
-    )
+    finished = await finish(make_run(chain(m("a", "m1", retries=3)), executor))
+    assert (len(executor.hops), backoffs) == (1, [])
+    assert (hop_of(finished, "a").error, finished.retries_used) == ("prompt too long", 0)
+    assert finished.status == "error"
 
 
 async def test_fallback_model_after_failure() -> None:
     """A failed hop is retried on fallback_model and recorded as that degradation."""
     executor = FakeExecutor()
     executor.script["a"] = [TimeoutError()]
-    nodes = "    - {id: a, type: model_inference, model: big, fallback_model: small}\n"
-    finished = await finish(make_run(chain(nodes), executor))
+    finished = await finish(make_run(chain(m("a", "big", fallback_model="small")), executor))
     assert [h.model for h in executor.hops] == ["big", "small"]
     a = hop_of(finished, "a")
     assert (a.status, a.model, a.output) == ("ok", "small", "a@small")
-    assert (a.degradation, a.degradation_reason) == ("fallback_model", "timeout")
-    assert finished.status == "ok"
+    assert (a.degradation, a.degradation_reason, finished.status) == ("fallback_model", "timeout", "ok")
 
 
 async def test_overload_uses_fallback_at_once_and_skips_non_critical() -> None:
     """Under load: the fallback model is used first, a non-critical node is not run at all."""
     executor = FakeExecutor()
-    nodes = (
-        "    - {id: a, type: model_inference, model: big, fallback_model: small}\n"
-        "    - {id: n, type: model_inference, model: big, critical: false}\n"
-    )
-    finished = await finish(make_run(chain(nodes), executor, load=FakeLoad({"big"})))
+    stored = chain(m("a", "big", fallback_model="small"), m("n", "big", critical=False))
+    finished = await finish(make_run(stored, executor, load=FakeLoad({"big"})))
     assert [(h.hop_id, h.model) for h in executor.hops] == [("a", "small")]
     a, n = hop_of(finished, "a"), hop_of(finished, "n")
     assert (a.degradation, a.degradation_reason) == ("fallback_model", "overload")
@@ -299,11 +279,8 @@ async def test_non_critical_failure_is_skipped_and_downstream_runs() -> None:
     """A failed critical: false node is skipped; its dependent runs with an empty output."""
     executor = FakeExecutor()
     executor.script["a"] = [Unavailable("down")]
-    nodes = (
-        "    - {id: a, type: model_inference, model: m1, critical: false}\n"
-        "    - {id: b, type: model_inference, model: m2, depends_on: [a]}\n"
-    )
-    finished = await finish(make_run(chain(nodes), executor))
+    stored = chain(m("a", "m1", critical=False), m("b", "m2", depends_on=["a"]))
+    finished = await finish(make_run(stored, executor))
     a = hop_of(finished, "a")
     assert (a.status, a.degradation, a.degradation_reason, a.output) == ("skipped", "skipped", "error", "")
     assert executor.hops[1].prompt == "q: hi\n[a] \nTask (b):"
@@ -314,20 +291,12 @@ async def test_failed_critical_node_blocks_dependents() -> None:
     """Dependents of a failed critical node are skipped as blocked and the chain errors."""
     executor = FakeExecutor()
     executor.script["a"] = [Unavailable("down")]
-    nodes = (
-        "    - {id: a, type: model_inference, model: m1}\n"
-        "    - {id: b, type: model_inference, model: m2, depends_on: [a]}\n"
-        "    - {id: c, type: tool_call, tool: search, depends_on: [b]}\n"
-    )
-    run = make_run(chain(nodes), executor)
+    stored = chain(m("a", "m1"), m("b", "m2", depends_on=["a"]), tool("c", "search", depends_on=["b"]))
+    run = make_run(stored, executor)
     finished = await finish(run)
     assert [h.hop_id for h in executor.hops] == ["a"]
-    assert [(h.node_id, h.status, h.degradation) for h in finished.hops] == [
-        ("a", "error", ""),
-        ("b", "skipped", ""),
-        ("c", "skipped", ""),
-    ]
-    assert hop_of(finished, "c").error == "upstream b did not finish"
+    statuses = [(h.node_id, h.status, h.degradation) for h in finished.hops]
+    assert statuses == [("a", "error", ""), ("b", "skipped", ""), ("c", "skipped", "")]
     assert finished.status == "error"
     assert finished.error == "a: down; b: upstream a did not finish; c: upstream b did not finish"
     kinds = [e.WhichOneof("event") for e in drain(run)[:-1]]
@@ -337,13 +306,10 @@ async def test_failed_critical_node_blocks_dependents() -> None:
 async def test_slow_executor_exceeds_the_chain_deadline() -> None:
     """A hop slower than the chain's SLO budget ends the run as deadline_exceeded."""
     executor = FakeExecutor()
-    executor.script["a"] = [5.0]
-    nodes = (
-        "    - {id: a, type: model_inference, model: m1, timeout: 10s}\n"
-        "    - {id: b, type: model_inference, model: m2, depends_on: [a]}\n"
-    )
+    executor.script["a"] = [5.0]  # the hop sleeps 5 s; the chain has 150 ms
+    stored = chain(m("a", "m1", timeout="10s"), m("b", "m2", depends_on=["a"]), slo="150ms")
     started = time.monotonic()
-    finished = await finish(make_run(chain(nodes, slo="150ms"), executor))
+    finished = await finish(make_run(stored, executor))
     assert time.monotonic() - started < 2.0
     assert executor.timeouts[0] <= 0.15
     a = hop_of(finished, "a")
@@ -355,10 +321,10 @@ async def test_slow_executor_exceeds_the_chain_deadline() -> None:
 async def test_learned_latency_lowers_the_next_runs_critical_path() -> None:
     """Fast finished nodes are learned: run 2's remaining path is the observed sum, not timeouts."""
     latency = LearnedLatency(min_samples=1)
-    stored = chain(LINEAR)
+    stored = chain(*LINEAR)
     first, second = FakeExecutor(), FakeExecutor()
-    done = await finish(make_run(stored, first, FakeTools(), latency=latency))
-    await finish(make_run(stored, second, FakeTools(), latency=latency))
+    done = await finish(make_run(stored, first, latency=latency))
+    await finish(make_run(stored, second, latency=latency))
     assert first.hops[0].remaining_critical_path_ms == 10_000.0
     observed = {hop.node_id: hop.latency_ms for hop in done.hops}
     expected = observed["a"] + (observed["t"] + (observed["b"] + (observed["c"] + 0.0)))
@@ -368,12 +334,7 @@ async def test_learned_latency_lowers_the_next_runs_critical_path() -> None:
 
 async def test_events_stream_in_order_and_end_with_none() -> None:
     """node_started/node_finished per node in order, then chain_finished, then None."""
-    executor = FakeExecutor()
-    nodes = (
-        "    - {id: a, type: model_inference, model: m1}\n"
-        "    - {id: b, type: tool_call, tool: kv, depends_on: [a]}\n"
-    )
-    run = make_run(chain(nodes), executor)
+    run = make_run(chain(m("a", "m1"), tool("b", "kv", depends_on=["a"])), FakeExecutor())
     finished = await finish(run)
     events = drain(run)
     assert events[-1] is None
@@ -392,12 +353,8 @@ async def test_events_stream_in_order_and_end_with_none() -> None:
 
 async def test_sink_outputs_are_joined_and_the_turn_remembered() -> None:
     """The output is every sink's text in file order; an ok run with a session is remembered."""
-    executor, tools = FakeExecutor(), FakeTools({"kv": {"k": 1}})
-    nodes = (
-        "    - {id: s, type: model_inference, model: ms}\n"
-        "    - {id: y, type: tool_call, tool: kv, depends_on: [s]}\n"
-        "    - {id: w, type: model_inference, model: mw, depends_on: [s]}\n"
-    )
-    finished = await finish(make_run(chain(nodes), executor, tools, session_id="s9"))
+    tools = FakeTools({"kv": {"k": 1}})
+    stored = chain(m("s", "ms"), tool("y", "kv", depends_on=["s"]), m("w", "mw", depends_on=["s"]))
+    finished = await finish(make_run(stored, FakeExecutor(), tools, session_id="s9"))
     assert finished.output == '{"k": 1}\nw@mw'
     assert tools.remembered == [("s9", {"inputs": {"q": "hi"}, "output": '{"k": 1}\nw@mw'})]

@@ -59,14 +59,20 @@ def _load_builtins() -> None:
 
 
 def engine_names() -> tuple[str, ...]:
+    """Built-ins in `BUILTIN_MODULES` order (whatever was imported first), then others."""
     _load_builtins()
-    return tuple(_ENGINES)
+
+    def position(name: str) -> int:
+        module = _ENGINES[name].factory.__module__
+        return BUILTIN_MODULES.index(module) if module in BUILTIN_MODULES else len(BUILTIN_MODULES)
+
+    return tuple(sorted(_ENGINES, key=position))
 
 
 def engine_info(name: str) -> EngineInfo:
     _load_builtins()
     if name not in _ENGINES:
-        raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(_ENGINES)}")
+        raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(engine_names())}")
     return _ENGINES[name]
 
 
