@@ -92,22 +92,6 @@ def render_with(fn, *args) -> str:
     return console.export_text()
 
 
-# ----- layering -----------------------------------------------------------------------
-
-
-def test_nothing_under_sim_imports_bench() -> None:
-    offenders = []
-    for path in (ROOT / "libs" / "inferx" / "sim").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            offenders += [f"{path.name}: {n}" for n in names if n.startswith("inferx.bench")]
-    assert offenders == []
-
-
 # ----- every row names a field that exists ------------------------------------------------
 
 

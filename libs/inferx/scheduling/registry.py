@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from inferx.scheduling.policy import Policy
+    from inferx.scheduling.protocol import Policy
 
 # Modules that register the built-in policies when imported.
 BUILTIN_MODULES: tuple[str, ...] = (

@@ -10,10 +10,9 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from inferx_worker.config import WorkerSettings
     from inferx_worker.engines.base import Engine
 
 BUILTIN_MODULES: tuple[str, ...] = (
@@ -22,7 +21,9 @@ BUILTIN_MODULES: tuple[str, ...] = (
     "inferx_worker.engines.sim_engine",
 )
 
-EngineFactory = Callable[["WorkerSettings"], "Engine"]
+# factory(settings: inferx_worker.config.WorkerSettings) -> Engine. The settings type is
+# not imported: the settings validate `--engine` against this registry.
+EngineFactory = Callable[[Any], "Engine"]
 
 
 @dataclass(frozen=True)
@@ -76,5 +77,5 @@ def engine_info(name: str) -> EngineInfo:
     return _ENGINES[name]
 
 
-def make_engine(settings: WorkerSettings) -> Engine:
+def make_engine(settings: Any) -> Engine:
     return engine_info(settings.engine).factory(settings)
