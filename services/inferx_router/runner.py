@@ -118,6 +118,7 @@ class ChainRun:
         self._deadline = self._started + self.config.slo.latency_p99_ms / 1000
         self._deadline_unix_ms = int(time.time() * 1000 + self.config.slo.latency_p99_ms)
         self._model_hops_done = 0
+        self._node_deadlines: dict[str, float] = {}  # node id -> end of its current bound
 
     def _at_ms(self) -> float:
         return (time.monotonic() - self._started) * 1000
@@ -246,6 +247,9 @@ class ChainRun:
             work.close()
             raise ChainDeadline
         limit = min(node.timeout_ms / 1000, remaining)
+        # Every attempt inside (retries too) is told what is left of this bound, not
+        # a fresh node timeout: that is the deadline that travels downstream.
+        self._node_deadlines[node.id] = time.monotonic() + limit
         try:
             async with asyncio.timeout(limit):
                 await work
@@ -253,6 +257,11 @@ class ChainRun:
             if limit < node.timeout_ms / 1000:
                 raise ChainDeadline from None
             raise
+
+    def _time_left(self, node: NodeSpec) -> float:
+        """Seconds left of the node's current bound (node timeout within the chain's budget)."""
+        deadline = self._node_deadlines.get(node.id, self._deadline)
+        return max(min(deadline, self._deadline) - time.monotonic(), 0.001)
 
     async def _attempts(self, node: NodeSpec, result: router_pb2.NodeFinished, model: str) -> None:
         """The first attempt and the retries this node may take."""
@@ -368,7 +377,7 @@ class ChainRun:
             result.worker_id = worker_id
 
         # The deadline the caller set (node timeout or chain budget) travels downstream.
-        timeout = max(min(node.timeout_ms / 1000, self._remaining_s()), 0.001)
+        timeout = self._time_left(node)
         done = await self._executor.run_hop(hop, timeout, dispatched)
         result.output = done.text
         result.usage.prompt_tokens = done.prompt_tokens
@@ -411,7 +420,7 @@ class ChainRun:
             self._arguments(node),
             self.run_id,
             self.session_id,
-            max(min(node.timeout_ms / 1000, self._remaining_s()), 0.001),
+            self._time_left(node),
             # Stable across retries of this node in this run: a tool that honours it
             # performs the side effect once however often it is called.
             idempotency_key=f"{self.run_id}:{node.id}",

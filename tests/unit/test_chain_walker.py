@@ -24,7 +24,8 @@ from inferx_router.tools import ResolvedTool, ToolResult
 
 class FakeExecutor:
     """Records every hop; per hop id, `script` gives the outcome of each attempt in turn
-    (HopDone, an exception to raise, or a float to sleep first); default "<id>@<model>"."""
+    (HopDone, an exception to raise, a float to sleep first, or (seconds, outcome));
+    the default answer is "<id>@<model>"."""
 
     def __init__(self) -> None:
         self.hops: list[ModelHop] = []
@@ -43,6 +44,9 @@ class FakeExecutor:
         if hop.hop_id in self.gates:
             await self.gates[hop.hop_id].wait()
         outcome = self.script[hop.hop_id].pop(0) if self.script[hop.hop_id] else None
+        if isinstance(outcome, tuple):  # (seconds, outcome): slow, then the outcome
+            await asyncio.sleep(outcome[0])
+            outcome = outcome[1]
         if isinstance(outcome, float):
             await asyncio.sleep(outcome)
         if isinstance(outcome, BaseException):
@@ -251,6 +255,16 @@ async def test_invalid_argument_is_not_retried(backoffs) -> None:
     assert (len(executor.hops), backoffs) == (1, [])
     assert (hop_of(finished, "a").error, finished.retries_used) == ("prompt too long", 0)
     assert finished.status == "error"
+
+
+async def test_a_retry_is_told_only_the_node_time_left(backoffs) -> None:
+    """After a 0.5 s failed attempt of a 1 s node, the retry's timeout_s is at most 0.5 s."""
+    executor = FakeExecutor()
+    executor.script["a"] = [(0.5, Unavailable("slow failure"))]
+    finished = await finish(make_run(chain(m("a", "m1", timeout="1s", retries=1)), executor))
+    assert finished.status == "ok"
+    assert executor.timeouts[0] == pytest.approx(1.0, abs=0.05)
+    assert executor.timeouts[1] <= 0.5
 
 
 async def test_fallback_model_after_failure() -> None:
