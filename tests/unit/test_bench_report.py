@@ -4,7 +4,6 @@ ratios, the results file written before rendering, and the layering of sim/bench
 
 from __future__ import annotations
 
-import ast
 import json
 import math
 from pathlib import Path
