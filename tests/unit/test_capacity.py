@@ -79,3 +79,30 @@ def test_simulated_evaluator_counts_unfinished_chains_as_misses() -> None:
     # 200x the rate on a tiny horizon: most chains cannot finish, and none of those count.
     crushed = simulated_evaluator(trace, "round-robin", EngineProfile(max_num_seqs=2), workers=1)(200.0)
     assert crushed.overall < 0.5
+
+
+def test_cli_prints_capacity_per_policy_as_json(capsys) -> None:
+    import json
+
+    from inferx.cli.main import main
+
+    argv = ["sim", "--capacity", "--duration", "20", "--json"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--compare", "round-robin", "least-loaded", "chain-aware"])
+    assert exit_info.value.code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data["capacity"]) == {"round-robin", "least-loaded", "chain-aware"}
+    for result in data["capacity"].values():
+        assert result["rate_per_s"] > 0 and result["overall_attainment"] >= 0.95
+        assert result["failing_rate_per_s"] <= result["rate_per_s"] * 1.03
+    assert data["strongest_peer"] in {"round-robin", "least-loaded"}
+    peer = data["capacity"][data["strongest_peer"]]["rate_per_s"]
+    assert data["chain-aware_vs_strongest_peer"] == data["capacity"]["chain-aware"]["rate_per_s"] / peer
+
+
+def test_cli_capacity_needs_the_simulator() -> None:
+    from inferx.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--capacity", "--engine", "sim"])
+    assert exit_info.value.code == 1
