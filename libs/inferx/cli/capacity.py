@@ -55,7 +55,6 @@ def cmd_capacity(
         raise InvalidArgument("--rate must be positive")
     start = args.rate if args.rate is not None else trace.meta.config.rate_per_s
     names = [canonical_name(name) for name in policies]
-    quiet = args.json
     results: dict[str, Capacity] = {}
     started = time.perf_counter()
     for name in names:
@@ -64,8 +63,7 @@ def cmd_capacity(
             return progress(f"{name} at {rate:.3f} chains/s", len(trace.chains))
 
         def report(probe: CapacityProbe, name: str = name) -> None:
-            if quiet:
-                return
+            # On stderr even with --json: the search takes minutes, stdout stays clean.
             a = probe.attainment
             realtime = f"{a.realtime:.1%}" if a.realtime is not None else "n/a"
             err.print(
