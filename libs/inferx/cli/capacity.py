@@ -119,7 +119,10 @@ def cmd_capacity(
     table = Table(show_edge=False)
     columns = ("policy", "capacity (chains/s)", "x trace rate", "realtime at cap.", "all at cap.", "probes")
     for column in columns:
-        table.add_column(column, justify="left" if column == "policy" else "right")
+        if column == "policy":
+            table.add_column(column, no_wrap=True, min_width=16)  # names must stay whole
+        else:
+            table.add_column(column, justify="right")
     for name in sorted(results, key=lambda n: -results[n].rate_per_s):
         result = results[name]
         at = result.at_capacity
