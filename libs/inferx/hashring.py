@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 
 def _point(text: str) -> int:
@@ -38,3 +38,18 @@ class HashRing:
             return None
         index = bisect.bisect(self._points, _point(key)) % len(self._points)
         return self._owners[index]
+
+    def walk(self, key: str) -> Iterator[str]:
+        """Every member once, in ring order from the key's point: the owner first, then
+        the members a bounded-load scheme falls back to when the owner is full."""
+        if not self._points:
+            return
+        start = bisect.bisect(self._points, _point(key))
+        seen: set[str] = set()
+        for offset in range(len(self._points)):
+            member = self._owners[(start + offset) % len(self._points)]
+            if member not in seen:
+                seen.add(member)
+                yield member
+                if len(seen) == len(self.members):
+                    return

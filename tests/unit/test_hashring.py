@@ -25,3 +25,14 @@ def test_adding_a_replica_moves_only_its_share() -> None:
 
 def test_empty_ring_has_no_owner() -> None:
     assert HashRing().owner("k") is None
+
+
+def test_walk_starts_at_the_owner_and_visits_every_member_once() -> None:
+    ring = HashRing(["a:1", "b:1", "c:1", "d:1"])
+    for key in KEYS[:200]:
+        walk = list(ring.walk(key))
+        assert walk[0] == ring.owner(key)
+        assert sorted(walk) == ["a:1", "b:1", "c:1", "d:1"]
+    # The fallback order differs between keys, so a hot owner's overflow spreads out.
+    assert len({tuple(ring.walk(k))[1] for k in KEYS[:200]}) > 1
+    assert list(HashRing().walk("k")) == []

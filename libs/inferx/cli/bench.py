@@ -163,6 +163,10 @@ def runner_json(summaries, comparison, context):
 
 def cmd_sim(args: argparse.Namespace) -> int:
     policies = _policies(args)
+    if getattr(args, "capacity", False):
+        from inferx.cli.capacity import cmd_capacity
+
+        return cmd_capacity(args, policies, _progress_factory(not args.json), out, err)
     profile, trace, choice = _prepare(args)
     saved = _Results(args, "sim")
     runs = runner.run_simulated(trace, policies, profile, args.workers, _progress_factory(not args.json))
@@ -242,6 +246,8 @@ async def cmd_bench(args: argparse.Namespace) -> int:
         return await cmd_router(args)
     if args.simulate:
         return cmd_sim(args)
+    if args.capacity:
+        raise InvalidArgument("--capacity searches in the simulator: add --simulate")
     if args.engine == "sim":
         return await cmd_live(args)
     if args.engine == "vllm":
@@ -388,6 +394,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, help="only chains arriving in the first S s")
     parser.add_argument("--profile", help="engine calibration file (YAML/JSON)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument(
+        "--capacity",
+        action="store_true",
+        help="simulator: find each policy's capacity at SLO (>= 99%% realtime and >= 95%% of all "
+        "chains meet their SLO) by bisecting the arrival rate; --rate sets where the search starts",
+    )
 
 
 def _defaults(args: argparse.Namespace) -> None:

@@ -21,6 +21,10 @@ if TYPE_CHECKING:
 BUILTIN_MODULES: tuple[str, ...] = (
     "inferx.scheduling.policy",
     "inferx.scheduling.chain_aware",
+    "inferx.scheduling.peers.least_loaded",
+    "inferx.scheduling.peers.session_affinity",
+    "inferx.scheduling.peers.prefix_aware",
+    "inferx.scheduling.peers.program_las",
 )
 
 PolicyFactory = Callable[..., "Policy"]

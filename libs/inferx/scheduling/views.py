@@ -62,6 +62,12 @@ class HopView:
     hop_index: int = 0  # 0 = first hop of its chain, or unknown
     remaining_critical_path_s: float = 0.0  # incl. this hop; 0 = unknown
     remaining_hops: int | None = None  # hops after this one; None = unknown
+    # Identity of the shared prefix the prompt starts with (a system prompt / tool specs
+    # that other chains send too) and its length in tokens; "" / 0 = unknown. What a
+    # prefix-aware router would learn from the prompt text itself; nothing about the
+    # hop's output or the chain's future.
+    prefix_id: str = ""
+    prefix_tokens: int = 0
 
     @property
     def chain_key(self) -> str:

@@ -182,6 +182,9 @@ class ClusterSim:
                 hop_index=k,
                 remaining_critical_path_s=remaining,
                 remaining_hops=len(spec.hops) - 1 - k,
+                # What a router reads off the prompt: which shared prefix it starts with.
+                prefix_id=spec.shared_prefix if spec.shared_tokens else "",
+                prefix_tokens=spec.shared_tokens,
             )
             try:
                 queued = queue.submit(POOL, spec.chain_id, str(k), now, view)

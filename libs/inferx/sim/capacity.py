@@ -1,0 +1,171 @@
+"""Capacity at SLO: the highest arrival rate at which a policy still meets its SLOs.
+
+A rate *meets the SLO* when at least `realtime` (99%) of the realtime chains and at
+least `overall` (95%) of all chains finish within their SLO; a chain shed, failed or
+unfinished at the simulator's horizon is a miss. Rates are explored by scaling the
+trace's arrival times (`Trace.at_rate`: the same chains, squeezed or stretched), first
+doubling or halving from the trace's own rate to bracket the capacity, then bisecting
+geometrically until the bracket is within `tolerance` (3%). The search assumes that
+meeting the SLO is monotone in the rate; a probe that contradicts it is kept in
+`probes` for the reader to see.
+
+`find_capacity` is the pure search over any evaluator (unit-tested with a fake one);
+`simulated_evaluator` runs the virtual-time cluster.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
+from typing import Protocol
+
+from pydantic import BaseModel
+
+from inferx.scheduling.registry import make_policy
+from inferx.sim.cluster import ClusterSim
+from inferx.sim.profile import EngineProfile
+from inferx.sim.trace import Trace
+
+REALTIME_TARGET = 0.99
+OVERALL_TARGET = 0.95
+TOLERANCE = 0.03
+MAX_FACTOR = 64.0  # give up bracketing this far from the starting rate
+
+
+class ChainOutcome(Protocol):
+    """What the criterion needs of a chain's record (the simulator's ChainRecord)."""
+
+    tier: str
+
+    @property
+    def slo_met(self) -> bool: ...
+
+
+class Attainment(BaseModel):
+    chains: int
+    realtime_chains: int
+    overall: float  # share of all chains that met their SLO
+    realtime: float | None  # share of realtime chains; None when the trace has none
+
+
+class CapacityProbe(BaseModel):
+    rate_per_s: float
+    attainment: Attainment
+    meets: bool
+
+
+class Capacity(BaseModel):
+    policy: str
+    rate_per_s: float  # the highest rate found to meet the SLO (0 if none did)
+    failing_rate_per_s: float | None  # the lowest rate found not to (None: never failed)
+    realtime_target: float
+    overall_target: float
+    tolerance: float
+    probes: list[CapacityProbe]
+
+    @property
+    def at_capacity(self) -> CapacityProbe | None:
+        return next((p for p in self.probes if p.rate_per_s == self.rate_per_s and p.meets), None)
+
+
+def attainment(chains: Iterable[ChainOutcome]) -> Attainment:
+    chains = list(chains)
+    realtime = [c for c in chains if c.tier == "realtime"]
+    met = sum(1 for c in chains if c.slo_met)
+    return Attainment(
+        chains=len(chains),
+        realtime_chains=len(realtime),
+        overall=met / len(chains) if chains else 0.0,
+        realtime=sum(1 for c in realtime if c.slo_met) / len(realtime) if realtime else None,
+    )
+
+
+def meets_slo(
+    result: Attainment, realtime_target: float = REALTIME_TARGET, overall_target: float = OVERALL_TARGET
+) -> bool:
+    if result.chains == 0:
+        return False
+    realtime_ok = result.realtime is None or result.realtime >= realtime_target
+    return realtime_ok and result.overall >= overall_target
+
+
+def find_capacity(
+    policy: str,
+    evaluate: Callable[[float], Attainment],
+    start_rate: float,
+    *,
+    realtime_target: float = REALTIME_TARGET,
+    overall_target: float = OVERALL_TARGET,
+    tolerance: float = TOLERANCE,
+    max_factor: float = MAX_FACTOR,
+    on_probe: Callable[[CapacityProbe], None] | None = None,
+) -> Capacity:
+    """Bracket then bisect the rate at which `evaluate(rate)` stops meeting the SLO."""
+    if start_rate <= 0 or tolerance <= 0:
+        raise ValueError("start_rate and tolerance must be positive")
+    probes: list[CapacityProbe] = []
+
+    def meets(rate: float) -> bool:
+        result = evaluate(rate)
+        probe = CapacityProbe(
+            rate_per_s=rate, attainment=result, meets=meets_slo(result, realtime_target, overall_target)
+        )
+        probes.append(probe)
+        if on_probe is not None:
+            on_probe(probe)
+        return probe.meets
+
+    lo: float | None
+    hi: float | None
+    if meets(start_rate):
+        lo, hi = start_rate, start_rate * 2
+        while meets(hi):
+            lo, hi = hi, hi * 2
+            if hi > start_rate * max_factor:
+                hi = None  # meets the SLO at every rate tried: report the highest
+                break
+    else:
+        lo, hi = start_rate / 2, start_rate
+        while not meets(lo):
+            lo, hi = lo / 2, lo
+            if lo < start_rate / max_factor:
+                lo = None  # misses the SLO even at a trickle
+                break
+    if lo is not None and hi is not None:
+        while hi / lo > 1 + tolerance:
+            mid = math.sqrt(lo * hi)  # geometric: the tolerance is relative
+            if meets(mid):
+                lo = mid
+            else:
+                hi = mid
+    return Capacity(
+        policy=policy,
+        rate_per_s=lo or 0.0,
+        failing_rate_per_s=hi,
+        realtime_target=realtime_target,
+        overall_target=overall_target,
+        tolerance=tolerance,
+        probes=probes,
+    )
+
+
+def simulated_evaluator(
+    trace: Trace,
+    policy: str,
+    profile: EngineProfile,
+    workers: int,
+    progress: Callable[[float], AbstractContextManager[Callable[[int], None]]] | None = None,
+) -> Callable[[float], Attainment]:
+    """evaluate(rate): the trace at `rate` through a fresh policy in the simulator.
+    `progress(rate)`, if given, is entered around each run and yields its per-chain
+    callback (the CLI's progress bar)."""
+
+    def evaluate(rate: float) -> Attainment:
+        sim = ClusterSim(trace.at_rate(rate), make_policy(policy), profile, workers)
+        if progress is None:
+            return attainment(sim.run().chains)
+        with progress(rate) as advance:
+            return attainment(sim.run(advance).chains)
+
+    return evaluate

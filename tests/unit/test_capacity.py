@@ -1,0 +1,108 @@
+"""The capacity-at-SLO search against fake evaluators (pure), and the attainment rule."""
+
+from dataclasses import dataclass
+
+import pytest
+
+from inferx.sim.capacity import Attainment, attainment, find_capacity, meets_slo, simulated_evaluator
+from inferx.sim.profile import EngineProfile
+from inferx.sim.trace import TraceConfig, generate
+
+
+def fake(capacity: float, realtime_capacity: float | None = None, calls: list[float] | None = None):
+    """Meets the SLO below `capacity` (overall) and below `realtime_capacity` (realtime)."""
+    rt_cap = capacity if realtime_capacity is None else realtime_capacity
+
+    def evaluate(rate: float) -> Attainment:
+        if calls is not None:
+            calls.append(rate)
+        return Attainment(
+            chains=100,
+            realtime_chains=50,
+            overall=1.0 if rate <= capacity else 0.9,
+            realtime=1.0 if rate <= rt_cap else 0.98,
+        )
+
+    return evaluate
+
+
+@pytest.mark.parametrize("true_capacity", [0.05, 0.7, 1.0, 1.9, 13.0])
+def test_bisection_finds_the_capacity_within_the_tolerance(true_capacity: float) -> None:
+    result = find_capacity("p", fake(true_capacity), start_rate=1.0, tolerance=0.03)
+    assert result.rate_per_s <= true_capacity < result.failing_rate_per_s
+    assert result.failing_rate_per_s <= result.rate_per_s * 1.03
+    assert result.at_capacity is not None and result.at_capacity.meets
+
+
+def test_the_tighter_of_the_two_targets_decides() -> None:
+    result = find_capacity("p", fake(4.0, realtime_capacity=2.5), start_rate=1.0)
+    assert 2.5 / 1.03 <= result.rate_per_s <= 2.5
+
+
+def test_probes_are_few_and_reported() -> None:
+    calls: list[float] = []
+    seen = []
+    result = find_capacity("p", fake(3.0, calls=calls), start_rate=1.0, on_probe=seen.append)
+    assert [p.rate_per_s for p in result.probes] == calls == [p.rate_per_s for p in seen]
+    assert calls[:3] == [1.0, 2.0, 4.0]  # bracketing by doubling, then bisection
+    assert len(calls) <= 10
+
+
+def test_never_meeting_gives_zero_and_always_meeting_gives_the_highest_rate_tried() -> None:
+    none = find_capacity("p", fake(0.0), start_rate=1.0, max_factor=8)
+    assert none.rate_per_s == 0.0 and none.failing_rate_per_s == 0.125
+    every = find_capacity("p", fake(1e9), start_rate=1.0, max_factor=8)
+    assert every.rate_per_s == 8.0 and every.failing_rate_per_s is None
+
+
+@dataclass
+class Outcome:
+    tier: str
+    slo_met: bool
+
+
+def test_attainment_counts_misses_and_needs_both_targets() -> None:
+    chains = [Outcome("realtime", True)] * 99 + [Outcome("realtime", False)]
+    chains += [Outcome("batch", True)] * 90 + [Outcome("batch", False)] * 10
+    result = attainment(chains)
+    assert result.realtime == 0.99 and result.overall == 189 / 200
+    assert not meets_slo(result)  # 94.5% overall < 95%
+    assert meets_slo(attainment(chains[:100] + chains[100:190]))
+    assert meets_slo(attainment([Outcome("batch", True)] * 20))  # no realtime chains: vacuous
+    assert not meets_slo(attainment([]))
+
+
+def test_simulated_evaluator_counts_unfinished_chains_as_misses() -> None:
+    trace = generate(TraceConfig(seed=7, duration_s=40, rate_per_s=1.0))
+    easy = simulated_evaluator(trace, "round-robin", EngineProfile(), workers=2)(0.5)
+    assert easy.chains == len(trace.chains) and easy.overall > 0.95
+    # 200x the rate on a tiny horizon: most chains cannot finish, and none of those count.
+    crushed = simulated_evaluator(trace, "round-robin", EngineProfile(max_num_seqs=2), workers=1)(200.0)
+    assert crushed.overall < 0.5
+
+
+def test_cli_prints_capacity_per_policy_as_json(capsys) -> None:
+    import json
+
+    from inferx.cli.main import main
+
+    argv = ["sim", "--capacity", "--duration", "20", "--json"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--compare", "round-robin", "least-loaded", "chain-aware"])
+    assert exit_info.value.code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data["capacity"]) == {"round-robin", "least-loaded", "chain-aware"}
+    for result in data["capacity"].values():
+        assert result["rate_per_s"] > 0 and result["overall_attainment"] >= 0.95
+        assert result["failing_rate_per_s"] <= result["rate_per_s"] * 1.03
+    assert data["strongest_peer"] in {"round-robin", "least-loaded"}
+    peer = data["capacity"][data["strongest_peer"]]["rate_per_s"]
+    assert data["chain-aware_vs_strongest_peer"] == data["capacity"]["chain-aware"]["rate_per_s"] / peer
+
+
+def test_cli_capacity_needs_the_simulator() -> None:
+    from inferx.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--capacity", "--engine", "sim"])
+    assert exit_info.value.code == 1
