@@ -34,7 +34,8 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServicer):
                 )
             ),
             prompt=prompt,
-            max_tokens=max_tokens,
+            # A replay's stop_after_tokens plays the model's EOS within the cap.
+            max_tokens=min(max_tokens, request.sampling.stop_after_tokens or max_tokens),
             temperature=request.sampling.temperature,
             top_p=request.sampling.top_p or 1.0,
             seed=request.sampling.seed if request.sampling.HasField("seed") else None,

@@ -34,6 +34,7 @@ import grpc
 from inferx.devstack import LocalStack, StackPorts, wait_serving
 from inferx.scheduling.views import TIER_BY_NAME
 from inferx.sim.cluster import alone_latency_s
+from inferx.sim.estimates import RemainingPath
 from inferx.sim.profile import EngineProfile
 from inferx.sim.records import ChainRecord, ReplayResult
 from inferx.sim.trace import Trace, TraceChain
@@ -66,16 +67,6 @@ def build_prompt(chain: TraceChain, k: int, outputs: list[str]) -> str:
     return "".join(parts)
 
 
-def remaining_path_s(chain: TraceChain, k: int, profile: EngineProfile) -> float:
-    """Expected time left on the chain's path from call k on (calls alone + delays)."""
-    last = len(chain.hops) - 1
-    return sum(
-        profile.alone_hop_s(h.new_tokens, chain.prompt_tokens(j), h.output_tokens)
-        + (h.delay_after_s if j < last else 0.0)
-        for j, h in enumerate(chain.hops[k:], start=k)
-    )
-
-
 def hop_request(
     chain: TraceChain,
     k: int,
@@ -98,7 +89,11 @@ def hop_request(
         ),
         model=model,
         prompt=prompt,
-        sampling=common_pb2.SamplingOptions(max_tokens=chain.hops[k].output_tokens),
+        # The scheduler sees the cap; the output length the trace prescribes reaches the
+        # engine only, as the model's EOS would.
+        sampling=common_pb2.SamplingOptions(
+            max_tokens=chain.max_tokens(k), stop_after_tokens=chain.hops[k].output_tokens
+        ),
     )
 
 
@@ -117,6 +112,7 @@ class TraceReplayer:
         self, scheduler: str, trace: Trace, profile: EngineProfile, speed: float, model: str = POOL
     ) -> None:
         self.scheduler, self.trace, self.profile, self.speed = scheduler, trace, profile, speed
+        self._learned = RemainingPath()  # as the simulator: learned from finished calls, not read ahead
         self.model = model
         self.errors: dict[str, int] = {}
 
@@ -155,16 +151,20 @@ class TraceReplayer:
         await asyncio.sleep(max(0.0, start + chain.arrival_s / speed - loop.time()))
         deadline_unix_s = time.time() + chain.slo_s / speed
         outputs: list[str] = []
+        finished_at = 0.0
         for k, hop in enumerate(chain.hops):
-            prompt = build_prompt(chain, k, outputs)
-            request = hop_request(
-                chain, k, prompt, deadline_unix_s, remaining_path_s(chain, k, self.profile), speed, self.model
-            )
             ready = loop.time()
+            if k > 0:
+                self._learned.gap_observed(chain.kind, k - 1, (ready - finished_at) * speed)
+            prompt = build_prompt(chain, k, outputs)
+            remaining = self._learned.remaining_s(chain.kind, k, len(chain.hops))
+            request = hop_request(chain, k, prompt, deadline_unix_s, remaining, speed, self.model)
             first: float | None = None
             finished = None
+            text: list[str] = []
             try:
                 async for event in stub.SubmitHop(request):
+                    text.append(event.text)  # each piece once: TOKENS, then FINISHED's tail
                     if event.kind == scheduler_pb2.HopEvent.KIND_TOKENS and first is None:
                         first = loop.time()
                     elif event.kind == scheduler_pb2.HopEvent.KIND_FINISHED:
@@ -182,7 +182,9 @@ class TraceReplayer:
             record.ttft_s.append(((first or loop.time()) - ready) * speed)
             record.prompt_tokens += finished.usage.prompt_tokens
             record.cached_tokens += finished.usage.cached_prompt_tokens
-            outputs.append(finished.text)
+            outputs.append("".join(text))
+            finished_at = loop.time()
+            self._learned.call_finished(chain.kind, k, (finished_at - ready) * speed)
             if k < len(chain.hops) - 1:
                 await asyncio.sleep(hop.delay_after_s / speed)
         record.finish("ok", (loop.time() - start) * speed)

@@ -19,6 +19,7 @@ from inferx.scheduling.policy import Policy
 from inferx.scheduling.queue import DispatchQueue, QueuedHop, Rejected, WorkerSlots
 from inferx.scheduling.views import TIER_BY_NAME, HopView
 from inferx.sim.engine import EngineModel, Plan, SimRequest
+from inferx.sim.estimates import RemainingPath
 from inferx.sim.kv import Segment
 from inferx.sim.profile import EngineProfile
 from inferx.sim.records import ChainRecord, ReplayResult
@@ -69,6 +70,7 @@ class _Chain:
     spec: TraceChain
     record: ChainRecord
     ready_at: float = 0.0
+    finished_at: float = 0.0  # when its last call finished
     hop: int = 0
 
 
@@ -163,21 +165,21 @@ class ClusterSim:
             if progress is not None:
                 progress(done)
 
+        learned = RemainingPath()  # what the policy may know of the rest: learned, not read ahead
+
         def hop_ready(chain: _Chain, now: float) -> None:
             spec, k = chain.spec, chain.hop
+            if k > 0:
+                learned.gap_observed(spec.kind, k - 1, now - chain.finished_at)
             chain.ready_at = now
-            remaining = sum(
-                profile.alone_hop_s(h.new_tokens, spec.prompt_tokens(j), h.output_tokens)
-                + (h.delay_after_s if j < len(spec.hops) - 1 else 0.0)
-                for j, h in enumerate(spec.hops[k:], start=k)
-            )
+            remaining = learned.remaining_s(spec.kind, k, len(spec.hops))
             view = HopView(
                 POOL,
                 spec.chain_id,
                 str(k),
                 tier=TIER_BY_NAME[spec.tier],
                 prompt_tokens=spec.prompt_tokens(k),
-                max_tokens=spec.hops[k].output_tokens,
+                max_tokens=spec.max_tokens(k),  # the request's cap: output lengths are unknown
                 deadline=spec.arrival_s + spec.slo_s,
                 hop_index=k,
                 remaining_critical_path_s=remaining,
@@ -214,6 +216,8 @@ class ClusterSim:
                 chain.record.cached_tokens += request.cached_tokens
                 chain.record.preemptions = (chain.record.preemptions or 0) + request.preemptions
                 delay = chain.spec.hops[chain.hop].delay_after_s
+                learned.call_finished(chain.spec.kind, chain.hop, now - chain.ready_at)
+                chain.finished_at = now
                 chain.hop += 1
                 if chain.hop == len(chain.spec.hops):
                     finish_chain(chain, now, "ok")

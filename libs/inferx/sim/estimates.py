@@ -1,0 +1,61 @@
+"""What a replay may tell a policy about the rest of a chain: learned, never read ahead.
+
+A live router knows a chain's declared structure (how many model calls are left) but
+not how long the calls and the tools between them will take; it learns that from the
+hops that already finished (`inferx.chain.plan.LearnedLatency`). Replays of a trace do
+the same here: per (chain kind, call index), an exponentially weighted mean of the
+observed call time (ready to finished, queueing included, as the router measures a
+node) and of the observed gap after it (tool or think time). Future output lengths and
+tool delays in the trace are never looked at.
+"""
+
+from __future__ import annotations
+
+Key = tuple[str, int]
+
+
+class _Mean:
+    __slots__ = ("count", "value")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.count = 0
+
+    def add(self, sample: float, alpha: float) -> None:
+        self.value = sample if self.count == 0 else self.value + alpha * (sample - self.value)
+        self.count += 1
+
+
+class RemainingPath:
+    def __init__(self, alpha: float = 0.2) -> None:
+        self.alpha = alpha
+        self._calls: dict[Key, _Mean] = {}
+        self._gaps: dict[Key, _Mean] = {}
+        self._kind_call: dict[str, _Mean] = {}  # any index: the fallback for an unseen one
+        self._kind_gap: dict[str, _Mean] = {}
+
+    def call_finished(self, kind: str, index: int, seconds: float) -> None:
+        self._calls.setdefault((kind, index), _Mean()).add(seconds, self.alpha)
+        self._kind_call.setdefault(kind, _Mean()).add(seconds, self.alpha)
+
+    def gap_observed(self, kind: str, index: int, seconds: float) -> None:
+        """The time between call `index` finishing and call `index + 1` being issued."""
+        self._gaps.setdefault((kind, index), _Mean()).add(seconds, self.alpha)
+        self._kind_gap.setdefault(kind, _Mean()).add(seconds, self.alpha)
+
+    def remaining_s(self, kind: str, index: int, calls: int) -> float:
+        """Expected time from call `index` being issued to the chain's end (`calls` in
+        all); 0.0 when nothing of this kind has finished yet (unknown)."""
+        if kind not in self._kind_call:
+            return 0.0
+        total = 0.0
+        for j in range(index, calls):
+            total += self._get(self._calls, self._kind_call, kind, j)
+            if j < calls - 1:
+                total += self._get(self._gaps, self._kind_gap, kind, j)
+        return total
+
+    @staticmethod
+    def _get(table: dict[Key, _Mean], fallback: dict[str, _Mean], kind: str, index: int) -> float:
+        mean = table.get((kind, index)) or fallback.get(kind)
+        return mean.value if mean is not None else 0.0
