@@ -81,23 +81,63 @@ def test_simulated_evaluator_counts_unfinished_chains_as_misses() -> None:
     assert crushed.overall < 0.5
 
 
-def test_cli_prints_capacity_per_policy_as_json(capsys) -> None:
+def test_cli_prints_capacity_per_policy_as_json(capsys, tmp_path) -> None:
     import json
 
     from inferx.cli.main import main
 
-    argv = ["sim", "--capacity", "--duration", "20", "--json"]
+    raw = tmp_path / "raw.json"
+    argv = ["sim", "--capacity", "--duration", "20", "--json", "--results", str(raw)]
     with pytest.raises(SystemExit) as exit_info:
         main([*argv, "--compare", "round-robin", "least-loaded", "chain-aware"])
     assert exit_info.value.code == 0
     data = json.loads(capsys.readouterr().out)
     assert set(data["capacity"]) == {"round-robin", "least-loaded", "chain-aware"}
     for result in data["capacity"].values():
-        assert result["rate_per_s"] > 0 and result["overall_attainment"] >= 0.95
-        assert result["failing_rate_per_s"] <= result["rate_per_s"] * 1.03
+        (only,) = result["per_seed"]
+        assert (
+            result["rate_per_s"] == result["min_rate_per_s"] == result["max_rate_per_s"] == only["rate_per_s"]
+        )
+        assert result["rate_per_s"] > 0 and only["overall_attainment"] >= 0.95
+        assert only["failing_rate_per_s"] <= result["rate_per_s"] * 1.03
     assert data["strongest_peer"] in {"round-robin", "least-loaded"}
     peer = data["capacity"][data["strongest_peer"]]["rate_per_s"]
     assert data["chain-aware_vs_strongest_peer"] == data["capacity"]["chain-aware"]["rate_per_s"] / peer
+    # The raw results were written too, complete.
+    saved = json.loads(raw.read_text())
+    assert saved["complete"] is True and set(saved["capacity"]) == set(data["capacity"])
+
+
+def test_cli_capacity_over_seeds_reports_the_median(capsys, tmp_path) -> None:
+    import json
+
+    from inferx.cli.main import main
+
+    argv = ["sim", "--capacity", "--workload", "mix", "--seeds", "3", "--duration", "15", "--json"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--compare", "round-robin", "chain-aware", "--results", str(tmp_path / "r.json")])
+    assert exit_info.value.code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["context"]["trace_seeds"] == [1, 2, 3]
+    for result in data["capacity"].values():
+        rates = sorted(seed["rate_per_s"] for seed in result["per_seed"])
+        assert len(rates) == 3 and result["rate_per_s"] == rates[1]
+        assert (result["min_rate_per_s"], result["max_rate_per_s"]) == (rates[0], rates[2])
+
+
+def test_cli_seeds_need_a_regenerable_trace(tmp_path) -> None:
+    from inferx.cli.main import main
+    from inferx.sim.trace import TraceConfig, generate, write_trace
+
+    trace = generate(TraceConfig(seed=1, duration_s=10))
+    foreign = trace.model_copy(update={"meta": trace.meta.model_copy(update={"generator": "my exporter"})})
+    path = tmp_path / "t.jsonl"
+    write_trace(foreign, path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            ["sim", "--capacity", "--trace", str(path), "--seeds", "2", "--results", str(tmp_path / "r.json")]
+        )
+    assert exit_info.value.code == 1
 
 
 def test_cli_capacity_needs_the_simulator() -> None:

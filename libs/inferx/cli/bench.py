@@ -166,7 +166,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
     if getattr(args, "capacity", False):
         from inferx.cli.capacity import cmd_capacity
 
-        return cmd_capacity(args, policies, _progress_factory(not args.json), out, err)
+        saved = _Results(args, "capacity")
+        return cmd_capacity(args, policies, _progress_factory(not args.json), out, err, saved)
     profile, trace, choice = _prepare(args)
     saved = _Results(args, "sim")
     runs = runner.run_simulated(trace, policies, profile, args.workers, _progress_factory(not args.json))
@@ -400,6 +401,20 @@ def _common(parser: argparse.ArgumentParser) -> None:
         help="simulator: find each policy's capacity at SLO (>= 99%% realtime and >= 95%% of all "
         "chains meet their SLO) by bisecting the arrival rate; --rate sets where the search starts",
     )
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="--capacity: repeat on N traces (seeds from the trace's own, or from --seed with "
+        "--workload) and report the median and spread (default 1)",
+    )
+    parser.add_argument(
+        "--workload",
+        choices=("mix", "coding"),
+        help="--capacity: generate the trace (mix = chat/bfcl/swe; coding = long-context coding "
+        "agent) instead of --trace",
+    )
+    parser.add_argument("--seed", type=int, default=1, help="--workload: the first trace seed (default 1)")
 
 
 def _defaults(args: argparse.Namespace) -> None:

@@ -246,6 +246,20 @@ def _tier(rng: random.Random, choice: str | dict[str, float] | None) -> TierName
     return rng.choices(names, weights)[0]  # type: ignore[return-value]
 
 
+# Named workloads (`inferx sim --workload NAME`): the trace config each starts from; the
+# arrival rate only sets where a capacity search starts.
+WORKLOADS: dict[str, TraceConfig] = {
+    "mix": TraceConfig(duration_s=600.0, rate_per_s=1.0),
+    "coding": TraceConfig(duration_s=4000.0, rate_per_s=0.03, mix={"coding": 1.0}),
+}
+
+
+def workload(name: str, seed: int) -> TraceConfig:
+    if name not in WORKLOADS:
+        raise InvalidArgument(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
+    return WORKLOADS[name].model_copy(update={"seed": seed})
+
+
 def generate(config: TraceConfig, profile: EngineProfile | None = None) -> Trace:
     profile = profile or EngineProfile()
     unknown = sorted(set(config.mix) - set(_KINDS))
