@@ -415,6 +415,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "agent) instead of --trace",
     )
     parser.add_argument("--seed", type=int, default=1, help="--workload: the first trace seed (default 1)")
+    parser.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="--capacity: draw SLO attainment and P99 latency against arrival rate, per policy, "
+        "capacity marked (PNG/SVG/PDF by the file's extension; first seed)",
+    )
 
 
 def _defaults(args: argparse.Namespace) -> None:

@@ -7,11 +7,13 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from inferx.bench import runner
+from inferx.bench.results import jsonable
 from inferx.errors import InvalidArgument
 from inferx.scheduling.registry import canonical_name
 from inferx.sim.capacity import (
@@ -143,6 +145,14 @@ def cmd_capacity(
         results_file.save(
             context=context, capacity={n: [_json(c) for c in cs] for n, cs in per_seed.items()}, complete=True
         )
+    plot = getattr(args, "plot", None)
+    if plot:
+        from inferx.bench.plot import plot_capacity
+
+        seed = context["trace_seeds"][0]
+        title = f"{context['trace']} (seed {seed}), {profile.name}, {args.workers} SIMULATED workers"
+        plot_capacity({name: caps[0] for name, caps in per_seed.items()}, Path(plot), title)
+        err.print(f"plot: {plot}", style="dim")
     if args.json:
         data = {
             "capacity": {
@@ -159,7 +169,7 @@ def cmd_capacity(
             f"{CANDIDATE}_vs": versus,
             "context": context,
         }
-        print(json.dumps(data, indent=2))
+        print(json.dumps(jsonable(data), indent=2))
         return 0
     seeds = context["trace_seeds"]
     out.print(

@@ -26,6 +26,7 @@ from inferx.scheduling.registry import make_policy
 from inferx.sim.cluster import ClusterSim
 from inferx.sim.profile import EngineProfile
 from inferx.sim.trace import Trace
+from inferx.stats import percentile
 
 REALTIME_TARGET = 0.99
 OVERALL_TARGET = 0.95
@@ -47,6 +48,9 @@ class Attainment(BaseModel):
     realtime_chains: int
     overall: float  # share of all chains that met their SLO
     realtime: float | None  # share of realtime chains; None when the trace has none
+    # P99 of chain latency (nearest rank; a chain that did not finish counts as
+    # infinitely late), None when the outcomes carry no latency.
+    p99_latency_s: float | None = None
 
 
 class CapacityProbe(BaseModel):
@@ -73,11 +77,16 @@ def attainment(chains: Iterable[ChainOutcome]) -> Attainment:
     chains = list(chains)
     realtime = [c for c in chains if c.tier == "realtime"]
     met = sum(1 for c in chains if c.slo_met)
+    p99 = None
+    if chains and all(hasattr(c, "latency_s") for c in chains):
+        latencies = [math.inf if c.latency_s is None else c.latency_s for c in chains]  # type: ignore[attr-defined]
+        p99 = percentile(latencies, 99, method="nearest-rank")
     return Attainment(
         chains=len(chains),
         realtime_chains=len(realtime),
         overall=met / len(chains) if chains else 0.0,
         realtime=sum(1 for c in realtime if c.slo_met) / len(realtime) if realtime else None,
+        p99_latency_s=p99,
     )
 
 
