@@ -8,6 +8,7 @@ import json
 import re
 from typing import Any
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -138,8 +139,9 @@ def test_valid_chains_are_accepted(doc: dict[str, Any], as_json: bool, data: Any
 def test_critical_path_is_the_longest_dependency_path(doc: dict[str, Any]) -> None:
     config = load_chain_text(json.dumps(doc)).config
     path, total = critical_path(config)
-    assert total == max(all_path_sums(doc))
-    assert total == sum(config.node(node_id).timeout_ms for node_id in path)
+    # Sums of float milliseconds (timeouts like "1.1s"): equal up to rounding.
+    assert total == pytest.approx(max(all_path_sums(doc)))
+    assert total == pytest.approx(sum(config.node(node_id).timeout_ms for node_id in path))
     for before, after in itertools.pairwise(path):
         assert before in config.node(after).depends_on
     # The SLO check agrees with the critical path: strict loading fails exactly when it is exceeded.

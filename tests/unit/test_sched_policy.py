@@ -209,11 +209,11 @@ def test_time_scaled_config_shrinks_every_time_constant() -> None:
 
     base = ChainAwareConfig()
     fast = base.time_scaled(4)
-    assert fast.starvation_s == base.starvation_s / 4
-    assert fast.tier_starvation_s == base.tier_starvation_s / 4
-    assert fast.max_affinity_wait_s == base.max_affinity_wait_s / 4
-    assert fast.chain_ttl_s == base.chain_ttl_s / 4
-    assert fast.prefill_tokens_per_s == base.prefill_tokens_per_s * 4
+    assert fast.starvation_s == pytest.approx(base.starvation_s / 4)
+    assert fast.tier_starvation_s == pytest.approx(base.tier_starvation_s / 4)
+    assert fast.max_affinity_wait_s == pytest.approx(base.max_affinity_wait_s / 4)
+    assert fast.chain_ttl_s == pytest.approx(base.chain_ttl_s / 4)
+    assert fast.prefill_tokens_per_s == pytest.approx(base.prefill_tokens_per_s * 4)
     assert fast.buckets == base.buckets  # sizes are not times
 
 
