@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 
 import pytest
 import pytest_asyncio
@@ -17,6 +16,7 @@ import pytest_asyncio
 from inferx.tinymodel import make_tiny_model
 from inferx_worker.engines.base import EngineChunk, EngineRequest
 from inferx_worker.engines.vllm_engine import VllmEngine
+from tests.polling import poll_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 
@@ -45,11 +45,12 @@ async def collect(engine: VllmEngine, request: EngineRequest) -> list[EngineChun
 
 
 async def wait_idle(engine: VllmEngine, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if engine.load().running == 0 and engine.num_unfinished_requests() == 0:
-            return
-        await asyncio.sleep(0.05)
+    await poll_until(
+        lambda: engine.load().running == 0 and engine.num_unfinished_requests() == 0,
+        timeout_s=timeout,
+        interval_s=0.05,
+        what="the engine to be idle",
+    )
 
 
 def load_is_zero(engine: VllmEngine) -> bool:

@@ -15,6 +15,7 @@ from inferx.devstack import LocalStack, free_port
 from inferx.errors import InferxError
 from inferx.etcd import LeaseKeeper, make_client
 from inferx.v1 import router_pb2, tool_pb2_grpc
+from tests.polling import poll_until
 
 HANG_S = 60.0  # a run that takes longer than this counts as hung
 
@@ -85,11 +86,12 @@ class ToolServer:
         assert await self.keeper.wait_registered(5)
         # The router learns of the tool through its etcd watch: wait until it has.
         async with InferxClient(self.stack.router_address) as client:
-            for _ in range(100):
-                if self.name in (await client.status()).tools:
-                    return self
-                await asyncio.sleep(0.1)
-        raise AssertionError(f"the router never saw tool '{self.name}'")
+
+            async def seen() -> bool:
+                return self.name in (await client.status()).tools
+
+            await poll_until(seen, timeout_s=10, what=f"the router to see tool '{self.name}'")
+        return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.keeper.close()
