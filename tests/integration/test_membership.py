@@ -103,8 +103,10 @@ async def test_lease_lost_is_regranted_and_keys_reput(etcd_only: LocalStack) -> 
         assert await client.get(b"/inferx/v1/test/a") is None
 
         async def back() -> bool:
+            # The keeper puts the key first, then records the new lease and counts
+            # the re-grant: wait for all three, or this races with its bookkeeping.
             got = await client.get(b"/inferx/v1/test/a")
-            return got is not None and got.value == b"1"
+            return got is not None and got.value == b"1" and keeper.regrants >= 1
 
         await poll_until(back, timeout_s=5, what="the key to be re-put")
         assert keeper.lease_id != first_lease
