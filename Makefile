@@ -55,6 +55,14 @@ test: setup
 test-unit: setup
 	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
 
+# Every module under tests/integration and tests/e2e carries its marker (conftest.py
+# refuses one that does not), so selecting by marker runs exactly those directories.
+test-integration: setup
+	$(VENV)/bin/pytest -m integration $(PYTEST_ARGS)
+
+test-e2e: setup
+	$(VENV)/bin/pytest -m e2e $(PYTEST_ARGS)
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check libs services tests
 
