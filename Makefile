@@ -8,9 +8,9 @@ STAMP := $(VENV)/.installed
 MODEL_DIR := .inferx/models/tiny-llama
 PYTEST_ARGS ?=
 
-.PHONY: setup proto model etcd promtool check-deploy run test test-unit test-integration test-e2e lint bench clean
+.PHONY: setup proto model etcd promtool nodejs check-deploy run test test-unit test-integration test-e2e lint bench clean
 
-setup: $(STAMP) proto etcd promtool model
+setup: $(STAMP) proto etcd promtool nodejs model
 
 # vLLM: the CUDA build where an NVIDIA GPU is present, the CPU build otherwise.
 # The CPU build pulls torchvision/torchaudio/torchcodec that do not match its torch
@@ -40,6 +40,17 @@ etcd:
 # The tests check every /metrics page and the alert rules with promtool.
 promtool:
 	@bash deploy/scripts/ensure-command.sh promtool prometheus
+
+# tests/integration/test_other_languages.py runs the Node.js example client
+# (examples/clients/node): Node.js and npm from Debian, and the client's npm packages
+# exactly as package-lock.json pins them, so the tests fetch nothing.
+NODE_CLIENT := examples/clients/node
+nodejs: $(NODE_CLIENT)/node_modules/.package-lock.json
+
+$(NODE_CLIENT)/node_modules/.package-lock.json: $(NODE_CLIENT)/package-lock.json
+	@bash deploy/scripts/ensure-command.sh node nodejs
+	@bash deploy/scripts/ensure-command.sh npm npm
+	cd $(NODE_CLIENT) && npm ci --no-audit --no-fund
 
 # Offline checks of deploy/ (the tests run them too).
 check-deploy: promtool
