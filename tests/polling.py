@@ -12,27 +12,38 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar, cast
+from typing import Any, TypeVar, overload
 
 T = TypeVar("T")
 
 
+@overload
 async def poll_until(
-    condition: Callable[[], T | Awaitable[T]],
+    condition: Callable[[], Awaitable[T]], *, timeout_s: float, interval_s: float = ..., what: str = ...
+) -> T: ...
+
+
+@overload
+async def poll_until(
+    condition: Callable[[], T], *, timeout_s: float, interval_s: float = ..., what: str = ...
+) -> T: ...
+
+
+async def poll_until(
+    condition: Callable[[], Any],
     *,
     timeout_s: float,
     interval_s: float = 0.1,
     what: str = "the condition",
-) -> T:
+) -> Any:
     """Call `condition` (plain or async) until it returns a truthy value, and return
     that value. The condition is checked at least once, and once more at the deadline;
     an exception it raises propagates."""
     deadline = time.monotonic() + timeout_s
     while True:
-        result = condition()
-        if inspect.isawaitable(result):
-            result = await result
-        value = cast(T, result)
+        value = condition()
+        if inspect.isawaitable(value):
+            value = await value
         if value:
             return value
         if time.monotonic() >= deadline:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import AsyncGenerator
 
 import pytest
 import pytest_asyncio
@@ -129,6 +130,7 @@ async def test_cancel_mid_stream_aborts_the_request(engine: VllmEngine):
 
 async def test_consumer_stopping_early_aborts_the_request(engine: VllmEngine):
     stream = engine.generate(EngineRequest("break-1", LOOP_PROMPT, max_tokens=900))
+    assert isinstance(stream, AsyncGenerator)  # closing it is how a caller cancels
     async for chunk in stream:
         assert not chunk.finished
         break

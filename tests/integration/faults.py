@@ -22,12 +22,18 @@ HANG_S = 60.0  # a run that takes longer than this counts as hung
 
 @dataclass
 class Outcome:
-    finished: router_pb2.ChainFinished | None = None
+    chain_finished: router_pb2.ChainFinished | None = None
     error: InferxError | None = None
 
     @property
     def ok(self) -> bool:
-        return self.finished is not None and self.finished.status == "ok"
+        return self.chain_finished is not None and self.chain_finished.status == "ok"
+
+    @property
+    def finished(self) -> router_pb2.ChainFinished:
+        """The run's ChainFinished; an AssertionError naming the error if it ended without."""
+        assert self.chain_finished is not None, f"the run failed: {self.error}"
+        return self.chain_finished
 
 
 async def run_batch(
@@ -43,7 +49,7 @@ async def run_batch(
                 if event.WhichOneof("event") == "chain_finished":
                     finished = event.chain_finished
             assert finished is not None, "stream ended without chain_finished"
-            return Outcome(finished=finished)
+            return Outcome(chain_finished=finished)
         except InferxError as exc:
             return Outcome(error=exc)
 

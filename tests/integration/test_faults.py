@@ -67,7 +67,7 @@ async def test_sigterm_of_a_worker_fails_no_hop(stack: LocalStack) -> None:
     outcomes = await run_batch(stack, "customer_service_agent", queries(40), stagger_s=0.02)
     await killer
     assert all(o.ok for o in outcomes), describe(outcomes)
-    assert stack.workers[0].popen.wait(30) == 0  # drained and exited cleanly
+    assert stack.workers[0].wait(30) == 0  # drained and exited cleanly
     workers_used = {h.worker_id for o in outcomes for h in o.finished.hops if h.worker_id}
     assert len(workers_used) == 2  # both served until the drain
 
@@ -76,6 +76,7 @@ async def test_chains_go_on_while_etcd_is_down_and_registrations_come_back(stack
     async with make_client(stack.etcd_endpoint) as client:
         before = {kv.key for kv in await client.get_prefix(etcd.SERVICES.encode())}
     assert len(before) == 6  # router, scheduler, memory-pool, cache, 2 workers
+    assert stack.etcd is not None
     stack.etcd.stop()
     try:
         # Longer than every lease TTL (3 s here): services keep what they hold.
@@ -106,7 +107,7 @@ async def test_chains_go_on_while_etcd_is_down_and_registrations_come_back(stack
 
 async def test_cache_killed_chains_finish_uncached(stack: LocalStack) -> None:
     stack.services["cache"].signal(signal.SIGKILL)
-    stack.services["cache"].popen.wait(5)
+    stack.services["cache"].wait(5)
     outcomes = await run_batch(stack, "customer_service_agent", queries())
     assert all(o.ok for o in outcomes), describe(outcomes)
     for o in outcomes:
@@ -326,7 +327,7 @@ async def test_worker_that_stops_answering_leaves_scheduling_before_its_lease_ex
 
 async def test_memory_pool_down_chains_continue_conservatively(stack: LocalStack) -> None:
     stack.services["memory-pool"].signal(signal.SIGKILL)
-    stack.services["memory-pool"].popen.wait(5)
+    stack.services["memory-pool"].wait(5)
     outcomes = await run_batch(stack, "customer_service_agent", queries())
     assert all(o.ok for o in outcomes), describe(outcomes)
     async with InferxClient(stack.router_address) as client:

@@ -46,7 +46,7 @@ async def test_kill_9_worker_leaves_etcd_and_scheduling_within_the_ttl(
     before = await worker_ids_in_etcd(stack)
     victim = stack.workers[0]
     victim.signal(signal.SIGKILL)
-    victim.popen.wait(5)
+    victim.wait(5)
 
     async def gone_everywhere() -> bool:
         return len(await worker_ids_in_etcd(stack)) == 1 and len(await scheduled_worker_ids(stack)) == 1
@@ -69,13 +69,14 @@ async def test_sigterm_worker_deregisters_at_once(two_worker_stack: LocalStack) 
     await poll_until(lambda: _has(worker_ids_in_etcd(stack), 2), timeout_s=10, what="two workers")
     victim = stack.workers[1]
     victim.signal(signal.SIGTERM)
+
     # The lease is revoked on SIGTERM, sooner than its TTL would expire: the deadline
     # is the claim.
     async def one_left() -> bool:
         return await _has(worker_ids_in_etcd(stack), 1)
 
     await poll_until(one_left, timeout_s=TEST_LEASE_TTL_S, interval_s=0.2, what="deregistration")
-    assert victim.popen.wait(20) == 0
+    assert victim.wait(20) == 0
     assert "stopped" in victim.log_tail()
 
 
@@ -128,6 +129,7 @@ async def test_etcd_outage_keeps_mirror_and_registration_comes_back(etcd_only: L
     assert await mirror.wait_synced(5)
     assert mirror.items == {"/inferx/v1/test/svc": b"x"}
 
+    assert stack.etcd is not None
     stack.etcd.stop()  # etcd down for longer than the lease TTL
     await asyncio.sleep(5)  # a duration, not a synchronisation: longer than the 2 s TTL
     assert mirror.items == {"/inferx/v1/test/svc": b"x"}  # last known state is kept
@@ -148,7 +150,6 @@ async def test_etcd_outage_keeps_mirror_and_registration_comes_back(etcd_only: L
     await mirror.close()
     await client.close()
     await watcher_client.close()
-
 
 
 def restart_same_data(stack: LocalStack) -> None:

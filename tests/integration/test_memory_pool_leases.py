@@ -108,17 +108,25 @@ async def pool(pool_stack: LocalStack) -> AsyncIterator[memory_pool_pb2_grpc.Mem
         yield memory_pool_pb2_grpc.MemoryPoolStub(channel)
 
 
-async def usage_of(pool, worker_id: str) -> memory_pool_pb2.WorkerUsage | None:
+async def usage_row(pool, worker_id: str) -> memory_pool_pb2.WorkerUsage | None:
     reply = await pool.GetUsage(memory_pool_pb2.GetUsageRequest(), timeout=5)
     return next((w for w in reply.workers if w.worker_id == worker_id), None)
 
 
+async def usage_of(pool, worker_id: str) -> memory_pool_pb2.WorkerUsage:
+    row = await usage_row(pool, worker_id)
+    assert row is not None, f"the pool does not list worker {worker_id}"
+    return row
+
+
 async def wait_for(pool, worker_id: str, check, timeout_s: float = 10.0) -> memory_pool_pb2.WorkerUsage:
     async def matching_row() -> memory_pool_pb2.WorkerUsage | None:
-        row = await usage_of(pool, worker_id)
+        row = await usage_row(pool, worker_id)
         return row if row is not None and check(row) else None
 
-    return await poll_until(matching_row, timeout_s=timeout_s, what=f"the usage of worker {worker_id}")
+    row = await poll_until(matching_row, timeout_s=timeout_s, what=f"the usage of worker {worker_id}")
+    assert row is not None  # poll_until returns only a truthy value
+    return row
 
 
 async def new_worker(registry: Registry, pool) -> str:

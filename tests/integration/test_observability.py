@@ -223,7 +223,7 @@ async def test_an_agent_using_opentelemetry_and_our_sdk_continues_its_trace(trac
     server = next(s for s in ours if s["name"] == "/inferx.v1.Router/RunChain")
     client_span = next(s for s in agent_spans.get_finished_spans() if s.kind.name == "CLIENT")
     assert server["parent_id"] == format(client_span.context.span_id, "016x")
-    assert client_span.parent.span_id == step.get_span_context().span_id
+    assert client_span.parent is not None and client_span.parent.span_id == step.get_span_context().span_id
 
 
 async def test_without_a_traceparent_each_run_starts_its_own_trace(traced) -> None:

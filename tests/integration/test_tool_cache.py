@@ -93,7 +93,7 @@ async def test_keys_shard_over_replicas_and_a_dead_replica_only_costs_hits(sim_s
                 per_replica = [r.stats.entries for r in stats.replicas]
                 assert len(per_replica) == 2 and all(n >= 5 for n in per_replica), per_replica
                 extra.signal(signal.SIGKILL)
-                extra.popen.wait(5)
+                extra.wait(5)
                 # A duration, not a synchronisation: past the router's L1 TTL, so only L2 could answer.
                 await asyncio.sleep(6)
                 second = await run_batch(sim_stack, "lookup_chain", inputs)

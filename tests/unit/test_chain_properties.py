@@ -60,7 +60,7 @@ def chains(draw: st.DrawFn) -> dict[str, Any]:
         template = "ctx: " + " ".join(refs)
         kind = draw(st.sampled_from(["model_inference", "tool_call", "memory_retrieval"]))
         node: dict[str, Any] = {"id": node_id, "type": kind, "timeout": draw(durations)}
-        if deps or draw(st.booleans()):
+        if len(deps) > 0 or draw(st.booleans()):
             node["depends_on"] = deps
         node["priority"] = draw(st.sampled_from(["high", "medium", "normal", "low"]))
         if kind == "model_inference":
@@ -177,7 +177,9 @@ def test_back_edge_makes_a_reported_cycle(doc: dict[str, Any], as_json: bool, da
     cycles = [p for p in rejected(doc, as_json) if "dependency cycle" in p]
     assert cycles
     for problem in cycles:
-        ring = re.search(r"dependency cycle (.+)$", problem).group(1).split(" -> ")
+        found = re.search(r"dependency cycle (.+)$", problem)
+        assert found is not None, problem
+        ring = found.group(1).split(" -> ")
         assert ring[0] == ring[-1] and problem.startswith(f"node '{ring[0]}': depends_on: ")
         deps = {n["id"]: n.get("depends_on", []) for n in nodes}
         for before, after in itertools.pairwise(ring):

@@ -4,6 +4,7 @@ with the virtual-time model's timing."""
 
 import asyncio
 import time
+from collections.abc import AsyncGenerator
 
 import pytest
 
@@ -129,6 +130,7 @@ async def test_cancelled_request_is_aborted_in_the_model() -> None:
     await engine.start()
     try:
         stream = engine.generate(EngineRequest("long", "z" * 64, max_tokens=10_000))
+        assert isinstance(stream, AsyncGenerator)  # closing it is how a caller cancels
         await stream.__anext__()
         await stream.aclose()
         assert engine.model.idle
