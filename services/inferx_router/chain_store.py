@@ -71,11 +71,12 @@ class ChainStore:
         """Validate and store `text` as version latest+1. Returns (version, activated)."""
         validated = load_chain_text(text, source="config")
         config = validated.config
+        created_unix_ms = int(time.time() * 1000)
         record = {
             "config": config.to_document(),
             "author": author,
             "message": message,
-            "created_unix_ms": int(time.time() * 1000),
+            "created_unix_ms": created_unix_ms,
         }
         latest_key = _key(config.name, "latest")
         tx = self._client.transactions
@@ -105,9 +106,7 @@ class ChainStore:
                 self._client.transaction(compare=[guard], success=ops, failure=[])
             )
             if succeeded:
-                stored = StoredVersion(
-                    config.name, version, config, author, message, record["created_unix_ms"]
-                )
+                stored = StoredVersion(config.name, version, config, author, message, created_unix_ms)
                 self._parsed[(config.name, version)] = stored
                 return stored, activate
             # Someone else stored a version between our read and our write: try n+2.
