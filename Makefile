@@ -74,8 +74,12 @@ test-integration: setup
 test-e2e: setup
 	$(VENV)/bin/pytest -m e2e $(PYTEST_ARGS)
 
-lint: $(STAMP)
+# Lint, formatting and types; the paths and settings are in pyproject.toml. mypy
+# reads the generated stubs' .pyi files, hence proto.
+lint: $(STAMP) proto
 	$(VENV)/bin/ruff check libs services tests
+	$(VENV)/bin/ruff format --check libs services tests
+	$(VENV)/bin/mypy
 
 bench: setup
 	$(VENV)/bin/inferx bench --simulate --compare baseline chain-aware --load 0.8
