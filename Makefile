@@ -8,9 +8,9 @@ STAMP := $(VENV)/.installed
 MODEL_DIR := .inferx/models/tiny-llama
 PYTEST_ARGS ?=
 
-.PHONY: setup proto model etcd promtool check-deploy run test test-unit test-integration test-e2e lint bench clean
+.PHONY: setup proto model etcd promtool nodejs check-deploy run test test-unit test-integration test-e2e lint bench clean
 
-setup: $(STAMP) proto etcd promtool model
+setup: $(STAMP) proto etcd promtool nodejs model
 
 # vLLM: the CUDA build where an NVIDIA GPU is present, the CPU build otherwise.
 # The CPU build pulls torchvision/torchaudio/torchcodec that do not match its torch
@@ -41,6 +41,17 @@ etcd:
 promtool:
 	@bash deploy/scripts/ensure-command.sh promtool prometheus
 
+# tests/integration/test_other_languages.py runs the Node.js example client
+# (examples/clients/node): Node.js and npm from Debian, and the client's npm packages
+# exactly as package-lock.json pins them, so the tests fetch nothing.
+NODE_CLIENT := examples/clients/node
+nodejs: $(NODE_CLIENT)/node_modules/.package-lock.json
+
+$(NODE_CLIENT)/node_modules/.package-lock.json: $(NODE_CLIENT)/package-lock.json
+	@bash deploy/scripts/ensure-command.sh node nodejs
+	@bash deploy/scripts/ensure-command.sh npm npm
+	cd $(NODE_CLIENT) && npm ci --no-audit --no-fund
+
 # Offline checks of deploy/ (the tests run them too).
 check-deploy: promtool
 	promtool check config deploy/prometheus/prometheus.yml
@@ -55,8 +66,20 @@ test: setup
 test-unit: setup
 	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
 
-lint: $(STAMP)
+# Every module under tests/integration and tests/e2e carries its marker (conftest.py
+# refuses one that does not), so selecting by marker runs exactly those directories.
+test-integration: setup
+	$(VENV)/bin/pytest -m integration $(PYTEST_ARGS)
+
+test-e2e: setup
+	$(VENV)/bin/pytest -m e2e $(PYTEST_ARGS)
+
+# Lint, formatting and types; the paths and settings are in pyproject.toml. mypy
+# reads the generated stubs' .pyi files, hence proto.
+lint: $(STAMP) proto
 	$(VENV)/bin/ruff check libs services tests
+	$(VENV)/bin/ruff format --check libs services tests
+	$(VENV)/bin/mypy
 
 bench: setup
 	$(VENV)/bin/inferx bench --simulate --compare baseline chain-aware --load 0.8

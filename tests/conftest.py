@@ -18,6 +18,23 @@ from inferx.devstack import LocalStack, StackPorts, read_models_file, wait_servi
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 TEST_LEASE_TTL_S = 3
+# `make test-integration` / `make test-e2e` select by marker: a test in these
+# directories without its marker would silently run in neither.
+DIRECTORY_MARKERS = {"integration": "integration", "e2e": "e2e"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    unmarked = []
+    for item in items:
+        parts = item.path.relative_to(ROOT).parts
+        if len(parts) > 2 and parts[0] == "tests" and parts[1] in DIRECTORY_MARKERS:
+            if item.get_closest_marker(DIRECTORY_MARKERS[parts[1]]) is None:
+                unmarked.append(item.nodeid)
+    if unmarked:
+        raise pytest.UsageError(
+            "tests without the marker of their directory (add pytestmark = pytest.mark.<marker>): "
+            + ", ".join(unmarked)
+        )
 
 
 def make_stack(tmp: Path, *, lease_ttl_s: int = TEST_LEASE_TTL_S) -> LocalStack:

@@ -10,7 +10,7 @@ import grpc
 from inferx import telemetry
 from inferx.discovery import CHANNEL_OPTIONS
 from inferx.errors import from_rpc_error
-from inferx.v1 import router_pb2, router_pb2_grpc
+from inferx.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 DEFAULT_ROUTER = "127.0.0.1:50051"
 
@@ -48,7 +48,7 @@ class InferxClient:
         version: int = 0,
         label: str = "",
         session_id: str = "",
-        tier: int = 0,
+        tier: common_pb2.Tier = common_pb2.TIER_UNSPECIFIED,
     ) -> AsyncIterator[router_pb2.RunEvent]:
         request = router_pb2.RunChainRequest(
             chain=chain,

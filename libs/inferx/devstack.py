@@ -79,6 +79,12 @@ class ManagedProcess:
             except ProcessLookupError:
                 pass
 
+    def wait(self, timeout_s: float) -> int:
+        """The exit status, once the started process has ended (TimeoutExpired if not)."""
+        if self.popen is None:
+            raise StackError(f"{self.name} was never started")
+        return self.popen.wait(timeout_s)
+
     def stop(self, timeout_s: float = 20.0) -> None:
         if self.popen is None:
             return

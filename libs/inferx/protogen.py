@@ -6,7 +6,6 @@ checkouts always carry stubs that match the .proto files.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 
@@ -43,4 +42,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

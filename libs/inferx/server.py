@@ -53,7 +53,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     and reported as INTERNAL without leaking internals to the caller.
     """
 
-    async def intercept_service(self, continuation, handler_call_details):  # type: ignore[override]
+    async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None or not handler_call_details.method.startswith(OUR_METHOD_PREFIX):
             return handler
@@ -236,9 +236,9 @@ async def _serve(
     waiter = asyncio.create_task(stop.wait())
     await asyncio.wait({warm_up, waiter}, return_when=asyncio.FIRST_COMPLETED)
     if warm_up.done() and warm_up.exception() is not None:
-        exc = warm_up.exception()
+        failure = warm_up.exception()
         await _shutdown(kind, server, health_servicer, leases, component, etcd, 0.0, 0.0)
-        raise StartupError(f"warm-up failed: {exc}")
+        raise StartupError(f"warm-up failed: {failure}")
 
     if not stop.is_set():
         info = common_pb2.ServiceInfo(

@@ -79,8 +79,9 @@ class ServiceSettings(BaseSettings):
 def load_settings(cls: type[S], prog: str, argv: list[str] | None = None) -> S:
     """Parse flags + env into `cls`; on bad input print one line per problem and exit 2."""
     args = sys.argv[1:] if argv is None else argv
+    _set_prog(cls, prog)
     try:
-        return CliApp.run(cls, cli_args=args, cli_settings_source=None, **_prog(cls, prog))
+        return CliApp.run(cls, cli_args=args, cli_settings_source=None)
     except ValidationError as exc:
         for err in exc.errors():
             field = "--" + "-".join(str(p) for p in err["loc"]).replace("_", "-")
@@ -88,7 +89,6 @@ def load_settings(cls: type[S], prog: str, argv: list[str] | None = None) -> S:
         raise SystemExit(2) from None
 
 
-def _prog(cls: type[BaseSettings], prog: str) -> dict[str, object]:
+def _set_prog(cls: type[BaseSettings], prog: str) -> None:
     # CliApp takes the program name from the model config; set it per service.
     cls.model_config["cli_prog_name"] = prog
-    return {}

@@ -48,7 +48,7 @@ KIND_FROM_PROTO: dict[int, ReservationKind] = {
     memory_pool_pb2.RESERVATION_KIND_HOP: HOP,
     memory_pool_pb2.RESERVATION_KIND_LOOKAHEAD: LOOKAHEAD,
 }
-KIND_TO_PROTO: dict[ReservationKind, int] = {
+KIND_TO_PROTO: dict[ReservationKind, memory_pool_pb2.ReservationKind] = {
     HOP: memory_pool_pb2.RESERVATION_KIND_HOP,
     LOOKAHEAD: memory_pool_pb2.RESERVATION_KIND_LOOKAHEAD,
 }

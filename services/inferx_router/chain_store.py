@@ -73,11 +73,12 @@ class ChainStore:
         """Validate and store `text` as version latest+1. Returns (version, activated)."""
         validated = load_chain_text(text, source="config")
         config = validated.config
+        created_unix_ms = int(time.time() * 1000)
         record = {
             "config": config.to_document(),
             "author": author,
             "message": message,
-            "created_unix_ms": int(time.time() * 1000),
+            "created_unix_ms": created_unix_ms,
         }
         latest_key = _key(config.name, "latest")
         tx = self._client.transactions
@@ -113,7 +114,7 @@ class ChainStore:
                     config,
                     author,
                     message,
-                    record["created_unix_ms"],
+                    created_unix_ms,
                     ChainPlan.build(config),
                 )
                 self._parsed[(config.name, version)] = stored

@@ -134,8 +134,8 @@ class ToolRouter:
 
     def resolve(self, tool: str) -> ResolvedTool:
         if tool in self._builtins:
-            version, invoke = self._builtins[tool]
-            return ResolvedTool(tool, version, f"tool:{tool}", True, invoke)
+            version, builtin = self._builtins[tool]
+            return ResolvedTool(tool, version, f"tool:{tool}", True, builtin)
         remotes = self._remote_registrations(tool)
         if not remotes:
             raise NotFound(f"tool '{tool}' is neither built in nor registered under {etcd.TOOLS}{tool}/")

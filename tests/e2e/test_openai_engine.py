@@ -105,6 +105,6 @@ def test_worker_refuses_a_model_the_server_does_not_serve(openai_stack: LocalSta
     bad = openai_stack.start_worker(
         "other", "openai", ["--openai-base-url", server_url, "--model-path", "nope"]
     )
-    assert bad.popen.wait(60) != 0
+    assert bad.wait(60) != 0
     assert "not 'nope'" in bad.log_tail()
     openai_stack.workers.remove(bad)

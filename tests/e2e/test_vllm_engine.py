@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
+from collections.abc import AsyncGenerator
 
 import pytest
 import pytest_asyncio
@@ -17,6 +17,7 @@ import pytest_asyncio
 from inferx.tinymodel import make_tiny_model
 from inferx_worker.engines.base import EngineChunk, EngineRequest
 from inferx_worker.engines.vllm_engine import VllmEngine
+from tests.polling import poll_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 
@@ -45,11 +46,12 @@ async def collect(engine: VllmEngine, request: EngineRequest) -> list[EngineChun
 
 
 async def wait_idle(engine: VllmEngine, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if engine.load().running == 0 and engine.num_unfinished_requests() == 0:
-            return
-        await asyncio.sleep(0.05)
+    await poll_until(
+        lambda: engine.load().running == 0 and engine.num_unfinished_requests() == 0,
+        timeout_s=timeout,
+        interval_s=0.05,
+        what="the engine to be idle",
+    )
 
 
 def load_is_zero(engine: VllmEngine) -> bool:
@@ -128,6 +130,7 @@ async def test_cancel_mid_stream_aborts_the_request(engine: VllmEngine):
 
 async def test_consumer_stopping_early_aborts_the_request(engine: VllmEngine):
     stream = engine.generate(EngineRequest("break-1", LOOP_PROMPT, max_tokens=900))
+    assert isinstance(stream, AsyncGenerator)  # closing it is how a caller cancels
     async for chunk in stream:
         assert not chunk.finished
         break

