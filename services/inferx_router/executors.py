@@ -11,6 +11,7 @@ import grpc
 from inferx import telemetry
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.errors import Unavailable, from_rpc_error
+from inferx.wire import tier_to_proto
 from inferx.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from inferx_router import metrics
 from inferx_router.hops import HopDone, ModelHop
@@ -26,7 +27,7 @@ def hop_request(hop: ModelHop) -> scheduler_pb2.HopRequest:
             session_id=hop.session_id,
             chain_name=hop.chain_name,
             chain_version=hop.chain_version,
-            tier=int(hop.tier),
+            tier=tier_to_proto(hop.tier),
             priority=hop.priority,
             chain_deadline_unix_ms=hop.deadline_unix_ms,
             hop_index=hop.hop_index,

@@ -234,7 +234,7 @@ class ChainRun:
         except MissingReferenceError as exc:
             # Validation guarantees references are upstream; this only trips on a
             # dependency that produced nothing, which is this node's failure, not a crash.
-            failure = InvalidArgument(str(exc))
+            failure: InferxError | TimeoutError = InvalidArgument(str(exc))
         except (InferxError, TimeoutError) as exc:
             failure = exc
         result.error = _describe(failure, node)

@@ -23,6 +23,7 @@ import grpc
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.scheduling.queue import DispatchQueue
 from inferx.scheduling.views import HopKey, HopView
+from inferx.wire import tier_to_proto
 from inferx.v1 import memory_pool_pb2, memory_pool_pb2_grpc
 from inferx_scheduler import metrics
 
@@ -105,7 +106,7 @@ class LookAhead:
                         tokens=view.kv_tokens,
                         run_id=view.run_id,
                         hop_id=view.hop_id,
-                        tier=int(view.tier),
+                        tier=tier_to_proto(view.tier),
                         holder=self._holder,
                         lease_s=lease_s,
                         kind=memory_pool_pb2.RESERVATION_KIND_LOOKAHEAD,

@@ -15,6 +15,7 @@ from inferx.errors import InvalidArgument, ResourceExhausted, Unavailable, from_
 from inferx.pools import no_worker_message
 from inferx.scheduling.queue import QueueFull, Rejected
 from inferx.scheduling.views import HopView
+from inferx.wire import tier_to_proto
 from inferx.v1 import (
     memory_pool_pb2,
     memory_pool_pb2_grpc,
@@ -214,7 +215,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             tokens=view.kv_tokens,
             run_id=view.run_id,
             hop_id=view.hop_id,
-            tier=int(view.tier),
+            tier=tier_to_proto(view.tier),
             holder=self._holder,
             kind=memory_pool_pb2.RESERVATION_KIND_HOP,
             replaces=ahead.reservation_id if ahead is not None else "",

@@ -4,7 +4,14 @@ from dataclasses import dataclass
 
 import pytest
 
-from inferx.sim.capacity import Attainment, attainment, find_capacity, meets_slo, simulated_evaluator
+from inferx.sim.capacity import (
+    Attainment,
+    CapacityProbe,
+    attainment,
+    find_capacity,
+    meets_slo,
+    simulated_evaluator,
+)
 from inferx.sim.profile import EngineProfile
 from inferx.sim.trace import TraceConfig, generate
 
@@ -29,6 +36,7 @@ def fake(capacity: float, realtime_capacity: float | None = None, calls: list[fl
 @pytest.mark.parametrize("true_capacity", [0.05, 0.7, 1.0, 1.9, 13.0])
 def test_bisection_finds_the_capacity_within_the_tolerance(true_capacity: float) -> None:
     result = find_capacity("p", fake(true_capacity), start_rate=1.0, tolerance=0.03)
+    assert result.failing_rate_per_s is not None
     assert result.rate_per_s <= true_capacity < result.failing_rate_per_s
     assert result.failing_rate_per_s <= result.rate_per_s * 1.03
     assert result.at_capacity is not None and result.at_capacity.meets
@@ -41,7 +49,7 @@ def test_the_tighter_of_the_two_targets_decides() -> None:
 
 def test_probes_are_few_and_reported() -> None:
     calls: list[float] = []
-    seen = []
+    seen: list[CapacityProbe] = []
     result = find_capacity("p", fake(3.0, calls=calls), start_rate=1.0, on_probe=seen.append)
     assert [p.rate_per_s for p in result.probes] == calls == [p.rate_per_s for p in seen]
     assert calls[:3] == [1.0, 2.0, 4.0]  # bracketing by doubling, then bisection

@@ -6,6 +6,7 @@ import asyncio
 import random
 import time
 from collections import defaultdict
+from typing import cast
 
 import pytest
 import yaml
@@ -19,7 +20,7 @@ from inferx_router import runner
 from inferx_router.chain_store import StoredVersion
 from inferx_router.hops import HopDone, ModelHop, NextHop
 from inferx_router.runner import ChainRun
-from inferx_router.tools import ResolvedTool, ToolResult
+from inferx_router.tools import ResolvedTool, ToolCall, ToolResult, ToolRouter
 
 
 class FakeExecutor:
@@ -62,11 +63,14 @@ class FakeTools:
 
     def __init__(self, results: dict | None = None) -> None:
         self.results = results or {}
-        self.calls = []
-        self.remembered = []
+        self.calls: list[ToolCall] = []
+        self.remembered: list[tuple[str, dict]] = []
 
     def resolve(self, tool: str) -> ResolvedTool:
-        return ResolvedTool(tool, "1", f"tool:{tool}", True, None)
+        return ResolvedTool(tool, "1", f"tool:{tool}", True, self._never_invoked)
+
+    async def _never_invoked(self, call: ToolCall) -> None:
+        raise AssertionError("ChainRun calls tools through call(), not ResolvedTool.invoke")
 
     async def call(self, call, *, cacheable, cache_ttl_s) -> ToolResult:
         self.calls.append(call)
@@ -109,7 +113,12 @@ def make_run(stored, executor, tools=None, **kwargs) -> ChainRun:
     kwargs.setdefault("session_id", "")
     kwargs.setdefault("tier", 0)
     return ChainRun(
-        stored, {"q": "hi"}, executor=executor, tools=tools or FakeTools(), rng=random.Random(0), **kwargs
+        stored,
+        {"q": "hi"},
+        executor=executor,
+        tools=cast(ToolRouter, tools or FakeTools()),
+        rng=random.Random(0),
+        **kwargs,
     )
 
 
@@ -202,8 +211,9 @@ async def test_explicit_tier_overrides_the_config() -> None:
 async def test_hop_result_fills_node_finished() -> None:
     """Text, usage, queue time and worker of the HopDone land in NodeFinished."""
     executor = FakeExecutor()
-    usage = {"prompt_tokens": 11, "completion_tokens": 3, "cached_prompt_tokens": 4}
-    executor.script["x"] = [HopDone("hello", "w-7", queue_ms=12.5, **usage)]
+    executor.script["x"] = [
+        HopDone("hello", "w-7", queue_ms=12.5, prompt_tokens=11, completion_tokens=3, cached_prompt_tokens=4)
+    ]
     x = hop_of(await finish(make_run(chain(*PARALLEL), executor)), "x")
     assert (x.status, x.output, x.worker_id, x.queue_ms, x.model) == ("ok", "hello", "w-7", 12.5, "mx")
     assert (x.usage.prompt_tokens, x.usage.completion_tokens, x.usage.cached_prompt_tokens) == (11, 3, 4)

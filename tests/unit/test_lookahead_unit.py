@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
+from typing import Any, cast
 
 import grpc
 import pytest
 
+from inferx.discovery import ChannelPool, ServiceLocator
+from inferx.scheduling.chain_aware import ChainAwarePolicy
 from inferx.scheduling.queue import DispatchQueue, WorkerSlots
 from inferx.scheduling.registry import make_policy
 from inferx.scheduling.views import HopView, Tier
 from inferx.v1 import memory_pool_pb2
+from inferx.wire import tier_to_proto
 from inferx_scheduler import lookahead
 from inferx_scheduler.lookahead import AheadHold, LookAhead
 
@@ -52,7 +56,7 @@ class FakeChannels:
     def __init__(self, reply) -> None:
         self.reply = reply
         self.addresses: list[str] = []
-        self.calls: list[tuple[str, object, float | None]] = []
+        self.calls: list[tuple[str, Any, float | None]] = []
 
     def get(self, address: str):
         self.addresses.append(address)
@@ -86,11 +90,16 @@ def chain_aware_queue() -> DispatchQueue:
     return queue
 
 
+def policy_of(queue: DispatchQueue) -> ChainAwarePolicy:
+    assert isinstance(queue.policy, ChainAwarePolicy)
+    return queue.policy
+
+
 def make(queue=None, services=None, channels=None, *, growth: float = 2.0) -> LookAhead:
     return LookAhead(
         queue or DispatchQueue(),
-        services or FakeServices("mp:1"),
-        channels or FakeChannels(granted),
+        cast(ServiceLocator, services or FakeServices("mp:1")),
+        cast(ChannelPool, channels or FakeChannels(granted)),
         holder="sched-1",
         lease_s=5.0,
         growth=growth,
@@ -181,12 +190,12 @@ async def test_start_reserves_through_plan_ahead_and_records_the_hold(clock) -> 
         tokens=1000,
         run_id="run-1",
         hop_id="b",
-        tier=int(Tier.REALTIME),
+        tier=tier_to_proto(Tier.REALTIME),
         holder="sched-1",
         lease_s=5.0,
         kind=memory_pool_pb2.RESERVATION_KIND_LOOKAHEAD,
     )
-    assert queue.policy.resident("w1") == 1000
+    assert policy_of(queue).resident("w1") == 1000
     assert la.take(view) == AheadHold("w1", "res-b", NOW + 5.0)
 
 
@@ -199,7 +208,8 @@ async def test_lease_is_bounded_by_the_chain_deadline(clock) -> None:
     la.start(CURRENT, [nxt("c", "pool-big", 10)], deadline_s=0.0)
     await settle(la)
     assert [request.lease_s for _, request, _ in channels.calls] == [1.5, pytest.approx(0.1)]
-    assert la.take(nxt("b", "pool-big", 10)).expires_at == NOW + 1.5
+    held = la.take(nxt("b", "pool-big", 10))
+    assert held is not None and held.expires_at == NOW + 1.5
 
 
 async def test_refused_reserve_drops_the_policy_hold_and_records_nothing(clock) -> None:
@@ -210,7 +220,7 @@ async def test_refused_reserve_drops_the_policy_hold_and_records_nothing(clock) 
     la.start(CURRENT, [view], deadline_s=None)
     await settle(la)
     assert len(channels.calls) == 1
-    assert queue.policy.resident("w1") == 0
+    assert policy_of(queue).resident("w1") == 0
     assert la._held == {}
     assert la.take(view) is None
     assert la.wanted(CURRENT, [view]) == [view]  # not pending any more: may be tried again

@@ -28,7 +28,7 @@ def test_options_reach_only_the_policies_that_take_them() -> None:
     # The scheduler passes its chain-aware flags whatever the policy: others ignore them.
     assert isinstance(registry.make_policy("round-robin", reuse_window_hops=7), RoundRobinPolicy)
     scaled = registry.make_policy("chain-aware", time_scale=10.0, kv_warm_s=30.0)
-    assert scaled.config.kv_warm_s == pytest.approx(3.0)
+    assert isinstance(scaled, ChainAwarePolicy) and scaled.config.kv_warm_s == pytest.approx(3.0)
 
 
 def test_unknown_policy_names_the_choices() -> None:

@@ -287,7 +287,7 @@ def _graph_problems(views: list[_View], declared_inputs: set[str] | None) -> lis
 
 def _template_problems(
     view: _View,
-    ids: Mapping[str, int],
+    ids: Mapping[str, object],  # the known node ids (only membership is used)
     deps: Mapping[str, list[str]],
     declared_inputs: set[str] | None,
 ) -> list[str]:

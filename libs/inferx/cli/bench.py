@@ -439,10 +439,15 @@ def _defaults(args: argparse.Namespace) -> None:
         args.compare = ["round-robin", "chain-aware"]
 
 
+def _with_defaults(args: argparse.Namespace, command) -> int:
+    _defaults(args)
+    return command(args)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     sim = sub.add_parser("sim", help="replay a trace through the policies in virtual time")
     _common(sim)
-    sim.set_defaults(handler=lambda a: (_defaults(a), cmd_sim(a))[1], simulate=True)
+    sim.set_defaults(handler=lambda a: _with_defaults(a, cmd_sim), simulate=True)
 
     bench = sub.add_parser("bench", help="benchmark the scheduling policies on a trace")
     _common(bench)
@@ -477,7 +482,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "vLLM, prefix caching on (see docs/benchmarks.md)",
     )
     _seed_arguments(bench)
-    bench.set_defaults(handler=lambda a: (_defaults(a), cmd_bench(a))[1])
+    bench.set_defaults(handler=lambda a: _with_defaults(a, cmd_bench))
 
     trace = sub.add_parser("workload", help="generate a JSONL agent-chain workload trace")
     trace.add_argument("-o", "--out", required=True, help="output file")

@@ -198,7 +198,7 @@ class ChainAwarePolicy:
         return len(self.config.buckets)
 
     def _tier(self, queued: QueuedHop, now: float) -> int:
-        tier = queued.hop.tier_rank
+        tier: int = queued.hop.tier_rank
         if now - queued.enqueued_at > self.config.tier_starvation_s:
             tier = max(TIER_REALTIME, tier - 1)
         return tier
