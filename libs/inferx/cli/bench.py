@@ -410,9 +410,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--workload",
-        choices=("mix", "coding"),
+        choices=("mix", "coding", "research"),
         help="--capacity: generate the trace (mix = chat/bfcl/swe; coding = long-context coding "
-        "agent) instead of --trace",
+        "agent; research = deep-research agent, parallel branches joined by a report) instead of --trace",
     )
     parser.add_argument("--seed", type=int, default=1, help="--workload: the first trace seed (default 1)")
     parser.add_argument(
@@ -490,6 +490,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     trace.add_argument("--duration", type=float, default=900.0, help="arrival window (s)")
     trace.add_argument("--rate", type=float, default=1.0, help="chains per second")
     trace.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
-    trace.add_argument("--mix", default="chat=0.45,bfcl=0.4,swe=0.15", help="KIND=WEIGHT,...")
+    trace.add_argument(
+        "--mix",
+        default="chat=0.45,bfcl=0.4,swe=0.15",
+        help="KIND=WEIGHT,... (kinds: chat, bfcl, swe, coding, research)",
+    )
     trace.add_argument("--profile", help="engine calibration used to set SLOs")
     trace.set_defaults(handler=cmd_trace)

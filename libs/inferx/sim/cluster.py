@@ -1,7 +1,10 @@
 """Virtual-time replay of a trace through the scheduling policy and N simulated engines.
 
 A discrete-event loop: chain arrivals, hops becoming ready after their tool delay,
-and engine iterations ending. Hops go through the same `DispatchQueue` + `Policy`
+and engine iterations ending. A chain whose calls form a DAG (`TraceHop.depends_on`)
+has several calls in flight at once: a call is issued when every call it depends on
+has finished and each one's delay has passed (`trace.ready_at`), and the chain ends
+when all its calls did. Hops go through the same `DispatchQueue` + `Policy`
 the live scheduler uses; each worker is an `EngineModel`. A multi-step decode plan is
 cut short at the next step boundary when a new request reaches its worker, so the
 result is what per-iteration simulation would give, only faster.
@@ -14,6 +17,7 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 from inferx.scheduling.policy import Policy
 from inferx.scheduling.queue import DispatchQueue, QueuedHop, Rejected, WorkerSlots
@@ -23,35 +27,58 @@ from inferx.sim.estimates import RemainingPath
 from inferx.sim.kv import Segment
 from inferx.sim.profile import EngineProfile
 from inferx.sim.records import ChainRecord, ReplayResult
-from inferx.sim.trace import Trace, TraceChain
+from inferx.sim.trace import ChainProgress, Trace, TraceChain
 
 POOL = "sim"
 TICK_S = 0.01  # resolution of time-based re-evaluation (affinity patience, aging)
 
 
 def hop_segments(chain: TraceChain, k: int) -> tuple[tuple[Segment, ...], tuple[Segment, ...]]:
-    """Prompt and output segments of call k; keys name a prefix, so chain-scoped keys in
-    a fixed order are enough."""
+    """Prompt and output segments of call k: the shared prefix, then the input and output
+    of every call it depends on (transitively, in index order), then its own input.
+
+    A key names a segment *and everything before it*. Call j's segments are keyed
+    `{chain}/{j}i` and `{chain}/{j}o` where they follow exactly what they follow in call
+    j's own prompt (j's ancestors); elsewhere (in a DAG's join, after a sibling branch)
+    the key also names the calls before it, so equal keys always mean equal prefixes."""
     prompt = [Segment(chain.shared_prefix, chain.shared_tokens)] if chain.shared_tokens else []
-    for j, hop in enumerate(chain.hops[:k]):
-        prompt.append(Segment(f"{chain.chain_id}/{j}i", hop.new_tokens))
-        prompt.append(Segment(f"{chain.chain_id}/{j}o", hop.output_tokens))
+    before = chain.ancestors(k)
+    for position, j in enumerate(before):
+        hop = chain.hops[j]
+        scope = "" if before[:position] == chain.ancestors(j) else "@" + ",".join(map(str, before[:position]))
+        prompt.append(Segment(f"{chain.chain_id}/{j}i{scope}", hop.new_tokens))
+        prompt.append(Segment(f"{chain.chain_id}/{j}o{scope}", hop.output_tokens))
     prompt.append(Segment(f"{chain.chain_id}/{k}i", chain.hops[k].new_tokens))
     output = (Segment(f"{chain.chain_id}/{k}o", chain.hops[k].output_tokens),)
     return tuple(prompt), output
 
 
 def alone_latency_s(chain: TraceChain, profile: EngineProfile) -> float:
-    """The chain alone on an idle engine (the denominator of slowdown)."""
+    """The chain alone on an idle engine (the denominator of slowdown). A DAG's calls
+    that are ready together run together on that one engine (batched)."""
     engine = EngineModel(profile)
+    progress = ChainProgress(chain)
+    ready = [(0.0, k) for k in chain.roots()]  # a heap of (issue time, call)
     now = 0.0
-    for k, hop in enumerate(chain.hops):
-        prompt, output = hop_segments(chain, k)
-        engine.add(SimRequest(f"{k}", prompt, hop.output_tokens, output_segments=output))
-        while (plan := engine.plan()) is not None:
-            now += plan.duration_s
-            engine.commit(plan, plan.steps, now)
-        now += hop.delay_after_s if k < len(chain.hops) - 1 else 0.0
+    while not progress.done:
+        if ready and engine.idle:
+            now = max(now, ready[0][0])
+        while ready and ready[0][0] <= now:
+            k = heapq.heappop(ready)[1]
+            progress.issue(k)
+            prompt, output = hop_segments(chain, k)
+            engine.add(SimRequest(f"{k}", prompt, chain.hops[k].output_tokens, output_segments=output))
+        plan = engine.plan()
+        if plan is None:
+            break  # nothing to run and nothing ready: cannot happen for a valid chain
+        steps = plan.steps
+        if ready and ready[0][0] < now + plan.duration_s:
+            # A call is issued mid-plan: stop at the step in progress, then it joins.
+            steps = min(steps, max(1, math.ceil((ready[0][0] - now) / plan.step_s)))
+        now += plan.duration_s if steps == plan.steps else steps * plan.step_s
+        for request in engine.commit(plan, steps, now).finished:
+            for d, at in progress.finish(int(request.request_id), now):
+                heapq.heappush(ready, (at, d))
     return now
 
 
@@ -69,14 +96,15 @@ class _Worker:
 class _Chain:
     spec: TraceChain
     record: ChainRecord
-    ready_at: float = 0.0
-    finished_at: float = 0.0  # when its last call finished
-    hop: int = 0
+    progress: ChainProgress
+    ready_at: dict[int, float] = field(default_factory=dict)  # when each call was issued
+    gaps_seen: set[int] = field(default_factory=set)  # calls whose gap after was learned
 
 
 @dataclass
 class _InFlight:
     chain: _Chain
+    k: int  # the call's index in its chain
     queued: QueuedHop
     dispatched_at: float
 
@@ -108,9 +136,11 @@ class ClusterSim:
         for spec in self.trace.chains:
             record = ChainRecord.start(spec, alone_s=alone_latency_s(spec, profile))
             record.preemptions = 0  # the simulator sees every preemption of every request
-            chain = _Chain(spec, record)
+            record.delays_s = spec.delays_s(profile)  # a DAG's: those on its critical path
+            chain = _Chain(spec, record, ChainProgress(spec))
             chains.append(chain)
-            heapq.heappush(events, (spec.arrival_s, next(order), "hop", chain))
+            for k in spec.roots():
+                heapq.heappush(events, (spec.arrival_s, next(order), "hop", (chain, k)))
         done = 0
 
         def push(at: float, kind: str, payload: object) -> None:
@@ -143,11 +173,11 @@ class ClusterSim:
                 flight = flights[f"{queued.run_id}:{queued.hop_id}"]
                 flight.dispatched_at = now
                 chain = flight.chain
-                prompt, output = hop_segments(chain.spec, chain.hop)
+                prompt, output = hop_segments(chain.spec, flight.k)
                 request = SimRequest(
                     f"{queued.run_id}:{queued.hop_id}",
                     prompt,
-                    chain.spec.hops[chain.hop].output_tokens,
+                    chain.spec.hops[flight.k].output_tokens,
                     priority=queued.engine_priority,
                     output_segments=output,
                 )
@@ -167,12 +197,18 @@ class ClusterSim:
 
         learned = RemainingPath()  # what the policy may know of the rest: learned, not read ahead
 
-        def hop_ready(chain: _Chain, now: float) -> None:
-            spec, k = chain.spec, chain.hop
-            if k > 0:
-                learned.gap_observed(spec.kind, k - 1, now - chain.finished_at)
-            chain.ready_at = now
-            remaining = learned.remaining_s(spec.kind, k, len(spec.hops))
+        def hop_ready(chain: _Chain, k: int, now: float) -> None:
+            spec = chain.spec
+            if chain.record.status != "running":
+                return  # shed while other calls of it were in flight
+            for j in spec.deps(k):
+                if j not in chain.gaps_seen:  # j's first dependent issued: the gap after j
+                    chain.gaps_seen.add(j)
+                    learned.gap_observed(spec.kind, j, now - chain.progress.finished_at[j])
+            chain.ready_at[k] = now
+            hop_index, remaining_hops = chain.progress.issue(k)
+            structure = None if spec.is_sequence else [spec.deps(j) for j in range(len(spec.hops))]
+            remaining = learned.remaining_s(spec.kind, k, len(spec.hops), structure)
             view = HopView(
                 POOL,
                 spec.chain_id,
@@ -181,9 +217,9 @@ class ClusterSim:
                 prompt_tokens=spec.prompt_tokens(k),
                 max_tokens=spec.max_tokens(k),  # the request's cap: output lengths are unknown
                 deadline=spec.arrival_s + spec.slo_s,
-                hop_index=k,
+                hop_index=hop_index,  # calls of the chain finished so far
                 remaining_critical_path_s=remaining,
-                remaining_hops=len(spec.hops) - 1 - k,
+                remaining_hops=remaining_hops,  # calls not yet issued after this one
                 # What a router reads off the prompt: which shared prefix it starts with.
                 prefix_id=spec.shared_prefix if spec.shared_tokens else "",
                 prefix_tokens=spec.shared_tokens,
@@ -193,7 +229,7 @@ class ClusterSim:
             except Rejected:
                 finish_chain(chain, now, "shed")
                 return
-            flights[f"{spec.chain_id}:{k}"] = _InFlight(chain, queued, now)
+            flights[f"{spec.chain_id}:{k}"] = _InFlight(chain, k, queued, now)
             dispatch(now)
 
         def step_done(worker: _Worker, now: float) -> None:
@@ -202,7 +238,7 @@ class ClusterSim:
             worker.plan = None
             for request in result.first_tokens:
                 flight = flights[request.request_id]
-                flight.chain.record.ttft_s.append(now - flight.chain.ready_at)
+                flight.chain.record.ttft_s.append(now - flight.chain.ready_at[flight.k])
             for request in result.finished:
                 flight = flights.pop(request.request_id)
                 chain = flight.chain
@@ -215,14 +251,12 @@ class ClusterSim:
                 chain.record.prompt_tokens += request.prompt_tokens
                 chain.record.cached_tokens += request.cached_tokens
                 chain.record.preemptions = (chain.record.preemptions or 0) + request.preemptions
-                delay = chain.spec.hops[chain.hop].delay_after_s
-                learned.call_finished(chain.spec.kind, chain.hop, now - chain.ready_at)
-                chain.finished_at = now
-                chain.hop += 1
-                if chain.hop == len(chain.spec.hops):
+                k = flight.k
+                learned.call_finished(chain.spec.kind, k, now - chain.ready_at[k])
+                for d, at in chain.progress.finish(k, now):
+                    push(at, "hop", (chain, d))
+                if chain.progress.done and chain.record.status == "running":
                     finish_chain(chain, now, "ok")
-                else:
-                    push(now + delay, "hop", chain)
             start_plan(worker, now)
             if result.finished:
                 dispatch(now)
@@ -233,9 +267,10 @@ class ClusterSim:
             if now > horizon:
                 break
             if kind == "hop":
-                hop_ready(payload, now)  # type: ignore[arg-type]
+                chain, k = cast(tuple[_Chain, int], payload)
+                hop_ready(chain, k, now)
             elif kind == "step":
-                worker, version = payload  # type: ignore[misc]
+                worker, version = cast(tuple[_Worker, int], payload)
                 if version == worker.version:
                     step_done(worker, now)
             else:

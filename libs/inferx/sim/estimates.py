@@ -7,9 +7,15 @@ the same here: per (chain kind, call index), an exponentially weighted mean of t
 observed call time (ready to finished, queueing included, as the router measures a
 node) and of the observed gap after it (tool or think time). Future output lengths and
 tool delays in the trace are never looked at.
+
+A chain that is a DAG (parallel branches joined by a later call) declares which calls
+each call waits for; the remaining path of a call is then the longest path, in learned
+call and gap times, from it through the calls that depend on it (transitively).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 Key = tuple[str, int]
 
@@ -39,21 +45,36 @@ class RemainingPath:
         self._kind_call.setdefault(kind, _Mean()).add(seconds, self.alpha)
 
     def gap_observed(self, kind: str, index: int, seconds: float) -> None:
-        """The time between call `index` finishing and call `index + 1` being issued."""
+        """The time between call `index` finishing and the next call being issued (in a
+        DAG: the first of the calls that wait for it)."""
         self._gaps.setdefault((kind, index), _Mean()).add(seconds, self.alpha)
         self._kind_gap.setdefault(kind, _Mean()).add(seconds, self.alpha)
 
-    def remaining_s(self, kind: str, index: int, calls: int) -> float:
+    def remaining_s(
+        self, kind: str, index: int, calls: int, deps: Sequence[Sequence[int]] | None = None
+    ) -> float:
         """Expected time from call `index` being issued to the chain's end (`calls` in
-        all); 0.0 when nothing of this kind has finished yet (unknown)."""
+        all); 0.0 when nothing of this kind has finished yet (unknown).
+
+        `deps[k]`: the calls call k waits for (the chain's declared structure); None: a
+        sequence, each call waiting for the previous one. The result is the longest
+        path from call `index` through the calls that wait on it, directly or not."""
         if kind not in self._kind_call:
             return 0.0
-        total = 0.0
-        for j in range(index, calls):
-            total += self._get(self._calls, self._kind_call, kind, j)
-            if j < calls - 1:
-                total += self._get(self._gaps, self._kind_gap, kind, j)
-        return total
+        if deps is None:
+            total = 0.0
+            for j in range(index, calls):
+                total += self._get(self._calls, self._kind_call, kind, j)
+                if j < calls - 1:
+                    total += self._get(self._gaps, self._kind_gap, kind, j)
+            return total
+        # Longest path in a DAG whose edges point to higher indices: one forward pass.
+        end = {index: self._get(self._calls, self._kind_call, kind, index)}  # finish, from index's issue
+        for k in range(index + 1, calls):
+            starts = [end[j] + self._get(self._gaps, self._kind_gap, kind, j) for j in deps[k] if j in end]
+            if starts:
+                end[k] = max(starts) + self._get(self._calls, self._kind_call, kind, k)
+        return max(end.values())
 
     @staticmethod
     def _get(table: dict[Key, _Mean], fallback: dict[str, _Mean], kind: str, index: int) -> float:
