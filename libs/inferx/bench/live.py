@@ -3,13 +3,18 @@
 chains driven closed-loop through the scheduler's SubmitHop.
 
 How a chain is replayed (the same rules as the virtual-time simulator):
-  * call k is submitted when call k-1 has finished and its tool delay / think time
-    has passed; its prompt is the chain's shared prefix text, every earlier call's
-    input and *actual completion*, then call k's new input, so a worker that kept the
-    chain's blocks prefills only the new tokens (the sim engine counts 4 characters
-    per token and every piece of text here is a whole number of tokens);
+  * call k is submitted when every call it depends on (by default call k-1; a DAG
+    chain's `depends_on`) has finished and each one's tool delay / think time has
+    passed (`inferx.sim.trace.ready_at`, via `ChainProgress`): a DAG's parallel
+    branches are in flight together, one asyncio task per call;
+  * call k's prompt is the chain's shared prefix text, the input and *actual
+    completion* of every call it transitively depends on (in index order), then call
+    k's new input, so a worker that kept the chain's blocks prefills only the new
+    tokens (the sim engine counts 4 characters per token and every piece of text here
+    is a whole number of tokens);
   * HopContext is filled as the router fills it: run id, tier, the chain deadline
-    (arrival + SLO), hop index, remaining hops and the remaining critical path;
+    (arrival + SLO), hop index (calls of the chain finished so far), remaining hops
+    (calls not yet issued after this one) and the learned remaining critical path;
   * time is compressed by `speed`: the workers run `speed` times faster than real
     time and arrivals and tool delays are divided by it; every figure is multiplied
     back, so results are in trace seconds, comparable with the simulator's.
@@ -25,7 +30,7 @@ import json
 import re
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,8 +42,9 @@ from inferx.sim.cluster import alone_latency_s
 from inferx.sim.estimates import RemainingPath
 from inferx.sim.profile import EngineProfile
 from inferx.sim.records import ChainRecord, ReplayResult
-from inferx.sim.trace import Trace, TraceChain
+from inferx.sim.trace import ChainProgress, Trace, TraceChain
 from inferx.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from inferx.wire import tier_to_proto
 
 POOL = "sim"
 CHARS_PER_TOKEN = 4
@@ -57,10 +63,11 @@ def piece(tag: str, tokens: int) -> str:
     return body[:width]
 
 
-def build_prompt(chain: TraceChain, k: int, outputs: list[str]) -> str:
-    """Call k's prompt: shared prefix, earlier inputs and completions, new input."""
+def build_prompt(chain: TraceChain, k: int, outputs: Sequence[str] | Mapping[int, str]) -> str:
+    """Call k's prompt: shared prefix, the inputs and completions (`outputs[j]`) of the
+    calls it depends on, transitively and in index order, then its new input."""
     parts = [piece(f"system {chain.shared_prefix}", chain.shared_tokens)] if chain.shared_tokens else []
-    for j in range(k):
+    for j in chain.ancestors(k):
         parts.append(piece(f"{chain.chain_id} call {j}", chain.hops[j].new_tokens))
         parts.append(outputs[j])
     parts.append(piece(f"{chain.chain_id} call {k}", chain.hops[k].new_tokens))
@@ -75,16 +82,20 @@ def hop_request(
     remaining_s: float,
     speed: float,
     model: str = POOL,
+    hop_index: int | None = None,
+    remaining_hops: int | None = None,
 ) -> scheduler_pb2.HopRequest:
+    """`hop_index` (calls finished before this one) and `remaining_hops` (calls not yet
+    issued after it) default to a sequence's: k and the calls after k."""
     return scheduler_pb2.HopRequest(
         context=common_pb2.HopContext(
             run_id=chain.chain_id,
             hop_id=str(k),
             chain_name=f"trace-{chain.kind}",
-            tier=TIER_BY_NAME[chain.tier],
+            tier=tier_to_proto(TIER_BY_NAME[chain.tier]),
             chain_deadline_unix_ms=int(deadline_unix_s * 1000),
-            hop_index=k,
-            remaining_hops=len(chain.hops) - 1 - k,
+            hop_index=k if hop_index is None else hop_index,
+            remaining_hops=len(chain.hops) - 1 - k if remaining_hops is None else remaining_hops,
             remaining_critical_path_ms=remaining_s / speed * 1000,
         ),
         model=model,
@@ -118,6 +129,8 @@ class TraceReplayer:
 
     async def run(self, timeout_s: float, progress: Callable[[int], None]) -> list[ChainRecord]:
         records = [ChainRecord.start(c, alone_s=alone_latency_s(c, self.profile)) for c in self.trace.chains]
+        for chain, record in zip(self.trace.chains, records, strict=True):
+            record.delays_s = chain.delays_s(self.profile)  # a DAG's: those on its critical path
         done = 0
         options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
         async with grpc.aio.insecure_channel(self.scheduler, options=options) as channel:
@@ -146,19 +159,34 @@ class TraceReplayer:
         return records
 
     async def _chain(self, stub, chain: TraceChain, record: ChainRecord, start: float) -> None:
+        """One chain: each call is a task, started when `ChainProgress` says it is ready
+        (its dependencies finished, their delays passed); the chain ends when all did,
+        or at the first call that fails (the others are cancelled)."""
         loop = asyncio.get_running_loop()
         speed = self.speed
-        await asyncio.sleep(max(0.0, start + chain.arrival_s / speed - loop.time()))
+        arrival = start + chain.arrival_s / speed
+        await asyncio.sleep(max(0.0, arrival - loop.time()))
         deadline_unix_s = time.time() + chain.slo_s / speed
-        outputs: list[str] = []
-        finished_at = 0.0
-        for k, hop in enumerate(chain.hops):
+        progress = ChainProgress(chain)
+        outputs: dict[int, str] = {}
+        gaps_seen: set[int] = set()
+        structure = None if chain.is_sequence else [chain.deps(j) for j in range(len(chain.hops))]
+
+        async def call(k: int, ready_at: float) -> tuple[str | None, float]:
+            """Call k issued at `ready_at` (loop time): (None, when it finished), or the
+            chain's failure status."""
+            await asyncio.sleep(max(0.0, ready_at - loop.time()))
             ready = loop.time()
-            if k > 0:
-                self._learned.gap_observed(chain.kind, k - 1, (ready - finished_at) * speed)
+            for j in chain.deps(k):
+                if j not in gaps_seen:  # j's first dependent issued: the gap after j
+                    gaps_seen.add(j)
+                    self._learned.gap_observed(chain.kind, j, (ready - progress.finished_at[j]) * speed)
+            hop_index, remaining_hops = progress.issue(k)
             prompt = build_prompt(chain, k, outputs)
-            remaining = self._learned.remaining_s(chain.kind, k, len(chain.hops))
-            request = hop_request(chain, k, prompt, deadline_unix_s, remaining, speed, self.model)
+            remaining = self._learned.remaining_s(chain.kind, k, len(chain.hops), structure)
+            request = hop_request(
+                chain, k, prompt, deadline_unix_s, remaining, speed, self.model, hop_index, remaining_hops
+            )
             first: float | None = None
             finished = None
             text: list[str] = []
@@ -170,23 +198,36 @@ class TraceReplayer:
                     elif event.kind == scheduler_pb2.HopEvent.KIND_FINISHED:
                         finished = event
             except grpc.aio.AioRpcError as exc:
-                shed = exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 key = exc.code().name
                 self.errors[key] = self.errors.get(key, 0) + 1
-                record.finish("shed" if shed else "failed", (loop.time() - start) * speed)
-                return
+                return "shed" if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else "failed", loop.time()
             if finished is None:
                 self.errors["no FINISHED"] = self.errors.get("no FINISHED", 0) + 1
-                record.finish("failed", (loop.time() - start) * speed)
-                return
+                return "failed", loop.time()
             record.ttft_s.append(((first or loop.time()) - ready) * speed)
             record.prompt_tokens += finished.usage.prompt_tokens
             record.cached_tokens += finished.usage.cached_prompt_tokens
-            outputs.append("".join(text))
+            outputs[k] = "".join(text)
             finished_at = loop.time()
             self._learned.call_finished(chain.kind, k, (finished_at - ready) * speed)
-            if k < len(chain.hops) - 1:
-                await asyncio.sleep(hop.delay_after_s / speed)
+            return None, finished_at
+
+        tasks = {asyncio.create_task(call(k, arrival)): k for k in chain.roots()}
+        try:
+            while tasks:
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for task in sorted(done, key=lambda t: tasks[t]):
+                    k = tasks.pop(task)
+                    status, ended = task.result()
+                    if status is not None:
+                        record.finish(status, (ended - start) * speed)
+                        return
+                    for d, ready_at in progress.finish(k, ended, speed):
+                        tasks[asyncio.create_task(call(d, ready_at))] = d
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         record.finish("ok", (loop.time() - start) * speed)
 
 
