@@ -377,7 +377,8 @@ class ChainAwarePolicy:
             worker = next(w for w in workers if w.worker_id == chosen)
             if (
                 worker.kv_capacity_tokens
-                and worker.kv_in_flight + hop.kv_tokens > self.config.guard_kv_share * worker.kv_capacity_tokens
+                and worker.kv_in_flight + hop.kv_tokens
+                > self.config.guard_kv_share * worker.kv_capacity_tokens
                 and waited < self.config.guard_max_wait_s
                 and self._slack(hop, now) > 0
             ):
@@ -501,7 +502,9 @@ class ChainAwarePolicy:
     def on_finish(self, queued: QueuedHop, now: float, context_tokens: int, service_s: float) -> None:
         hop = queued.hop
         if hop.tier_rank == TIER_REALTIME and queued.worker_id is not None:
-            self._realtime_running[queued.worker_id] = max(0, self._realtime_running.get(queued.worker_id, 0) - 1)
+            self._realtime_running[queued.worker_id] = max(
+                0, self._realtime_running.get(queued.worker_id, 0) - 1
+            )
         key = self._key(hop)
         state = self._chains.get(key)
         if state is None or queued.worker_id is None:
