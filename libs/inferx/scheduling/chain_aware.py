@@ -99,6 +99,9 @@ class ChainAwareConfig:
     # other tiers' running KV stays under this share of the worker's capacity.
     guard_kv_share: float = 0.25
     guard_max_wait_s: float = 30.0  # ... while their chains have slack, for at most this long
+    # ... and only while that slack exceeds this share of their expected remaining path
+    # (a reserve for the queueing still ahead of them).
+    guard_slack_reserve: float = 0.0
     realtime_move_margin_s: float = 0.2  # a realtime hop moves when that saves this much prefill wait
     kv_read_s_per_token: float = 0.08e-6  # a decode step's cost per context token in the batch
 
@@ -380,7 +383,7 @@ class ChainAwarePolicy:
                 and worker.kv_in_flight + hop.kv_tokens
                 > self.config.guard_kv_share * worker.kv_capacity_tokens
                 and waited < self.config.guard_max_wait_s
-                and self._slack(hop, now) > 0
+                and self._slack(hop, now) > self.config.guard_slack_reserve * hop.remaining_critical_path_s
             ):
                 return None  # its KV would slow every realtime decode step there
         return chosen
