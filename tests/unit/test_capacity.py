@@ -154,3 +154,23 @@ def test_cli_capacity_needs_the_simulator() -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--capacity", "--engine", "sim"])
     assert exit_info.value.code == 1
+
+
+def test_a_lucky_rate_above_a_failing_one_is_not_the_capacity() -> None:
+    """Meets below 2.0, fails in [2.0, 2.6), meets again (by luck) in [2.6, 2.8): the
+    capacity is just under 2.0, not the lucky island."""
+
+    def evaluate(rate: float) -> Attainment:
+        ok = rate < 2.0 or 2.6 <= rate < 2.8
+        return Attainment(chains=100, realtime_chains=50, overall=1.0, realtime=1.0 if ok else 0.9)
+
+    result = find_capacity("p", evaluate, start_rate=1.4, tolerance=0.03)
+    assert result.rate_per_s < 2.0 and result.rate_per_s >= 2.0 / 1.03 / 1.03**2
+    assert result.failing_rate_per_s is not None and result.failing_rate_per_s <= 2.6
+
+
+def test_a_capacity_that_holds_below_is_confirmed_with_two_probes() -> None:
+    calls: list[float] = []
+    result = find_capacity("p", fake(3.0, calls=calls), start_rate=1.0, tolerance=0.03)
+    assert calls[-2:] == pytest.approx([result.rate_per_s * 0.97, result.rate_per_s * 0.97**2])
+    assert 3.0 / 1.03 <= result.rate_per_s <= 3.0

@@ -27,6 +27,15 @@ Look-ahead (`plan_ahead`): when a chain's next hop will need another pool (a big
 model) or a much longer context, room is held for it on the worker it will go to
 until the hop arrives or the hold expires; the scheduler mirrors the hold with a
 memory-pool reservation under a lease.
+Realtime guard (`realtime_guard`): a continuous-batching engine runs every admitted
+sequence in each step, so a realtime hop's every token waits for the prefill chunks
+admitted with it and for reading the KV of every running sequence. So a realtime hop
+goes where it loses least (admitted prefill still to run + the re-prefill of what the
+worker lacks of its context + reading the others' KV), which moves short chats off a
+worker busy with a long prefill but keeps a long context where it is; and next to
+running realtime hops, a heavy prefill of another tier waits (at most `guard_wait_s`)
+and other tiers' running KV stays under `guard_kv_share` of the worker while their
+chains still have slack (at most `guard_max_wait_s`). Tiers with slack give way.
 Admission: new batch chains wait while the pool is loaded past `batch_wait_load`
 (new standard chains past `standard_wait_load`), and are shed (RESOURCE_EXHAUSTED,
 with a retry hint) when the load is past `shed_load` and `shed_queue` batch hops per
@@ -81,6 +90,20 @@ class ChainAwareConfig:
     reuse_window_hops: int = 4  # hops on one worker before placement is decided again; 0 = no limit
     rebalance_margin: float = 0.2  # after the window, move only for this much more free room
     kv_warm_s: float = 30.0  # how long an idle chain's context is held on its worker
+    # Realtime guard: a decode step carries the prefill chunks of everything admitted with
+    # it, so a long prefill next to a realtime hop stalls every one of its tokens.
+    realtime_guard: bool = True
+    heavy_prefill_tokens: int = 2048  # a non-realtime hop prefilling more than this is "heavy"
+    guard_wait_s: float = 3.0  # a heavy hop waits this long at most for its worker's realtime hops
+    # Every decode step reads the KV of every running sequence: next to realtime hops,
+    # other tiers' running KV stays under this share of the worker's capacity.
+    guard_kv_share: float = 0.25
+    guard_max_wait_s: float = 30.0  # ... while their chains have slack, for at most this long
+    # ... and only while that slack exceeds this share of their expected remaining path
+    # (a reserve for the queueing still ahead of them).
+    guard_slack_reserve: float = 0.0
+    realtime_move_margin_s: float = 0.2  # a realtime hop moves when that saves this much prefill wait
+    kv_read_s_per_token: float = 0.08e-6  # a decode step's cost per context token in the batch
 
     def time_scaled(self, factor: float) -> ChainAwareConfig:
         """The same policy on a clock running `factor` times faster."""
@@ -94,7 +117,11 @@ class ChainAwareConfig:
             chain_ttl_s=self.chain_ttl_s / factor,
             kv_warm_s=self.kv_warm_s / factor,
             retry_after_s=self.retry_after_s / factor,
+            guard_wait_s=self.guard_wait_s / factor,
+            guard_max_wait_s=self.guard_max_wait_s / factor,
+            realtime_move_margin_s=self.realtime_move_margin_s / factor,
             prefill_tokens_per_s=self.prefill_tokens_per_s * factor,
+            kv_read_s_per_token=self.kv_read_s_per_token / factor,
         )
 
 
@@ -125,6 +152,8 @@ class ChainAwarePolicy:
         self._hold_expiry: list[tuple[float, int, ChainKey]] = []  # heap of (until, seq, chain)
         self._hold_seq = itertools.count()
         self._pass_load: float | None = None
+        self._realtime_running: dict[str, int] = {}  # worker -> realtime hops in flight
+        self._prefill_until: dict[str, float] = {}  # worker -> when its admitted prefills end (estimate)
 
     # ----- chain state ------------------------------------------------------------------
 
@@ -185,9 +214,13 @@ class ChainAwarePolicy:
         state = self._chains.get(self._key(hop))
         return hop.hop_index > 0 or (state is not None and state.hops_done > 0)
 
-    def _prefill_estimate(self, hop: HopView) -> int:
+    def _prefill_estimate(self, hop: HopView, worker_id: str | None = None) -> int:
+        """Tokens the hop must prefill: its prompt minus the context its chain left on
+        the worker (`worker_id`, or wherever the chain's context is)."""
         state = self._chains.get(self._key(hop))
-        cached = state.context_tokens if state is not None and state.worker_id else 0
+        cached = 0
+        if state is not None and state.worker_id and (worker_id is None or worker_id == state.worker_id):
+            cached = state.context_tokens
         return max(hop.prompt_tokens - cached, 0)
 
     def bucket(self, hop: HopView) -> int:
@@ -235,6 +268,8 @@ class ChainAwarePolicy:
         """When waiting alone may change this hop's fate (affinity patience runs out,
         the starvation bounds pass); None if only other events can."""
         times = [queued.enqueued_at + self.config.tier_starvation_s]
+        if self.config.realtime_guard and queued.hop.tier_rank != TIER_REALTIME:
+            times.append(queued.enqueued_at + self.config.guard_wait_s)
         state = self._chains.get(self._key(queued.hop))
         if state is not None and state.worker_id is not None:
             times.append(queued.enqueued_at + self._patience(state))
@@ -330,6 +365,60 @@ class ChainAwarePolicy:
         load = self._pass_load if self._pass_load is not None else self.load(workers)
         if self._held_back(hop, load) and not self._starved(queued, now):
             return None
+        chosen = self._choose(queued, workers, now)
+        if chosen is None or not self.config.realtime_guard:
+            return chosen
+        if hop.tier_rank == TIER_REALTIME:
+            return self._least_stalled(hop, workers, chosen, now)
+        if self._realtime_running.get(chosen):
+            waited = now - queued.enqueued_at
+            if (
+                self._prefill_estimate(hop, chosen) > self.config.heavy_prefill_tokens
+                and waited < self.config.guard_wait_s
+            ):
+                return None  # its prefill would stall the realtime decodes there: wait for them
+            worker = next(w for w in workers if w.worker_id == chosen)
+            if (
+                worker.kv_capacity_tokens
+                and worker.kv_in_flight + hop.kv_tokens
+                > self.config.guard_kv_share * worker.kv_capacity_tokens
+                and waited < self.config.guard_max_wait_s
+                and self._slack(hop, now) > self.config.guard_slack_reserve * hop.remaining_critical_path_s
+            ):
+                return None  # its KV would slow every realtime decode step there
+        return chosen
+
+    def _slack(self, hop: HopView, now: float) -> float:
+        if hop.deadline is None:
+            return math.inf
+        return hop.deadline - now - hop.remaining_critical_path_s
+
+    def _prefill_wait_s(self, worker_id: str, now: float) -> float:
+        return max(self._prefill_until.get(worker_id, 0.0) - now, 0.0)
+
+    def _least_stalled(self, hop: HopView, workers: Sequence[WorkerView], chosen: str, now: float) -> str:
+        """A realtime hop goes where it waits least behind admitted prefills, counting
+        the re-prefill of its own context on a worker that does not hold it."""
+        rate = self.config.prefill_tokens_per_s
+
+        def cost(worker: WorkerView) -> float:
+            # Seconds it would lose there: waiting behind admitted prefills, prefilling
+            # what the worker lacks of its context, reading the others' KV each token.
+            stall = self._prefill_wait_s(worker.worker_id, now)
+            prefill = self._prefill_estimate(hop, worker.worker_id) / rate
+            kv_read = hop.max_tokens * worker.kv_in_flight * self.config.kv_read_s_per_token
+            return stall + prefill + kv_read
+
+        here = next((w for w in workers if w.worker_id == chosen), None)
+        if here is None:
+            return chosen
+        state = self._chains.get(self._key(hop))
+        fitting = [w for w in workers if self._fits(w, hop, True, self._own_held(state, w))]
+        best = min(fitting, key=lambda w: (cost(w), w.in_flight, w.worker_id), default=here)
+        return best.worker_id if cost(best) + self.config.realtime_move_margin_s < cost(here) else chosen
+
+    def _choose(self, queued: QueuedHop, workers: Sequence[WorkerView], now: float) -> str | None:
+        hop = queued.hop
         state = self._chains.get(self._key(hop))
         home = None
         if state is not None and state.worker_id is not None:
@@ -398,6 +487,11 @@ class ChainAwarePolicy:
 
     def on_dispatch(self, queued: QueuedHop, worker_id: str, now: float) -> None:
         key = self._key(queued.hop)
+        prefill = self._prefill_estimate(queued.hop, worker_id)
+        start = max(self._prefill_until.get(worker_id, 0.0), now)
+        self._prefill_until[worker_id] = start + prefill / self.config.prefill_tokens_per_s
+        if queued.hop.tier_rank == TIER_REALTIME:
+            self._realtime_running[worker_id] = self._realtime_running.get(worker_id, 0) + 1
         state = self._touch(key, now)
         self._hold(key, state, 0, 0.0)  # its KV now counts as running there
         if state.worker_id != worker_id:
@@ -410,6 +504,10 @@ class ChainAwarePolicy:
 
     def on_finish(self, queued: QueuedHop, now: float, context_tokens: int, service_s: float) -> None:
         hop = queued.hop
+        if hop.tier_rank == TIER_REALTIME and queued.worker_id is not None:
+            self._realtime_running[queued.worker_id] = max(
+                0, self._realtime_running.get(queued.worker_id, 0) - 1
+            )
         key = self._key(hop)
         state = self._chains.get(key)
         if state is None or queued.worker_id is None:

@@ -1,0 +1,108 @@
+"""Chain-aware's realtime guard: every decode step carries the prefill chunks admitted
+with it and reads the KV of every running sequence, so next to a realtime hop the
+policy keeps long prefills and large contexts of other tiers away, and sends realtime
+hops where they would be slowed least."""
+
+from __future__ import annotations
+
+from inferx.scheduling.chain_aware import ChainAwareConfig, ChainAwarePolicy
+from inferx.scheduling.queue import DispatchQueue
+from inferx.scheduling.views import TIER_BATCH, TIER_REALTIME, HopView, WorkerSlots
+
+CAPACITY = 100_000
+ONE = {"p": [WorkerSlots("a", 8, CAPACITY)]}
+TWO = {"p": [WorkerSlots("a", 8, CAPACITY), WorkerSlots("b", 8, CAPACITY)]}
+
+
+def queue(**config) -> DispatchQueue:
+    return DispatchQueue(policy=ChainAwarePolicy(ChainAwareConfig(**config)))
+
+
+def submit(q: DispatchQueue, run: str, now: float, hop: str = "0", **kw):
+    view = HopView("p", run, hop, **kw)
+    return q.submit("p", run, hop, now, view)
+
+
+def realtime_running_on_a(q: DispatchQueue) -> None:
+    submit(q, "rt", 0.0, tier=TIER_REALTIME, prompt_tokens=500, max_tokens=100)
+    (hop,) = q.assign(ONE, now=0.0)
+    assert hop.worker_id == "a"
+
+
+def test_a_long_prefill_waits_while_a_realtime_hop_decodes_there() -> None:
+    q = queue(guard_wait_s=3.0)
+    realtime_running_on_a(q)
+    submit(q, "big", 1.0, tier=TIER_BATCH, prompt_tokens=5_000, max_tokens=100)
+    assert q.assign(ONE, now=1.0) == []
+    assert q.next_wake is not None and q.next_wake <= 1.0 + 3.0
+    # A short hop of another tier is not held back: its prefill is cheap.
+    submit(q, "small", 1.5, tier=TIER_BATCH, prompt_tokens=300, max_tokens=50)
+    assert [h.run_id for h in q.assign(ONE, now=1.5)] == ["small"]
+    # The bound: after guard_wait_s the long prefill goes anyway.
+    assert [h.run_id for h in q.assign(ONE, now=4.1)] == ["big"]
+
+
+def test_the_long_prefill_goes_as_soon_as_the_realtime_hop_is_done() -> None:
+    q = queue()
+    submit(q, "rt", 0.0, tier=TIER_REALTIME, prompt_tokens=500, max_tokens=100)
+    (rt,) = q.assign(ONE, now=0.0)
+    submit(q, "big", 0.5, tier=TIER_BATCH, prompt_tokens=5_000, max_tokens=100)
+    assert q.assign(ONE, now=0.5) == []
+    q.finished(rt, 1.0)
+    assert [h.run_id for h in q.assign(ONE, now=1.0)] == ["big"]
+
+
+def test_other_tiers_kv_next_to_realtime_stays_under_its_share_while_they_have_slack() -> None:
+    q = queue(guard_kv_share=0.25, heavy_prefill_tokens=1_000_000)  # only the KV rule here
+    realtime_running_on_a(q)
+    # 30k tokens of KV next to the realtime hop: over 25% of 100k.
+    submit(q, "slack", 1.0, tier=TIER_BATCH, prompt_tokens=29_000, max_tokens=1_000, deadline=100.0)
+    assert q.assign(ONE, now=1.0) == []
+    # The same hop with no slack left (deadline - now - remaining path <= 0) goes.
+    submit(
+        q,
+        "late",
+        1.0,
+        tier=TIER_BATCH,
+        prompt_tokens=29_000,
+        max_tokens=1_000,
+        deadline=20.0,
+        remaining_critical_path_s=25.0,
+    )
+    assert [h.run_id for h in q.assign(ONE, now=1.0)] == ["late"]
+
+
+def test_a_realtime_hop_moves_away_from_a_prefill_backlog_when_its_context_is_small() -> None:
+    q = queue()
+    big = {w: WorkerSlots(w, 8, 1_000_000) for w in ("a", "b")}
+    # The realtime chain ran once on its home worker: affinity says home.
+    submit(q, "chat", 0.0, tier=TIER_REALTIME, prompt_tokens=600, max_tokens=100)
+    (first,) = q.assign({"p": list(big.values())}, now=0.0)
+    home, other = first.worker_id, "a" if first.worker_id == "b" else "b"
+    q.finished(first, 1.0, context_tokens=700, service_s=1.0)
+    # A batch hop with a 60k-token prefill (4 s at 15k tokens/s) lands on home.
+    submit(q, "swe", 1.1, tier=TIER_BATCH, prompt_tokens=60_000, max_tokens=100)
+    (swe,) = q.assign({"p": [big[home]]}, now=1.1)
+    assert swe.worker_id == home
+    # The chat's next turn: re-prefilling its 800 tokens elsewhere costs 0.05 s, waiting
+    # behind 4 s of prefill at home much more.
+    submit(q, "chat", 2.0, "1", tier=TIER_REALTIME, prompt_tokens=800, max_tokens=100, hop_index=1)
+    (second,) = q.assign({"p": list(big.values())}, now=2.0)
+    assert second.worker_id == other
+
+
+def test_a_realtime_hop_keeps_its_worker_when_moving_would_cost_more() -> None:
+    q = queue()
+    submit(q, "chat", 0.0, tier=TIER_REALTIME, prompt_tokens=30_000, max_tokens=100)
+    (first,) = q.assign(TWO, now=0.0)
+    q.finished(first, 3.0, context_tokens=30_100, service_s=3.0)
+    submit(q, "chat", 4.0, "1", tier=TIER_REALTIME, prompt_tokens=30_200, max_tokens=100, hop_index=1)
+    (second,) = q.assign(TWO, now=4.0)
+    assert second.worker_id == first.worker_id  # re-prefilling 30k tokens elsewhere costs 2 s
+
+
+def test_without_the_guard_the_long_prefill_goes_at_once() -> None:
+    q = queue(realtime_guard=False)
+    realtime_running_on_a(q)
+    submit(q, "big", 1.0, tier=TIER_BATCH, prompt_tokens=5_000, max_tokens=100)
+    assert [h.run_id for h in q.assign(ONE, now=1.0)] == ["big"]
