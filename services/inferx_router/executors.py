@@ -11,8 +11,8 @@ import grpc
 from inferx import telemetry
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.errors import Unavailable, from_rpc_error
-from inferx.wire import tier_to_proto
 from inferx.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from inferx.wire import tier_to_proto
 from inferx_router import metrics
 from inferx_router.hops import HopDone, ModelHop
 

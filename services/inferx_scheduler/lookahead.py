@@ -23,8 +23,8 @@ import grpc
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.scheduling.queue import DispatchQueue
 from inferx.scheduling.views import HopKey, HopView
-from inferx.wire import tier_to_proto
 from inferx.v1 import memory_pool_pb2, memory_pool_pb2_grpc
+from inferx.wire import tier_to_proto
 from inferx_scheduler import metrics
 
 log = logging.getLogger("inferx.scheduler")

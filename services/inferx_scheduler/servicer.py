@@ -15,7 +15,6 @@ from inferx.errors import InvalidArgument, ResourceExhausted, Unavailable, from_
 from inferx.pools import no_worker_message
 from inferx.scheduling.queue import QueueFull, Rejected
 from inferx.scheduling.views import HopView
-from inferx.wire import tier_to_proto
 from inferx.v1 import (
     memory_pool_pb2,
     memory_pool_pb2_grpc,
@@ -24,6 +23,7 @@ from inferx.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from inferx.wire import tier_to_proto
 from inferx_scheduler import metrics
 from inferx_scheduler.codec import hop_view, next_hop_views
 from inferx_scheduler.dispatcher import HopDispatcher

@@ -78,6 +78,7 @@ def test_a_realtime_hop_moves_away_from_a_prefill_backlog_when_its_context_is_sm
     # The realtime chain ran once on its home worker: affinity says home.
     submit(q, "chat", 0.0, tier=TIER_REALTIME, prompt_tokens=600, max_tokens=100)
     (first,) = q.assign({"p": list(big.values())}, now=0.0)
+    assert first.worker_id is not None
     home, other = first.worker_id, "a" if first.worker_id == "b" else "b"
     q.finished(first, 1.0, context_tokens=700, service_s=1.0)
     # A batch hop with a 60k-token prefill (4 s at 15k tokens/s) lands on home.
