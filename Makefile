@@ -81,8 +81,19 @@ lint: $(STAMP) proto
 	$(VENV)/bin/ruff format --check libs services tests
 	$(VENV)/bin/mypy
 
+# Capacity at SLO of chain-aware against every peer policy, in the simulator: three
+# workloads x two engine profiles x three trace seeds (about 45 minutes on 2 cores).
+# Raw results land in .inferx/bench-results/, plots in .inferx/bench-plots/.
+BENCH_POLICIES := round-robin least-loaded session-affinity prefix-aware program-las chain-aware
+BENCH_PROFILES := default benchmarks/llama2-7b-mha-a100.yaml
 bench: setup
-	$(VENV)/bin/inferx bench --simulate --compare baseline chain-aware --load 0.8
+	@set -e; for workload in mix coding research; do for profile in $(BENCH_PROFILES); do \
+	  name=$$(basename $$profile .yaml); \
+	  echo "== $$workload on $$name"; \
+	  $(VENV)/bin/inferx sim --capacity --workload $$workload --seeds 3 \
+	    $$( [ $$profile = default ] || echo --profile $$profile ) \
+	    --compare $(BENCH_POLICIES) --plot .inferx/bench-plots/$$workload-$$name.png; \
+	done; done
 
 clean:
 	rm -rf $(VENV) libs/inferx/v1 .inferx build *.egg-info
