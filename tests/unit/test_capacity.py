@@ -174,3 +174,36 @@ def test_a_capacity_that_holds_below_is_confirmed_with_two_probes() -> None:
     result = find_capacity("p", fake(3.0, calls=calls), start_rate=1.0, tolerance=0.03)
     assert calls[-2:] == pytest.approx([result.rate_per_s * 0.97, result.rate_per_s * 0.97**2])
     assert 3.0 / 1.03 <= result.rate_per_s <= 3.0
+
+
+def test_policy_options_are_typed_and_must_be_taken_by_a_compared_policy() -> None:
+    from inferx.bench.runner import policy_options
+    from inferx.errors import InvalidArgument
+
+    options = policy_options(
+        ["realtime_guard=false", "guard_kv_share=0.5"], ["session-affinity", "chain-aware"]
+    )
+    assert options == {"realtime_guard": False, "guard_kv_share": 0.5}
+    with pytest.raises(InvalidArgument, match="no compared policy takes it"):
+        policy_options(["realtime_guard=false"], ["session-affinity"])
+    with pytest.raises(InvalidArgument, match="expected KEY=VALUE"):
+        policy_options(["realtime_guard"], ["chain-aware"])
+
+
+def test_an_option_reaches_the_policy_in_the_search(monkeypatch) -> None:
+    import inferx.sim.capacity as capacity_module
+    from inferx.scheduling import registry
+    from inferx.scheduling.chain_aware import ChainAwarePolicy
+
+    trace = generate(TraceConfig(seed=1, duration_s=20, rate_per_s=1.0))
+    seen: list[bool] = []
+
+    def spy(name, time_scale=1.0, **options):
+        policy = registry.make_policy(name, time_scale=time_scale, **options)
+        assert isinstance(policy, ChainAwarePolicy)
+        seen.append(policy.config.realtime_guard)
+        return policy
+
+    monkeypatch.setattr(capacity_module, "make_policy", spy)
+    simulated_evaluator(trace, "chain-aware", EngineProfile(), 2, options={"realtime_guard": False})(1.0)
+    assert seen == [False]

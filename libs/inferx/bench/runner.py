@@ -9,10 +9,13 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from inferx.bench.metrics import Comparison, Summary, compare, summarize
 from inferx.errors import InvalidArgument
-from inferx.scheduling.registry import accepted_names, canonical_name, make_policy, policy_names
+from inferx.scheduling.registry import accepted_names, canonical_name, make_policy, policy_info, policy_names
 from inferx.sim.cluster import ClusterSim
 from inferx.sim.profile import EngineProfile
 from inferx.sim.records import ReplayResult
@@ -45,6 +48,29 @@ def load_trace(path: str | None) -> Trace:
 
 # The policy every other one is compared with (what a deployment without InferX does).
 REFERENCE_POLICY = "round-robin"
+
+
+def policy_options(pairs: list[str] | None, policies: list[str]) -> dict[str, object]:
+    """`--option KEY=VALUE` pairs as typed values (YAML scalars: true, 0.5, 3). Each key
+    must be accepted by at least one of the compared policies; policies that do not
+    take it ignore it (so `--compare session-affinity chain-aware --option
+    realtime_guard=false` ablates chain-aware only)."""
+    options: dict[str, object] = {}
+    accepted: set[str] = set()
+    for name in policies:
+        accepted |= policy_info(name).options
+    for pair in pairs or []:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise InvalidArgument(f"--option {pair!r}: expected KEY=VALUE")
+        if key not in accepted:
+            known = ", ".join(sorted(accepted)) or "none"
+            raise InvalidArgument(f"--option {key}: no compared policy takes it (they take: {known})")
+        try:
+            options[key] = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            raise InvalidArgument(f"--option {pair!r}: the value is not a scalar") from None
+    return options
 
 
 def check_policies(names: list[str]) -> list[str]:
@@ -91,12 +117,13 @@ def run_simulated(
     profile: EngineProfile,
     workers: int,
     progress: ProgressFactory,
+    options: dict[str, Any] | None = None,
 ) -> list[ReplayResult]:
     runs = []
     for name in policies:
         started = time.perf_counter()
         with progress(f"simulating {name}", len(trace.chains)) as advance:
-            run = ClusterSim(trace, make_policy(name), profile, workers).run(advance)
+            run = ClusterSim(trace, make_policy(name, **(options or {})), profile, workers).run(advance)
         run.wall_s = time.perf_counter() - started
         runs.append(run)
     return runs

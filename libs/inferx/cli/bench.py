@@ -170,7 +170,10 @@ def cmd_sim(args: argparse.Namespace) -> int:
         return cmd_capacity(args, policies, _progress_factory(not args.json), out, err, saved)
     profile, trace, choice = _prepare(args)
     saved = _Results(args, "sim")
-    runs = runner.run_simulated(trace, policies, profile, args.workers, _progress_factory(not args.json))
+    options = runner.policy_options(args.option, policies)
+    runs = runner.run_simulated(
+        trace, policies, profile, args.workers, _progress_factory(not args.json), options
+    )
     where = f"simulator ({profile.name}, SIMULATED engines)"
     return _finish(args, runs, choice, profile, trace, where, saved)
 
@@ -415,6 +418,13 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "agent; research = deep-research agent, parallel branches joined by a report) instead of --trace",
     )
     parser.add_argument("--seed", type=int, default=1, help="--workload: the first trace seed (default 1)")
+    parser.add_argument(
+        "--option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="simulator: a policy option (e.g. realtime_guard=false for an ablation); "
+        "given to the compared policies that take it",
+    )
     parser.add_argument(
         "--plot",
         metavar="FILE",

@@ -91,6 +91,7 @@ def cmd_capacity(
         raise InvalidArgument("--rate must be positive")
     traces = capacity_traces(args, profile)
     names = [canonical_name(name) for name in policies]
+    options = runner.policy_options(getattr(args, "option", None), names)
     per_seed: dict[str, list[Capacity]] = {name: [] for name in names}
     started = time.perf_counter()
     context = {
@@ -99,6 +100,7 @@ def cmd_capacity(
         "chains": [len(trace.chains) for trace in traces],
         "trace_rate_per_s": traces[0].meta.config.rate_per_s,
         "workers": args.workers,
+        "policy_options": options,
         "profile": profile.model_dump(),
         "criterion": {
             "realtime_slo_attainment": REALTIME_TARGET,
@@ -125,7 +127,7 @@ def cmd_capacity(
                     style="dim",
                 )
 
-            evaluate = simulated_evaluator(trace, name, profile, args.workers, bar)
+            evaluate = simulated_evaluator(trace, name, profile, args.workers, bar, options)
             per_seed[name].append(find_capacity(name, evaluate, start, on_probe=report))
             if results_file is not None:  # raw results as they come in, before any table
                 results_file.save(

@@ -109,7 +109,7 @@ def canonical_name(name: str) -> str:
     return policy_info(name).name
 
 
-def make_policy(name: str, time_scale: float = 1.0, **options: object) -> Policy:
+def make_policy(name: str, *, time_scale: float = 1.0, **options: object) -> Policy:
     """A fresh policy instance. `time_scale` > 1 when the workload runs that many times
     faster than real time; `options` not accepted by this policy are left out."""
     info = policy_info(name)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
-from typing import Protocol
+from typing import Any, Protocol
 
 from pydantic import BaseModel
 
@@ -192,13 +192,14 @@ def simulated_evaluator(
     profile: EngineProfile,
     workers: int,
     progress: Callable[[float], AbstractContextManager[Callable[[int], None]]] | None = None,
+    options: dict[str, Any] | None = None,
 ) -> Callable[[float], Attainment]:
     """evaluate(rate): the trace at `rate` through a fresh policy in the simulator.
     `progress(rate)`, if given, is entered around each run and yields its per-chain
     callback (the CLI's progress bar)."""
 
     def evaluate(rate: float) -> Attainment:
-        sim = ClusterSim(trace.at_rate(rate), make_policy(policy), profile, workers)
+        sim = ClusterSim(trace.at_rate(rate), make_policy(policy, **(options or {})), profile, workers)
         if progress is None:
             return attainment(sim.run().chains)
         with progress(rate) as advance:
