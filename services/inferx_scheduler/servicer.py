@@ -16,6 +16,7 @@ from inferx.pools import no_worker_message
 from inferx.scheduling.queue import QueueFull, Rejected
 from inferx.scheduling.views import HopView
 from inferx.v1 import (
+    common_pb2,
     memory_pool_pb2,
     memory_pool_pb2_grpc,
     scheduler_pb2,
@@ -132,12 +133,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 self._lookahead.start(view, self._next_hops(view, request), context.time_remaining())
             # The engine orders by the policy's priority (vLLM runs with priority
             # scheduling); baseline sends 0 to every hop, so the engine is FCFS.
-            forwarded = scheduler_pb2.HopRequest()
-            forwarded.CopyFrom(request)
-            forwarded.context.priority = hop.engine_priority
+            # The prompt is copied once, into the worker's request; only the small
+            # context is copied to carry the policy's engine priority.
+            hop_context = common_pb2.HopContext()
+            hop_context.CopyFrom(request.context)
+            hop_context.priority = hop.engine_priority
+            generate = worker_pb2.GenerateRequest(
+                context=hop_context, prompt=request.prompt, sampling=request.sampling
+            )
             try:
                 async for event in self._run_on_worker(
-                    forwarded, view, worker.address, worker_id, queue_ms, context, ahead
+                    generate, view, worker.address, worker_id, queue_ms, context, ahead
                 ):
                     if event.kind == Event.KIND_FINISHED:
                         outcome.context_tokens = event.usage.prompt_tokens + event.usage.completion_tokens
@@ -156,16 +162,23 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
         return next_hop_views(view, request, pool_of)
 
-    async def _run_on_worker(self, request, view: HopView, address, worker_id, queue_ms, context, ahead=None):
+    async def _run_on_worker(
+        self,
+        request: worker_pb2.GenerateRequest,
+        view: HopView,
+        address,
+        worker_id,
+        queue_ms,
+        context,
+        ahead=None,
+    ):
         pool = view.pool
         reservation = await self._reserve(worker_id, view, context, ahead)
         stub = worker_pb2_grpc.ModelWorkerStub(self._channels.get(address))
         remaining = context.time_remaining()
         try:
             call = stub.Generate(
-                worker_pb2.GenerateRequest(
-                    context=request.context, prompt=request.prompt, sampling=request.sampling
-                ),
+                request,
                 timeout=remaining,
             )
             async for chunk in call:

@@ -20,7 +20,7 @@ def views_seen(trace) -> list[HopView]:
     original = policy.on_dispatch
 
     def spy(queued, worker_id, now):
-        seen.append(queued.hop)
+        seen.append(queued.view)
         original(queued, worker_id, now)
 
     policy.on_dispatch = spy  # type: ignore[method-assign]

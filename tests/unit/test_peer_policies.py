@@ -20,7 +20,7 @@ PEERS = ("least-loaded", "session-affinity", "prefix-aware", "program-las")
 
 
 def hop(run: str, k: int = 0, *, at: float = 0.0, seq: int = 0, **view) -> QueuedHop:
-    return QueuedHop("p", run, str(k), at, seq, view=HopView("p", run, str(k), hop_index=k, **view))
+    return QueuedHop(HopView("p", run, str(k), hop_index=k, **view), at, seq)
 
 
 def workers(*loads: int, kv: int = 100_000, kv_used: tuple[int, ...] = ()) -> list[WorkerView]:
@@ -39,8 +39,8 @@ def test_peers_are_registered_with_what_they_imitate() -> None:
 def test_peers_admit_everything_and_leave_the_engine_fcfs(name: str) -> None:
     policy = make_policy(name)
     queued = [hop(f"r{i}", seq=i) for i in range(5000)]
-    assert policy.admit(hop("new").hop, workers(256, 256), queued, 0.0).accept
-    assert policy.plan_ahead(hop("new").hop, workers(0), until=10.0, now=0.0) is None
+    assert policy.admit(hop("new").view, workers(256, 256), queued, 0.0).accept
+    assert policy.plan_ahead(hop("new").view, workers(0), until=10.0, now=0.0) is None
     if name != "program-las":  # program-las orders by attained service (tested below)
         assert list(policy.order(queued[:3], workers(0), 0.0)) == queued[:3]
         assert policy.engine_priority(queued[0], 0.0) == 0
@@ -249,7 +249,7 @@ def test_the_simulator_shows_policies_the_shared_prefix_and_nothing_of_the_futur
     original = policy.on_dispatch
 
     def spy(queued, worker_id, now):
-        seen.append(queued.hop)
+        seen.append(queued.view)
         original(queued, worker_id, now)
 
     policy.on_dispatch = spy  # type: ignore[method-assign]

@@ -269,8 +269,8 @@ class Spy:
 
         def on_dispatch(queued, worker_id, now):
             key = (queued.run_id, int(queued.hop_id))
-            self.views[key], self.submitted[key], self.dispatched[key] = queued.hop, queued.enqueued_at, now
-            self.order.append(queued.hop)
+            self.views[key], self.submitted[key], self.dispatched[key] = queued.view, queued.enqueued_at, now
+            self.order.append(queued.view)
             dispatch(queued, worker_id, now)
 
         def on_finish(queued, now, context_tokens, service_s):

@@ -37,7 +37,7 @@ def test_realtime_goes_before_standard_before_batch() -> None:
     order = []
     for t in range(3):
         (hop,) = q.assign(ONE, now=10 + t)
-        order.append(hop.hop.tier)
+        order.append(hop.view.tier)
         q.finished(hop, 10 + t)
     assert order == [TIER_REALTIME, TIER_STANDARD, TIER_BATCH]
 

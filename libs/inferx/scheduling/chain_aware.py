@@ -231,7 +231,7 @@ class ChainAwarePolicy:
         return len(self.config.buckets)
 
     def _tier(self, queued: QueuedHop, now: float) -> int:
-        tier: int = queued.hop.tier_rank
+        tier: int = queued.view.tier_rank
         if now - queued.enqueued_at > self.config.tier_starvation_s:
             tier = max(TIER_REALTIME, tier - 1)
         return tier
@@ -247,7 +247,7 @@ class ChainAwarePolicy:
         return state.first_seen if state else math.inf
 
     def sort_key(self, queued: QueuedHop, now: float) -> tuple:
-        hop = queued.hop
+        hop = queued.view
         starved = now - queued.enqueued_at > self.config.starvation_s
         return (
             self._tier(queued, now),
@@ -268,9 +268,9 @@ class ChainAwarePolicy:
         """When waiting alone may change this hop's fate (affinity patience runs out,
         the starvation bounds pass); None if only other events can."""
         times = [queued.enqueued_at + self.config.tier_starvation_s]
-        if self.config.realtime_guard and queued.hop.tier_rank != TIER_REALTIME:
+        if self.config.realtime_guard and queued.view.tier_rank != TIER_REALTIME:
             times.append(queued.enqueued_at + self.config.guard_wait_s)
-        state = self._chains.get(self._key(queued.hop))
+        state = self._chains.get(self._key(queued.view))
         if state is not None and state.worker_id is not None:
             times.append(queued.enqueued_at + self._patience(state))
         future = [t for t in times if t > now]
@@ -305,7 +305,7 @@ class ChainAwarePolicy:
             return ACCEPT
         load = self.load(workers)
         if load >= self.config.shed_load:
-            waiting = sum(1 for q in queued if q.hop.tier_rank == TIER_BATCH)
+            waiting = sum(1 for q in queued if q.view.tier_rank == TIER_BATCH)
             if waiting >= self.config.shed_queue * len(workers):
                 return Admission(
                     False,
@@ -361,7 +361,7 @@ class ChainAwarePolicy:
         return state.held_tokens if state is not None and state.worker_id == worker.worker_id else 0
 
     def choose_worker(self, queued: QueuedHop, workers: Sequence[WorkerView], now: float) -> str | None:
-        hop = queued.hop
+        hop = queued.view
         load = self._pass_load if self._pass_load is not None else self.load(workers)
         if self._held_back(hop, load) and not self._starved(queued, now):
             return None
@@ -418,7 +418,7 @@ class ChainAwarePolicy:
         return best.worker_id if cost(best) + self.config.realtime_move_margin_s < cost(here) else chosen
 
     def _choose(self, queued: QueuedHop, workers: Sequence[WorkerView], now: float) -> str | None:
-        hop = queued.hop
+        hop = queued.view
         state = self._chains.get(self._key(hop))
         home = None
         if state is not None and state.worker_id is not None:
@@ -486,11 +486,11 @@ class ChainAwarePolicy:
     # ----- bookkeeping ------------------------------------------------------------------
 
     def on_dispatch(self, queued: QueuedHop, worker_id: str, now: float) -> None:
-        key = self._key(queued.hop)
-        prefill = self._prefill_estimate(queued.hop, worker_id)
+        key = self._key(queued.view)
+        prefill = self._prefill_estimate(queued.view, worker_id)
         start = max(self._prefill_until.get(worker_id, 0.0), now)
         self._prefill_until[worker_id] = start + prefill / self.config.prefill_tokens_per_s
-        if queued.hop.tier_rank == TIER_REALTIME:
+        if queued.view.tier_rank == TIER_REALTIME:
             self._realtime_running[worker_id] = self._realtime_running.get(worker_id, 0) + 1
         state = self._touch(key, now)
         self._hold(key, state, 0, 0.0)  # its KV now counts as running there
@@ -503,7 +503,7 @@ class ChainAwarePolicy:
         state.in_flight += 1
 
     def on_finish(self, queued: QueuedHop, now: float, context_tokens: int, service_s: float) -> None:
-        hop = queued.hop
+        hop = queued.view
         if hop.tier_rank == TIER_REALTIME and queued.worker_id is not None:
             self._realtime_running[queued.worker_id] = max(
                 0, self._realtime_running.get(queued.worker_id, 0) - 1

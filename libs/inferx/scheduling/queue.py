@@ -68,7 +68,7 @@ class DispatchQueue:
         admission = self.policy.admit(view, self.worker_views(pool), state.queue, now)
         if not admission.accept:
             raise Rejected(admission.reason, admission.retry_after_s)
-        hop = QueuedHop(pool, run_id, hop_id, now, next(self._seq), view=view)
+        hop = QueuedHop(view, now, next(self._seq))
         state.queue.append(hop)
         return hop
 
@@ -124,7 +124,7 @@ class DispatchQueue:
                     continue
                 hop.engine_priority = self.policy.engine_priority(hop, now)
                 self._start(state, hop, worker_id, now)
-                views[worker_id] = views[worker_id].with_hop(hop.hop.kv_tokens)
+                views[worker_id] = views[worker_id].with_hop(hop.view.kv_tokens)
                 assigned.append(hop)
                 if not any(v.has_slot for v in views.values()):
                     break
@@ -143,7 +143,7 @@ class DispatchQueue:
             state.queue.remove(hop)
         hop.worker_id = worker_id
         self._in_flight[worker_id] = self._in_flight.get(worker_id, 0) + 1
-        self._kv_in_flight[worker_id] = self._kv_in_flight.get(worker_id, 0) + hop.hop.kv_tokens
+        self._kv_in_flight[worker_id] = self._kv_in_flight.get(worker_id, 0) + hop.view.kv_tokens
         self._dispatched[worker_id] = self._dispatched.get(worker_id, 0) + 1
         state.running += 1
         self.policy.on_dispatch(hop, worker_id, now)
@@ -164,7 +164,7 @@ class DispatchQueue:
         count = self._in_flight.get(hop.worker_id, 0)
         self._in_flight[hop.worker_id] = max(0, count - 1)
         kv = self._kv_in_flight.get(hop.worker_id, 0)
-        self._kv_in_flight[hop.worker_id] = max(0, kv - hop.hop.kv_tokens)
+        self._kv_in_flight[hop.worker_id] = max(0, kv - hop.view.kv_tokens)
         state = self._pools.get(hop.pool)
         if state is not None:
             state.running = max(0, state.running - 1)
@@ -184,7 +184,7 @@ class DispatchQueue:
         counts: dict[str, int] = {}
         state = self._pools.get(pool)
         for hop in state.queue if state else ():
-            name = TIER_NAMES[hop.hop.tier_rank]
+            name = TIER_NAMES[hop.view.tier_rank]
             counts[name] = counts.get(name, 0) + 1
         return counts
 

@@ -90,18 +90,25 @@ class HopView:
 
 @dataclass(eq=False)
 class QueuedHop:
-    pool: str
-    run_id: str
-    hop_id: str
+    """A hop in (or leaving) a pool's queue: its view, and the queue's books on it."""
+
+    view: HopView
     enqueued_at: float
     seq: int = 0
     worker_id: str | None = None  # set once assigned
-    view: HopView | None = None
     engine_priority: int = 0  # what the engine should order by (lower first)
 
     @property
-    def hop(self) -> HopView:
-        return self.view or HopView(self.pool, self.run_id, self.hop_id)
+    def pool(self) -> str:
+        return self.view.pool
+
+    @property
+    def run_id(self) -> str:
+        return self.view.run_id
+
+    @property
+    def hop_id(self) -> str:
+        return self.view.hop_id
 
 
 @dataclass(frozen=True)

@@ -118,7 +118,7 @@ class PrefixAwarePolicy(FcfsPeer):
         free = [w for w in workers if w.has_slot]
         if not free:
             return None
-        hop = queued.hop
+        hop = queued.view
         # SGLang's two modes: balance first when the pool is skewed, else chase the cache.
         if not self.imbalanced(workers) and hop.prompt_tokens > 0:
             matches = {w.worker_id: self.tree(hop.pool, w).match(hop) for w in free}
@@ -136,13 +136,13 @@ class PrefixAwarePolicy(FcfsPeer):
 
     def on_dispatch(self, queued: QueuedHop, worker_id: str, now: float) -> None:
         # As the router inserts the request text into the chosen tenant's tree.
-        hop = queued.hop
+        hop = queued.view
         tree = self._tree_by_id(hop.pool, worker_id)
         if tree is not None:
             tree.insert(hop, hop.prompt_tokens - self._shared(hop))
 
     def on_finish(self, queued: QueuedHop, now: float, context_tokens: int, service_s: float) -> None:
-        hop = queued.hop
+        hop = queued.view
         if not context_tokens or queued.worker_id is None:
             return  # failed, or unknown: learn nothing
         tree = self._tree_by_id(hop.pool, queued.worker_id)

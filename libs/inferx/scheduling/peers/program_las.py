@@ -94,11 +94,11 @@ class ProgramLasPolicy(FcfsPeer):
     def level(self, queued: QueuedHop, now: float) -> int:
         if self.starved(queued, now):
             return 0
-        attained = self.attained(queued.hop.chain_key, now)
+        attained = self.attained(queued.view.chain_key, now)
         return next((i for i, bound in enumerate(self.bounds) if attained < bound), len(self.bounds))
 
     def starved(self, queued: QueuedHop, now: float) -> bool:
-        key = queued.hop.chain_key
+        key = queued.view.chain_key
         program = self._programs.get(key)
         past = program.waited_s if program is not None else 0.0
         waited = past + max(0.0, now - queued.enqueued_at)
@@ -117,7 +117,7 @@ class ProgramLasPolicy(FcfsPeer):
 
     def wake_at(self, queued: QueuedHop, now: float) -> float | None:
         """When the hop's program crosses the starvation ratio by waiting alone."""
-        key = queued.hop.chain_key
+        key = queued.view.chain_key
         program = self._programs.get(key)
         if program is None or program.running:
             return None  # its attained service grows too: the other events re-evaluate
@@ -128,7 +128,7 @@ class ProgramLasPolicy(FcfsPeer):
         return at if at > now else None
 
     def choose_worker(self, queued: QueuedHop, workers: Sequence[WorkerView], now: float) -> str | None:
-        hop = queued.hop
+        hop = queued.view
         program = self._programs.get(hop.chain_key)
         home_id = program.workers.get(hop.pool) if program is not None else None
         if home_id is not None and hop.prompt_tokens > self.locality_tokens:
@@ -139,13 +139,13 @@ class ProgramLasPolicy(FcfsPeer):
         return worker.worker_id if worker is not None else None
 
     def on_dispatch(self, queued: QueuedHop, worker_id: str, now: float) -> None:
-        program = self._touch(queued.hop.chain_key, now)
+        program = self._touch(queued.view.chain_key, now)
         program.waited_s += max(0.0, now - queued.enqueued_at)
         program.running[queued.seq] = now
         program.workers[queued.pool] = worker_id
 
     def on_finish(self, queued: QueuedHop, now: float, context_tokens: int, service_s: float) -> None:
-        program = self._programs.get(queued.hop.chain_key)
+        program = self._programs.get(queued.view.chain_key)
         if program is None:
             return
         started = program.running.pop(queued.seq, None)
@@ -154,7 +154,7 @@ class ProgramLasPolicy(FcfsPeer):
         # The caller's measure of engine time when it has one, else the time it ran.
         program.attained_s += service_s if service_s > 0 else max(0.0, now - started)
         program.last_seen = now
-        self._programs.move_to_end(queued.hop.chain_key)
+        self._programs.move_to_end(queued.view.chain_key)
 
     def on_chain_end(self, chain_key: str, now: float) -> None:
         self._programs.pop(chain_key, None)

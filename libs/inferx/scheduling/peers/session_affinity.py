@@ -46,7 +46,7 @@ class SessionAffinityPolicy(FcfsPeer):
         ring.set_members(w.worker_id for w in workers)  # no-op while membership is unchanged
         by_id = {w.worker_id: w for w in workers}
         bound = self.bound(workers)
-        for worker_id in ring.walk(queued.hop.chain_key):
+        for worker_id in ring.walk(queued.view.chain_key):
             worker = by_id[worker_id]
             if worker.has_slot and worker.in_flight < bound:
                 return worker_id
