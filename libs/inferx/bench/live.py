@@ -128,9 +128,10 @@ class TraceReplayer:
         self.errors: dict[str, int] = {}
 
     async def run(self, timeout_s: float, progress: Callable[[int], None]) -> list[ChainRecord]:
-        records = [ChainRecord.start(c, alone_s=alone_latency_s(c, self.profile)) for c in self.trace.chains]
-        for chain, record in zip(self.trace.chains, records, strict=True):
-            record.delays_s = chain.delays_s(self.profile)  # a DAG's: those on its critical path
+        records = [
+            ChainRecord.start(c, alone_s=alone_latency_s(c, self.profile), profile=self.profile)
+            for c in self.trace.chains
+        ]
         done = 0
         options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
         async with grpc.aio.insecure_channel(self.scheduler, options=options) as channel:

@@ -134,9 +134,8 @@ class ClusterSim:
         horizon = self.trace.window_s * self.horizon_factor
         chains = []
         for spec in self.trace.chains:
-            record = ChainRecord.start(spec, alone_s=alone_latency_s(spec, profile))
+            record = ChainRecord.start(spec, alone_s=alone_latency_s(spec, profile), profile=profile)
             record.preemptions = 0  # the simulator sees every preemption of every request
-            record.delays_s = spec.delays_s(profile)  # a DAG's: those on its critical path
             chain = _Chain(spec, record, ChainProgress(spec))
             chains.append(chain)
             for k in spec.roots():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from inferx.sim.profile import EngineProfile
 from inferx.sim.trace import TraceChain
 
 
@@ -34,8 +35,9 @@ class ChainRecord:
     preemptions: int | None = None
 
     @classmethod
-    def start(cls, chain: TraceChain, alone_s: float) -> ChainRecord:
-        delays = sum(hop.delay_after_s for hop in chain.hops[:-1])
+    def start(cls, chain: TraceChain, alone_s: float, profile: EngineProfile | None = None) -> ChainRecord:
+        """`profile` picks a DAG's critical path (whose delays no scheduler can save)."""
+        delays = chain.delays_s(profile)
         return cls(chain.chain_id, chain.kind, chain.tier, chain.arrival_s, chain.slo_s, alone_s, delays)
 
     def finish(self, status: str, now: float) -> None:
