@@ -173,3 +173,15 @@ def test_seed_agent_rendering_bug_keeps_the_results(fake_seed, tmp_path: Path, m
         main(["bench", "--scenario", "seed-agent", "--engine", "sim", "--results", str(results)])
     data = json.loads(results.read_text())
     assert data["complete"] is True and len(data["summaries"]) == 2
+
+
+def test_long_runs_show_their_rate_and_time_left() -> None:
+    """The progress of a benchmark shows chains done of total, the rate, elapsed and
+    remaining time (live benches take 10+ minutes)."""
+    from types import SimpleNamespace
+
+    from inferx.cli.bench import ChainRateColumn
+
+    column = ChainRateColumn()
+    assert column.render(SimpleNamespace(speed=None)).plain == "-- chains/s"  # type: ignore[arg-type]
+    assert column.render(SimpleNamespace(speed=2.5)).plain == "2.50 chains/s"  # type: ignore[arg-type]

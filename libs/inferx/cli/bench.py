@@ -25,7 +25,17 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.text import Text
 
 from inferx.bench import results, runner
 from inferx.errors import InferxError, InvalidArgument
@@ -34,6 +44,13 @@ from inferx.sim.trace import TraceConfig, generate, write_trace
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+class ChainRateColumn(ProgressColumn):
+    """Chains finished per wall-clock second, as rich measures the task's speed."""
+
+    def render(self, task: Task) -> Text:
+        return Text("-- chains/s" if task.speed is None else f"{task.speed:.2f} chains/s", style="dim")
 
 
 def _progress_factory(enabled: bool) -> runner.ProgressFactory:
@@ -46,7 +63,9 @@ def _progress_factory(enabled: bool) -> runner.ProgressFactory:
             TextColumn("{task.description}"),
             BarColumn(),
             MofNCompleteColumn(),
+            ChainRateColumn(),
             TimeElapsedColumn(),
+            TimeRemainingColumn(),
             console=err,
             transient=True,
         ) as bar:
