@@ -207,3 +207,14 @@ def test_an_option_reaches_the_policy_in_the_search(monkeypatch) -> None:
     monkeypatch.setattr(capacity_module, "make_policy", spy)
     simulated_evaluator(trace, "chain-aware", EngineProfile(), 2, options={"realtime_guard": False})(1.0)
     assert seen == [False]
+
+
+def test_cli_draws_the_curves(tmp_path) -> None:
+    from inferx.cli.main import main
+
+    plot = tmp_path / "curves.png"
+    argv = ["sim", "--capacity", "--duration", "15", "--compare", "round-robin", "chain-aware"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--plot", str(plot), "--results", str(tmp_path / "r.json")])
+    assert exit_info.value.code == 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
