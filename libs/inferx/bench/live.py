@@ -148,10 +148,15 @@ class TraceReplayer:
                     progress(done)
 
             tasks = [asyncio.create_task(one(c, r)) for c, r in zip(self.trace.chains, records, strict=True)]
-            _, pending = await asyncio.wait(tasks, timeout=timeout_s)
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+            try:
+                await asyncio.wait(tasks, timeout=timeout_s)
+            finally:
+                # Timed out, or interrupted (Ctrl-C): stop every chain still running
+                # before the channel closes under it, and collect their outcomes.
+                pending = [task for task in tasks if not task.done()]
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
             now_trace = (loop.time() - start) * self.speed
         for record in records:
             if record.status == "running":
