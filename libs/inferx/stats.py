@@ -62,3 +62,21 @@ def percentile(values: Iterable[float], pct: float, *, method: Method) -> float:
     # Weighted sum rather than a + (b - a) * f: b - a overflows for values of opposite
     # sign near the float limit. Rounding may step an ulp outside [a, b]; clamp it back.
     return min(max((1 - fraction) * a + fraction * b, a), b)
+
+
+class RunningMean:
+    """An exponentially weighted mean of the samples seen so far (the first sample is
+    the mean), and how many there were."""
+
+    __slots__ = ("alpha", "count", "value")
+
+    def __init__(self, alpha: float) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError("alpha must be in (0, 1]")
+        self.alpha = alpha
+        self.value = 0.0
+        self.count = 0
+
+    def add(self, sample: float) -> None:
+        self.value = sample if self.count == 0 else self.value + self.alpha * (sample - self.value)
+        self.count += 1

@@ -22,6 +22,7 @@ from typing import Protocol
 
 from inferx.chain.kinds import node_kind
 from inferx.chain.schema import ChainConfig, ChainConfigError, NodeSpec
+from inferx.stats import RunningMean
 
 
 class LatencyEstimate(Protocol):
@@ -52,23 +53,24 @@ class LearnedLatency:
         self.alpha = alpha
         self.min_samples = min_samples
         self._max_nodes = max_nodes
-        self._mean: dict[tuple[str, str], tuple[float, int]] = {}
+        self._mean: dict[tuple[str, str], RunningMean] = {}
 
     def observe(self, chain: str, node_id: str, latency_ms: float) -> None:
         if latency_ms < 0:
             return
         key = (chain, node_id)
-        mean, count = self._mean.get(key, (latency_ms, 0))
-        mean = latency_ms if count == 0 else mean + self.alpha * (latency_ms - mean)
-        if key not in self._mean and len(self._mean) >= self._max_nodes:
-            self._mean.pop(next(iter(self._mean)))  # bounded: forget the oldest node seen
-        self._mean[key] = (mean, count + 1)
+        mean = self._mean.get(key)
+        if mean is None:
+            if len(self._mean) >= self._max_nodes:
+                self._mean.pop(next(iter(self._mean)))  # bounded: forget the oldest node seen
+            mean = self._mean[key] = RunningMean(self.alpha)
+        mean.add(latency_ms)
 
     def node_ms(self, chain: str, node: NodeSpec) -> float:
-        mean, count = self._mean.get((chain, node.id), (0.0, 0))
-        if count < self.min_samples:
+        mean = self._mean.get((chain, node.id))
+        if mean is None or mean.count < self.min_samples:
             return node.timeout_ms
-        return min(mean, node.timeout_ms)  # a node never takes longer than its timeout
+        return min(mean.value, node.timeout_ms)  # a node never takes longer than its timeout
 
 
 def topological_order(config: ChainConfig) -> list[str]:

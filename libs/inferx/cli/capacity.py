@@ -74,10 +74,6 @@ def capacity_traces(args: argparse.Namespace, profile) -> list[Trace]:
     return traces
 
 
-def median(values: list[float]) -> float:
-    return statistics.median(values)
-
-
 def cmd_capacity(
     args: argparse.Namespace,
     policies: list[str],
@@ -136,7 +132,7 @@ def cmd_capacity(
         err.print(f"seed {seed} done ({index + 1} of {len(traces)})", style="dim")
     context["wall_s"] = time.perf_counter() - started
     rates = {name: [c.rate_per_s for c in caps] for name, caps in per_seed.items()}
-    medians = {name: median(values) for name, values in rates.items()}
+    medians = {name: statistics.median(values) for name, values in rates.items()}
     peer = strongest_peer(medians)
     versus = {
         name: ratio(medians[CANDIDATE], medians[name])

@@ -11,39 +11,25 @@ control, every request at the same engine priority (so the engine is FCFS too).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
+from inferx.scheduling.peers.base import FcfsPeer
 from inferx.scheduling.protocol import Policy
 from inferx.scheduling.registry import make_policy, policy_names, register_policy
-from inferx.scheduling.views import ACCEPT, Admission, HopView, QueuedHop, WorkerView
+from inferx.scheduling.views import QueuedHop, WorkerView
 
 __all__ = ["BaselinePolicy", "Policy", "RoundRobinPolicy", "make_policy", "policy_names"]
 
 
-class RoundRobinPolicy:
-    """FCFS + round-robin: classic serving behind a plain load balancer."""
+class RoundRobinPolicy(FcfsPeer):
+    """FCFS + round-robin: classic serving behind a plain load balancer. Everything but
+    the worker choice is the plain FCFS default (no admission control, no look-ahead,
+    one engine priority)."""
 
     name = "round-robin"
 
     def __init__(self) -> None:
         self._next: dict[str, int] = {}  # pool -> round-robin position
-
-    def admit(
-        self,
-        hop: HopView,
-        workers: Sequence[WorkerView],
-        queued: Sequence[QueuedHop],
-        now: float,
-    ) -> Admission:
-        return ACCEPT
-
-    def order(
-        self, queued: Sequence[QueuedHop], workers: Sequence[WorkerView], now: float
-    ) -> Iterable[QueuedHop]:
-        return queued  # the queue is kept in arrival order
-
-    def wake_at(self, queued: QueuedHop, now: float) -> float | None:
-        return None
 
     def choose_worker(self, queued: QueuedHop, workers: Sequence[WorkerView], now: float) -> str | None:
         if not workers:
@@ -55,24 +41,6 @@ class RoundRobinPolicy:
             if ordered[index].has_slot:
                 self._next[queued.pool] = index + 1
                 return ordered[index].worker_id
-        return None
-
-    def engine_priority(self, queued: QueuedHop, now: float) -> int:
-        return 0
-
-    def on_dispatch(self, queued: QueuedHop, worker_id: str, now: float) -> None:
-        return None
-
-    def on_finish(self, queued: QueuedHop, now: float, context_tokens: int, service_s: float) -> None:
-        return None
-
-    def plan_ahead(self, hop: HopView, workers: Sequence[WorkerView], until: float, now: float) -> str | None:
-        return None  # classic serving does not look ahead
-
-    def drop_ahead(self, hop: HopView) -> None:
-        return None
-
-    def on_chain_end(self, chain_key: str, now: float) -> None:
         return None
 
 

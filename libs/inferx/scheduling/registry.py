@@ -9,10 +9,11 @@ this module free of import cycles with the policies that import it.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from inferx.plugins import PluginTable
 
 if TYPE_CHECKING:
     from inferx.scheduling.protocol import Policy
@@ -42,9 +43,8 @@ class PolicyInfo:
     options: frozenset[str] = field(default_factory=frozenset)
 
 
-_POLICIES: dict[str, PolicyInfo] = {}
+_POLICIES: PluginTable[PolicyInfo] = PluginTable("policy", BUILTIN_MODULES)
 _ALIASES: dict[str, str] = {}
-_loaded = False
 
 
 def register_policy(
@@ -58,10 +58,13 @@ def register_policy(
     """Decorator for a factory `(time_scale: float = 1.0, **options) -> Policy`."""
 
     def decorate(factory: PolicyFactory) -> PolicyFactory:
-        for key in (name, *aliases):
-            if key in _POLICIES or key in _ALIASES:
-                raise ValueError(f"policy name {key!r} is registered twice")
-        _POLICIES[name] = PolicyInfo(name, factory, summary, imitates, aliases, frozenset(options))
+        for alias in aliases:
+            if alias in _POLICIES or alias in _ALIASES:
+                raise ValueError(f"policy {alias!r} is registered twice")
+        if name in _ALIASES:
+            raise ValueError(f"policy {name!r} is registered twice")
+        info = PolicyInfo(name, factory, summary, imitates, aliases, frozenset(options))
+        _POLICIES.add(name, info, factory.__module__)
         for alias in aliases:
             _ALIASES[alias] = name
         return factory
@@ -69,40 +72,20 @@ def register_policy(
     return decorate
 
 
-def _load_builtins() -> None:
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
-    for module in BUILTIN_MODULES:
-        importlib.import_module(module)
-
-
 def policy_names() -> tuple[str, ...]:
-    """Canonical names: built-ins in `BUILTIN_MODULES` order (whatever was imported
-    first), then others in registration order."""
-    _load_builtins()
-
-    def position(name: str) -> int:
-        module = _POLICIES[name].factory.__module__
-        return BUILTIN_MODULES.index(module) if module in BUILTIN_MODULES else len(BUILTIN_MODULES)
-
-    return tuple(sorted(_POLICIES, key=position))  # stable: registration order within a module
+    """Canonical names: built-ins in `BUILTIN_MODULES` order, then others."""
+    return _POLICIES.names()
 
 
 def accepted_names() -> tuple[str, ...]:
     """Canonical names and aliases: what `--policy` accepts."""
-    _load_builtins()
     return policy_names() + tuple(_ALIASES)
 
 
 def policy_info(name: str) -> PolicyInfo:
     """The registered policy called `name` (or an alias of it); ValueError names the choices."""
-    _load_builtins()
-    canonical = _ALIASES.get(name, name)
-    if canonical not in _POLICIES:
-        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(policy_names())}")
-    return _POLICIES[canonical]
+    _POLICIES.names()  # built-ins (and their aliases) registered
+    return _POLICIES.get(_ALIASES.get(name, name))
 
 
 def canonical_name(name: str) -> str:

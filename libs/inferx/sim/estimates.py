@@ -17,38 +17,28 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from inferx.stats import RunningMean
+
 Key = tuple[str, int]
-
-
-class _Mean:
-    __slots__ = ("count", "value")
-
-    def __init__(self) -> None:
-        self.value = 0.0
-        self.count = 0
-
-    def add(self, sample: float, alpha: float) -> None:
-        self.value = sample if self.count == 0 else self.value + alpha * (sample - self.value)
-        self.count += 1
 
 
 class RemainingPath:
     def __init__(self, alpha: float = 0.2) -> None:
         self.alpha = alpha
-        self._calls: dict[Key, _Mean] = {}
-        self._gaps: dict[Key, _Mean] = {}
-        self._kind_call: dict[str, _Mean] = {}  # any index: the fallback for an unseen one
-        self._kind_gap: dict[str, _Mean] = {}
+        self._calls: dict[Key, RunningMean] = {}
+        self._gaps: dict[Key, RunningMean] = {}
+        self._kind_call: dict[str, RunningMean] = {}  # any index: the fallback for an unseen one
+        self._kind_gap: dict[str, RunningMean] = {}
 
     def call_finished(self, kind: str, index: int, seconds: float) -> None:
-        self._calls.setdefault((kind, index), _Mean()).add(seconds, self.alpha)
-        self._kind_call.setdefault(kind, _Mean()).add(seconds, self.alpha)
+        self._calls.setdefault((kind, index), RunningMean(self.alpha)).add(seconds)
+        self._kind_call.setdefault(kind, RunningMean(self.alpha)).add(seconds)
 
     def gap_observed(self, kind: str, index: int, seconds: float) -> None:
         """The time between call `index` finishing and the next call being issued (in a
         DAG: the first of the calls that wait for it)."""
-        self._gaps.setdefault((kind, index), _Mean()).add(seconds, self.alpha)
-        self._kind_gap.setdefault(kind, _Mean()).add(seconds, self.alpha)
+        self._gaps.setdefault((kind, index), RunningMean(self.alpha)).add(seconds)
+        self._kind_gap.setdefault(kind, RunningMean(self.alpha)).add(seconds)
 
     def remaining_s(
         self, kind: str, index: int, calls: int, deps: Sequence[Sequence[int]] | None = None
@@ -77,6 +67,6 @@ class RemainingPath:
         return max(end.values())
 
     @staticmethod
-    def _get(table: dict[Key, _Mean], fallback: dict[str, _Mean], kind: str, index: int) -> float:
+    def _get(table: dict[Key, RunningMean], fallback: dict[str, RunningMean], kind: str, index: int) -> float:
         mean = table.get((kind, index)) or fallback.get(kind)
         return mean.value if mean is not None else 0.0

@@ -7,10 +7,11 @@ use; each module is cheap to import (heavy libraries such as vLLM load in `start
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from inferx.plugins import PluginTable
 
 if TYPE_CHECKING:
     from inferx_worker.engines.base import Engine
@@ -35,46 +36,26 @@ class EngineInfo:
     standalone: bool = True  # runs without an outside server (what `inferx up` can start)
 
 
-_ENGINES: dict[str, EngineInfo] = {}
-_loaded = False
+_ENGINES: PluginTable[EngineInfo] = PluginTable("engine", BUILTIN_MODULES)
 
 
 def register_engine(
     name: str, *, summary: str, simulated: bool = False, standalone: bool = True
 ) -> Callable[[EngineFactory], EngineFactory]:
     def decorate(factory: EngineFactory) -> EngineFactory:
-        if name in _ENGINES:
-            raise ValueError(f"engine {name!r} is registered twice")
-        _ENGINES[name] = EngineInfo(name, factory, summary, simulated, standalone)
+        _ENGINES.add(name, EngineInfo(name, factory, summary, simulated, standalone), factory.__module__)
         return factory
 
     return decorate
 
 
-def _load_builtins() -> None:
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        for module in BUILTIN_MODULES:
-            importlib.import_module(module)
-
-
 def engine_names() -> tuple[str, ...]:
     """Built-ins in `BUILTIN_MODULES` order (whatever was imported first), then others."""
-    _load_builtins()
-
-    def position(name: str) -> int:
-        module = _ENGINES[name].factory.__module__
-        return BUILTIN_MODULES.index(module) if module in BUILTIN_MODULES else len(BUILTIN_MODULES)
-
-    return tuple(sorted(_ENGINES, key=position))
+    return _ENGINES.names()
 
 
 def engine_info(name: str) -> EngineInfo:
-    _load_builtins()
-    if name not in _ENGINES:
-        raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(engine_names())}")
-    return _ENGINES[name]
+    return _ENGINES.get(name)
 
 
 def make_engine(settings: Any) -> Engine:
