@@ -218,3 +218,14 @@ def test_cli_draws_the_curves(tmp_path) -> None:
         main([*argv, "--plot", str(plot), "--results", str(tmp_path / "r.json")])
     assert exit_info.value.code == 0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
+
+
+def test_cli_refuses_a_workload_and_a_trace_together(tmp_path, capsys) -> None:
+    from inferx.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            ["sim", "--capacity", "--workload", "mix", "--trace", "x.jsonl", "--results", str(tmp_path / "r")]
+        )
+    assert exit_info.value.code == 1
+    assert "either --workload or --trace" in capsys.readouterr().err
