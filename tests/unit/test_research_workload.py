@@ -10,6 +10,7 @@ import json
 import statistics
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -258,8 +259,8 @@ def test_research_chains_fan_out_and_join(seed: int) -> None:
 class Spy:
     """What the policy saw: each call's view, submit, dispatch and finish times."""
 
-    def __init__(self, policy_name: str = "chain-aware", *, realtime_guard: bool = True) -> None:
-        self.policy = make_policy(policy_name, realtime_guard=realtime_guard)
+    def __init__(self, policy_name: str = "chain-aware", **options: Any) -> None:
+        self.policy = make_policy(policy_name, **options)
         self.views: dict[tuple[str, int], HopView] = {}
         self.submitted: dict[tuple[str, int], float] = {}
         self.dispatched: dict[tuple[str, int], float] = {}
@@ -337,9 +338,10 @@ def test_the_default_trace_replays_exactly_as_before() -> None:
     """Pinned before DAG support (commit 7f180ac): the first 60 s of the default trace
     under chain-aware on 4 workers. Sequential chains take the same path through the new
     code, so nothing may move; if the engine model itself changes, recompute these. (The
-    realtime guard came after the pin, so it is off: this pins the replay, not the policy.)"""
+    realtime guard and priced, tiered KV holds came after the pin, so they are off: this
+    pins the replay, not the policy.)"""
     trace = read_trace(ROOT / "benchmarks" / "default_trace.jsonl").head(60)
-    spy = Spy(realtime_guard=False)
+    spy = Spy(realtime_guard=False, kv_retention="fixed", tiered_holds=False)
     run = ClusterSim(trace, spy.policy, EngineProfile(), workers=4).run()
     latencies = sorted(c.latency_s or 0.0 for c in run.chains)
     assert len(latencies) == 69 and all(c.status == "ok" for c in run.chains)

@@ -262,7 +262,7 @@ def test_zero_window_means_affinity_without_limit() -> None:
 
 
 def test_an_idle_chains_context_is_held_for_kv_warm_s_only() -> None:
-    policy = ChainAwarePolicy(ChainAwareConfig(kv_warm_s=10, chain_ttl_s=300))
+    policy = ChainAwarePolicy(ChainAwareConfig(kv_retention="fixed", kv_warm_s=10, chain_ttl_s=300))
     q = DispatchQueue(policy=policy)
     submit(q, view("c", remaining_hops=3), now=0)
     (hop,) = q.assign(TWO, now=0)
@@ -290,7 +290,7 @@ def test_the_runs_last_hop_lets_its_context_go_at_once_but_a_sessions_is_kept() 
 
 
 def test_held_context_keeps_new_chains_off_a_worker_that_has_no_room_besides() -> None:
-    q = chain_aware(kv_budget=0.9, kv_warm_s=30)
+    q = chain_aware(kv_budget=0.9, kv_retention="fixed", kv_warm_s=30)
     workers = {"p": [WorkerSlots("a", 8, 10_000), WorkerSlots("b", 8, 10_000)]}
     submit(q, view("c", remaining_hops=2, prompt_tokens=6000), now=0)
     (first,) = q.assign({"p": [WorkerSlots("a", 8, 10_000)]}, now=0)

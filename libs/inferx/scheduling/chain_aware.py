@@ -53,6 +53,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from inferx.scheduling.registry import register_policy
+from inferx.scheduling.retention import GapModel, hold_seconds
 from inferx.scheduling.views import (
     ACCEPT,
     TIER_BATCH,
@@ -89,7 +90,17 @@ class ChainAwareConfig:
     chain_ttl_s: float = 300.0  # forget a chain (and its affinity) after this long idle
     reuse_window_hops: int = 4  # hops on one worker before placement is decided again; 0 = no limit
     rebalance_margin: float = 0.2  # after the window, move only for this much more free room
-    kv_warm_s: float = 30.0  # how long an idle chain's context is held on its worker
+    # Between its hops (tool calls, think time) a chain's context is held on its worker:
+    # "priced" holds it for as long as that is expected to cost less than re-prefilling
+    # it, from the gaps learned so far (`inferx.scheduling.retention`), and the hold is
+    # real -- no hop is admitted over held room, the chain's own worker included;
+    # "fixed" holds it `kv_warm_s` and only keeps other chains from being placed on it.
+    kv_retention: Literal["priced", "fixed"] = "priced"
+    max_hold_s: float = 600.0  # "priced": the longest hold
+    # A hop may run over room held for chains of a less urgent tier (their idle context
+    # may then be evicted): under overload, realtime is not kept waiting by batch holds.
+    tiered_holds: bool = True
+    kv_warm_s: float = 30.0  # "fixed": how long an idle chain's context is held on its worker
     # Realtime guard: a decode step carries the prefill chunks of everything admitted with
     # it, so a long prefill next to a realtime hop stalls every one of its tokens.
     realtime_guard: bool = True
@@ -99,9 +110,10 @@ class ChainAwareConfig:
     # other tiers' running KV stays under this share of the worker's capacity.
     guard_kv_share: float = 0.25
     guard_max_wait_s: float = 30.0  # ... while their chains have slack, for at most this long
-    # ... and only while that slack exceeds this share of their expected remaining path
-    # (a reserve for the queueing still ahead of them).
-    guard_slack_reserve: float = 0.0
+    # ... and only while the chain's hops have waited, in all, less than this share of
+    # the slack it had when it arrived (its deadline - arrival - expected path): a
+    # chain of many hops gives way on each of them, so the bound is per chain.
+    guard_slack_share: float = 0.5
     realtime_move_margin_s: float = 0.2  # a realtime hop moves when that saves this much prefill wait
     kv_read_s_per_token: float = 0.08e-6  # a decode step's cost per context token in the batch
 
@@ -116,6 +128,7 @@ class ChainAwareConfig:
             max_affinity_wait_s=self.max_affinity_wait_s / factor,
             chain_ttl_s=self.chain_ttl_s / factor,
             kv_warm_s=self.kv_warm_s / factor,
+            max_hold_s=self.max_hold_s / factor,
             retry_after_s=self.retry_after_s / factor,
             guard_wait_s=self.guard_wait_s / factor,
             guard_max_wait_s=self.guard_max_wait_s / factor,
@@ -137,6 +150,10 @@ class ChainState:
     window_hops: int = 0  # hops run on worker_id since the chain was (re)placed there
     held_tokens: int = 0  # KV of worker_id held for the chain while none of its hops runs
     held_until: float = 0.0
+    queued_s: float = 0.0  # how long its hops waited in the queue, in all
+    wait_budget_s: float | None = None  # guard_slack_share of its slack on arrival; None: no deadline
+    tier: int = TIER_STANDARD  # the tier of its latest hop (what its held room is ranked by)
+    idle_since: float | None = None  # when its last hop ended (none of its hops is queued or running)
 
 
 ChainKey = tuple[str, str]  # (pool, chain key): affinity is per pool (a chain may use several models)
@@ -148,12 +165,15 @@ class ChainAwarePolicy:
     def __init__(self, config: ChainAwareConfig | None = None) -> None:
         self.config = config or ChainAwareConfig()
         self._chains: OrderedDict[ChainKey, ChainState] = OrderedDict()  # least recent first
-        self._held: dict[str, int] = {}  # worker -> KV held there for idle chains and look-aheads
+        # KV held for idle chains and look-aheads, per (worker, tier of the chain).
+        self._held: dict[tuple[str, int], int] = {}
         self._hold_expiry: list[tuple[float, int, ChainKey]] = []  # heap of (until, seq, chain)
         self._hold_seq = itertools.count()
         self._pass_load: float | None = None
         self._realtime_running: dict[str, int] = {}  # worker -> realtime hops in flight
         self._prefill_until: dict[str, float] = {}  # worker -> when its admitted prefills end (estimate)
+        self._gaps = GapModel()  # learned tool/think gaps per program kind (priced retention)
+        self._kv_capacity: dict[str, int] = {}  # worker -> KV tokens, as last seen
 
     # ----- chain state ------------------------------------------------------------------
 
@@ -199,14 +219,23 @@ class ChainAwarePolicy:
             tokens = 0
         delta = tokens - state.held_tokens
         if delta and state.worker_id is not None:
-            self._held[state.worker_id] = max(0, self._held.get(state.worker_id, 0) + delta)
+            slot = (state.worker_id, state.tier)
+            self._held[slot] = max(0, self._held.get(slot, 0) + delta)
         state.held_tokens, state.held_until = tokens, until
         if tokens:
             heapq.heappush(self._hold_expiry, (until, next(self._hold_seq), key))
 
-    def resident(self, worker_id: str) -> int:
-        """KV held on the worker for chains between hops and for look-aheads."""
-        return self._held.get(worker_id, 0)
+    def resident(self, worker_id: str, up_to_tier: int = TIER_BATCH) -> int:
+        """KV held on the worker for chains between hops and for look-aheads (of chains
+        whose tier is `up_to_tier` or more urgent)."""
+        return sum(self._held.get((worker_id, tier), 0) for tier in range(TIER_REALTIME, up_to_tier + 1))
+
+    def _set_tier(self, key: ChainKey, state: ChainState, tier: int) -> None:
+        if tier != state.tier:
+            tokens, until = state.held_tokens, state.held_until
+            self._hold(key, state, 0, 0.0)
+            state.tier = tier
+            self._hold(key, state, tokens, until)
 
     # ----- ordering ---------------------------------------------------------------------
 
@@ -260,8 +289,11 @@ class ChainAwarePolicy:
     def order(
         self, queued: Sequence[QueuedHop], workers: Sequence[WorkerView], now: float
     ) -> Iterable[QueuedHop]:
+        self._expire(now)  # room whose hold ended is free for this pass
         # Load is taken once per pass: hops held back stay held back for this pass.
         self._pass_load = self.load(workers)
+        for worker in workers:
+            self._kv_capacity[worker.worker_id] = worker.kv_capacity_tokens
         return sorted(queued, key=lambda q: self.sort_key(q, now))
 
     def wake_at(self, queued: QueuedHop, now: float) -> float | None:
@@ -273,6 +305,8 @@ class ChainAwarePolicy:
         state = self._chains.get(self._key(queued.view))
         if state is not None and state.worker_id is not None:
             times.append(queued.enqueued_at + self._patience(state))
+        if self._hold_expiry:
+            times.append(self._hold_expiry[0][0])  # held room comes free
         future = [t for t in times if t > now]
         return min(future) if future else None
 
@@ -301,6 +335,11 @@ class ChainAwarePolicy:
         queued: Sequence[QueuedHop],
         now: float,
     ) -> Admission:
+        self._observe_gap(hop, now)
+        state = self._touch(self._key(hop), now)
+        if state.wait_budget_s is None and hop.deadline is not None:
+            slack = hop.deadline - now - hop.remaining_critical_path_s
+            state.wait_budget_s = self.config.guard_slack_share * max(slack, 0.0)
         if hop.tier_rank != TIER_BATCH or self._under_way(hop) or not workers:
             return ACCEPT
         load = self.load(workers)
@@ -313,6 +352,28 @@ class ChainAwarePolicy:
                     self.config.retry_after_s,
                 )
         return ACCEPT
+
+    @staticmethod
+    def _program_kind(hop: HopView) -> str:
+        """What gaps are learned per: the program the chain runs, as far as the scheduler
+        can tell (the shared prefix its prompts start with), else its pool."""
+        return hop.prefix_id or hop.pool
+
+    def _observe_gap(self, hop: HopView, now: float) -> None:
+        state = self._chains.get(self._key(hop))
+        if state is not None and state.idle_since is not None:
+            self._gaps.observe(self._program_kind(hop), now - state.idle_since)
+            state.idle_since = None
+
+    def _hold_s(self, hop: HopView, worker_id: str) -> float:
+        if self.config.kv_retention == "fixed":
+            return self.config.kv_warm_s
+        return hold_seconds(
+            self._gaps.samples(self._program_kind(hop)),
+            kv_capacity_tokens=self._kv_capacity.get(worker_id, 0),
+            prefill_tokens_per_s=self.config.prefill_tokens_per_s,
+            max_hold_s=self.config.max_hold_s,
+        )
 
     def _held_back(self, hop: HopView, load: float) -> bool:
         if self._under_way(hop):
@@ -331,8 +392,17 @@ class ChainAwarePolicy:
         is the chain's own hold on this worker, which the hop itself may use)."""
         if not worker.has_slot:
             return False
-        if not worker.kv_capacity_tokens or worker.in_flight == 0:
+        if not worker.kv_capacity_tokens:
             return True
+        # Priced holds are real: nothing runs over another chain's held room, on the
+        # chain's own worker either (that would make the engine evict it). Only room
+        # held for chains as urgent as this one counts: a realtime hop may run over a
+        # batch chain's idle context (tiers are protected under overload).
+        priced = self.config.kv_retention == "priced"
+        up_to = hop.tier_rank if self.config.tiered_holds else TIER_BATCH
+        held = max(0, self.resident(worker.worker_id, up_to) - own_held) if placing or priced else 0
+        if worker.in_flight == 0 and not (priced and held):
+            return True  # an idle worker takes any hop, even one larger than the budget
         capacity = worker.kv_capacity_tokens
         running = worker.kv_in_flight + hop.kv_tokens
         # Moving a chain's context onto a worker where other tiers already fill their
@@ -340,7 +410,6 @@ class ChainAwarePolicy:
         # there already, and sending it elsewhere would only add a re-prefill.
         if placing and hop.tier_rank != TIER_REALTIME and running > capacity * self.config.shared_kv_share:
             return False
-        held = self.resident(worker.worker_id) - own_held if placing else 0
         return running + held <= capacity * self.config.kv_budget
 
     def _headroom(self, worker: WorkerView, own_held: int = 0) -> float:
@@ -383,15 +452,21 @@ class ChainAwarePolicy:
                 and worker.kv_in_flight + hop.kv_tokens
                 > self.config.guard_kv_share * worker.kv_capacity_tokens
                 and waited < self.config.guard_max_wait_s
-                and self._slack(hop, now) > self.config.guard_slack_reserve * hop.remaining_critical_path_s
+                and self._may_wait(queued, now)
             ):
                 return None  # its KV would slow every realtime decode step there
         return chosen
 
-    def _slack(self, hop: HopView, now: float) -> float:
-        if hop.deadline is None:
-            return math.inf
-        return hop.deadline - now - hop.remaining_critical_path_s
+    def _may_wait(self, queued: QueuedHop, now: float) -> bool:
+        """The chain still has slack to give way with: its hops' waiting so far (this
+        one's included) is under its budget, and the hop is not late already."""
+        hop = queued.view
+        if hop.deadline is not None and hop.deadline - now - hop.remaining_critical_path_s <= 0:
+            return False
+        state = self._chains.get(self._key(hop))
+        if state is None or state.wait_budget_s is None:
+            return True
+        return state.queued_s + (now - queued.enqueued_at) < state.wait_budget_s
 
     def _prefill_wait_s(self, worker_id: str, now: float) -> float:
         return max(self._prefill_until.get(worker_id, 0.0) - now, 0.0)
@@ -424,7 +499,7 @@ class ChainAwarePolicy:
         if state is not None and state.worker_id is not None:
             home = next((w for w in workers if w.worker_id == state.worker_id), None)
         if home is not None and state is not None:
-            if self._fits(home, hop, placing=False):
+            if self._fits(home, hop, placing=False, own_held=self._own_held(state, home)):
                 if not self._window_over(state):
                     return home.worker_id
                 # Past its reuse window: placed by load again (below).
@@ -453,6 +528,7 @@ class ChainAwarePolicy:
         state = self._touch(key, now)
         if state.in_flight:
             return None  # a hop of the chain already runs in that pool
+        self._set_tier(key, state, hop.tier_rank)
         tokens = hop.kv_tokens
 
         def room(worker: WorkerView) -> bool:
@@ -493,7 +569,9 @@ class ChainAwarePolicy:
         if queued.view.tier_rank == TIER_REALTIME:
             self._realtime_running[worker_id] = self._realtime_running.get(worker_id, 0) + 1
         state = self._touch(key, now)
+        state.queued_s += now - queued.enqueued_at
         self._hold(key, state, 0, 0.0)  # its KV now counts as running there
+        state.tier = queued.view.tier_rank
         if state.worker_id != worker_id:
             state.context_tokens = 0  # the new worker holds none of it yet
             state.window_hops = 0
@@ -526,7 +604,11 @@ class ChainAwarePolicy:
         if hop.remaining_hops == 0 and not hop.session_id:
             self._forget(key)  # the run's last hop: nothing of it will be reused
             return
-        self._hold(key, state, state.context_tokens, now + self.config.kv_warm_s)
+        state.idle_since = now
+        hold_s = self._hold_s(hop, queued.worker_id)
+        if hold_s > 0:
+            # A little past the learned gap, so a chain back right on time finds it held.
+            self._hold(key, state, state.context_tokens, now + hold_s * 1.05)
 
     def on_chain_end(self, chain_key: str, now: float) -> None:
         for key in [k for k in self._chains if k[1] == chain_key]:

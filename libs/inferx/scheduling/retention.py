@@ -1,0 +1,77 @@
+"""Priced KV retention across a chain's tool calls: keep its context or let it go?
+
+When a chain's hop ends and the chain goes off to a tool (or its user thinks), its
+context sits in the worker's prefix cache. Keeping it there (holding the room: no other
+work is admitted over it) saves re-prefilling it when the chain comes back; letting
+it go frees the room for others. Which is cheaper depends on how long the gap will be,
+which nobody knows in advance -- so it is learned online from the gaps already seen
+(`GapModel`), never read from a trace.
+
+The price (`hold_seconds`): both costs in GPU-seconds.
+  * re-prefilling `tokens` costs `tokens / prefill_tokens_per_s`;
+  * holding them for `t` seconds costs `tokens * t / kv_capacity_tokens`: a worker's
+    whole KV pays for the whole GPU, so when memory is what limits the worker (the only
+    time a hold matters: without contention nothing waits for the held room) a token
+    of KV for a second is worth 1/capacity of a GPU-second.
+Holding for `T` and releasing if the chain has not come back by then costs, expected
+over the learned gaps g: `tokens * E[min(g, T)] / capacity + P(g > T) * reprefill`.
+`hold_seconds` picks the `T` (0, or one of the observed gaps) that minimises it. With
+no gaps seen yet it holds for the break-even time `capacity / prefill_tokens_per_s`
+(rent-or-buy: never worse than twice the best choice made knowing the gap). Tokens
+cancel out of the comparison, so a small-KV engine (MHA, long contexts) holds for
+less time than a large-KV one, and a program whose tool calls are short keeps its KV
+while one waiting minutes on a test run lets it go.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+
+class GapModel:
+    """Recent gaps (seconds between a chain's hop ending and its next hop arriving),
+    per program kind (e.g. the shared prefix the chain's prompts start with)."""
+
+    def __init__(self, window: int = 256) -> None:
+        self.window = window
+        self._gaps: dict[str, deque[float]] = {}
+
+    def observe(self, kind: str, seconds: float) -> None:
+        if seconds < 0:
+            return
+        self._gaps.setdefault(kind, deque(maxlen=self.window)).append(seconds)
+
+    def samples(self, kind: str) -> list[float]:
+        """The kind's recent gaps, sorted (empty when none were seen)."""
+        return sorted(self._gaps.get(kind, ()))
+
+
+def hold_seconds(
+    gaps: Sequence[float],
+    *,
+    kv_capacity_tokens: int,
+    prefill_tokens_per_s: float,
+    max_hold_s: float,
+) -> float:
+    """How long to hold a chain's context after its hop (see the module docstring).
+    `gaps`: the learned gaps, sorted ascending. Independent of the context's size."""
+    if kv_capacity_tokens <= 0:
+        return max_hold_s  # unknown memory: nothing to price it by
+    # Per token: holding 1 s costs 1/capacity GPU-s; re-prefilling costs 1/rate GPU-s.
+    break_even_s = kv_capacity_tokens / prefill_tokens_per_s
+    if not gaps:
+        return min(break_even_s, max_hold_s)
+    n = len(gaps)
+    best_t, best_cost = 0.0, 1.0 / prefill_tokens_per_s  # T = 0: always re-prefill
+    prefix_sum = 0.0
+    for i, t in enumerate(gaps):
+        if t > max_hold_s:
+            break
+        prefix_sum += t  # gaps[0..i] end within T = t
+        expected_hold = (prefix_sum + t * (n - i - 1)) / n  # E[min(g, t)]
+        missed = (n - i - 1) / n  # P(g > t): the context was let go, re-prefilled
+        cost = expected_hold / kv_capacity_tokens + missed / prefill_tokens_per_s
+        if cost < best_cost:
+            best_t, best_cost = t, cost
+    return best_t

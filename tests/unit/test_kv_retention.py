@@ -1,0 +1,196 @@
+"""Priced KV retention across tool calls (`inferx.scheduling.retention` and how the
+chain-aware policy uses it): how long a chain's context is held between its hops, that
+the hold is real (nothing is admitted over it, on the chain's own worker either), that
+realtime may use room held for less urgent tiers, and the per-chain budget for giving
+way to realtime hops."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from inferx.scheduling.chain_aware import ChainAwareConfig, ChainAwarePolicy
+from inferx.scheduling.queue import DispatchQueue
+from inferx.scheduling.retention import GapModel, hold_seconds
+from inferx.scheduling.views import TIER_BATCH, TIER_REALTIME, TIER_STANDARD, HopView, WorkerSlots
+
+RATE = 15_000.0  # prefill tokens/s
+BIG_KV = 450_000  # break-even hold: 30 s
+SMALL_KV = 60_000  # break-even hold: 4 s
+
+
+def hold(gaps: list[float], capacity: int = BIG_KV, max_hold_s: float = 600.0) -> float:
+    return hold_seconds(
+        sorted(gaps), kv_capacity_tokens=capacity, prefill_tokens_per_s=RATE, max_hold_s=max_hold_s
+    )
+
+
+# ----- the price -----------------------------------------------------------------------
+
+
+def test_with_no_gaps_seen_it_holds_for_the_break_even_time() -> None:
+    assert hold([]) == pytest.approx(BIG_KV / RATE)
+    assert hold([], max_hold_s=10.0) == 10.0
+    assert hold([], capacity=0, max_hold_s=42.0) == 42.0  # unknown memory: nothing to price by
+
+
+def test_short_tool_calls_are_held_through_and_long_ones_are_not() -> None:
+    short = [0.5, 1.0, 1.5, 2.0] * 10
+    assert hold(short) == 2.0  # every short call is covered
+    assert hold([120.0, 300.0, 90.0] * 10) == 0.0  # minutes: re-prefilling is cheaper
+    # A mix (most calls short, one in ten a test run of minutes): hold through the
+    # short ones, let go of the context during the long ones.
+    assert hold(short + [180.0] * 4) == 2.0
+
+
+def test_a_small_kv_holds_for_less_time_than_a_large_one() -> None:
+    gaps = [1.0] * 10 + [10.0] * 10
+    assert hold(gaps, capacity=BIG_KV) == 10.0  # 10 s is under the 30 s break-even
+    assert hold(gaps, capacity=SMALL_KV) == 1.0  # ... but over the 4 s one
+
+
+@given(st.lists(st.floats(0.0, 1_000.0), max_size=50), st.integers(1_000, 2_000_000))
+def test_the_hold_is_never_longer_than_the_bound_and_is_an_observed_gap_or_zero(
+    gaps: list[float], capacity: int
+) -> None:
+    seconds = hold(gaps, capacity=capacity, max_hold_s=300.0)
+    assert 0.0 <= seconds <= 300.0
+    if gaps:
+        assert seconds == 0.0 or seconds in gaps
+
+
+def test_the_gap_model_keeps_a_bounded_window_per_kind() -> None:
+    model = GapModel(window=3)
+    for seconds in (5.0, 1.0, 3.0, 2.0, -1.0):  # a negative gap (clock skew) is ignored
+        model.observe("coding", seconds)
+    model.observe("chat", 9.0)
+    assert model.samples("coding") == [1.0, 2.0, 3.0]
+    assert model.samples("chat") == [9.0]
+    assert model.samples("unknown") == []
+
+
+# ----- in the policy -------------------------------------------------------------------
+
+CAPACITY = 100_000  # break-even hold at the default 15k tokens/s: 6.7 s
+ONE = {"p": [WorkerSlots("a", 8, CAPACITY)]}
+
+
+def policy(**config) -> tuple[DispatchQueue, ChainAwarePolicy]:
+    chosen = ChainAwarePolicy(ChainAwareConfig(realtime_guard=False, **config))
+    return DispatchQueue(policy=chosen), chosen
+
+
+def submit(q: DispatchQueue, run: str, now: float, hop: str = "0", **kw):
+    view = HopView("p", run, hop, **kw)
+    return q.submit("p", run, hop, now, view)
+
+
+def run_first_hop(q: DispatchQueue, run: str, now: float, context: int, **kw) -> None:
+    submit(q, run, now, remaining_hops=3, prompt_tokens=context - 100, max_tokens=100, **kw)
+    (hop,) = q.assign(ONE, now=now)
+    q.finished(hop, now + 1, context_tokens=context, service_s=1.0)
+
+
+def test_a_priced_hold_is_real_on_the_chains_own_worker_too() -> None:
+    q, chosen = policy()
+    run_first_hop(q, "held", 0.0, 60_000)  # held for the break-even time (6.7 s)
+    assert chosen.resident("a") == 60_000
+    run_first_hop(q, "other", 1.0, 20_000)  # its own worker is "a" too
+    assert chosen.resident("a") == 80_000
+    # "other" comes back with a much larger context: it would overflow the room held for
+    # "held", so it waits (the engine would otherwise evict "held"'s context) ...
+    submit(q, "other", 3.0, "1", hop_index=1, prompt_tokens=40_000, max_tokens=1_000)
+    assert q.assign(ONE, now=3.0) == []
+    # ... until the hold ends.
+    assert [h.run_id for h in q.assign(ONE, now=9.0)] == ["other"]
+
+
+def test_fixed_retention_only_keeps_other_chains_from_being_placed_there() -> None:
+    q, _ = policy(kv_retention="fixed", kv_warm_s=30.0)
+    run_first_hop(q, "held", 0.0, 60_000)
+    run_first_hop(q, "other", 1.0, 20_000)
+    submit(q, "other", 3.0, "1", hop_index=1, prompt_tokens=40_000, max_tokens=1_000)
+    assert [h.run_id for h in q.assign(ONE, now=3.0)] == ["other"]
+
+
+def test_a_chain_whose_gaps_are_long_lets_its_context_go_at_once() -> None:
+    q, chosen = policy()
+    for i in range(5):  # this program's tool calls have taken minutes
+        run_first_hop(q, f"c{i}", 1_000.0 * i, 10_000, prefix_id="coding-agent")
+        submit(q, f"c{i}", 1_000.0 * i + 200.0, "1", hop_index=1, remaining_hops=0, prefix_id="coding-agent")
+        (hop,) = q.assign(ONE, now=1_000.0 * i + 200.0)
+        q.finished(hop, 1_000.0 * i + 201.0)
+    run_first_hop(q, "next", 10_000.0, 10_000, prefix_id="coding-agent")
+    assert chosen.resident("a") == 0
+    # Another program (another prefix) has its own gaps: none seen, so break-even.
+    run_first_hop(q, "chat", 10_000.0, 10_000, prefix_id="chat-agent")
+    assert chosen.resident("a") == 10_000
+
+
+def test_realtime_may_use_room_held_for_a_less_urgent_tier_and_not_the_reverse() -> None:
+    q, _ = policy()
+    run_first_hop(q, "batch", 0.0, 60_000, tier=TIER_BATCH)
+    submit(q, "rt", 1.5, tier=TIER_REALTIME, prompt_tokens=40_000, max_tokens=1_000)
+    assert [h.run_id for h in q.assign(ONE, now=1.5)] == ["rt"]
+
+    q, _ = policy()
+    run_first_hop(q, "rt", 0.0, 60_000, tier=TIER_REALTIME)
+    submit(q, "batch", 1.5, tier=TIER_BATCH, prompt_tokens=40_000, max_tokens=1_000)
+    assert q.assign(ONE, now=1.5) == []
+
+
+def test_without_tiered_holds_realtime_waits_for_the_batch_hold_too() -> None:
+    q, _ = policy(tiered_holds=False)
+    run_first_hop(q, "batch", 0.0, 60_000, tier=TIER_BATCH)
+    submit(q, "rt", 1.5, tier=TIER_REALTIME, prompt_tokens=40_000, max_tokens=1_000)
+    assert q.assign(ONE, now=1.5) == []
+
+
+# ----- giving way to realtime: a budget per chain ----------------------------------------
+
+
+def guarded_queue(**config) -> DispatchQueue:
+    q = DispatchQueue(
+        policy=ChainAwarePolicy(ChainAwareConfig(guard_kv_share=0.25, heavy_prefill_tokens=10**9, **config))
+    )
+    submit(q, "rt", 0.0, tier=TIER_REALTIME, prompt_tokens=500, max_tokens=100)
+    q.assign(ONE, now=0.0)  # a realtime hop runs on "a" throughout
+    return q
+
+
+# 30k tokens of KV: over the guard's 25% share next to the realtime hop.
+BIG: dict[str, Any] = dict(
+    tier=TIER_STANDARD, prompt_tokens=29_000, max_tokens=1_000, deadline=50.0, remaining_critical_path_s=10.0
+)
+
+
+def test_a_chain_gives_way_to_realtime_for_at_most_its_share_of_slack_in_all() -> None:
+    q = guarded_queue(guard_slack_share=0.5)
+    submit(q, "std", 0.0, **BIG)  # 40 s of slack on arrival: it may wait 20 s in all
+    assert q.assign(ONE, now=5.0) == []
+    assert q.assign(ONE, now=19.0) == []
+    (first,) = q.assign(ONE, now=21.0)  # before the per-hop bound (30 s): the chain's budget is spent
+    assert first.run_id == "std"
+    q.finished(first, 22.0, context_tokens=30_000, service_s=1.0)
+    # Its next hop does not wait at all: the chain already gave way for its share.
+    submit(q, "std", 23.0, "1", hop_index=1, **BIG)
+    assert [h.run_id for h in q.assign(ONE, now=23.0)] == ["std"]
+
+
+def test_each_hop_gives_way_up_to_the_per_hop_bound_while_the_budget_lasts() -> None:
+    q = guarded_queue(guard_slack_share=10.0, guard_max_wait_s=5.0)  # a budget of 400 s
+    for k in range(3):
+        start = 10.0 * k
+        submit(q, "std", start, str(k), hop_index=k, **{**BIG, "deadline": 1_000.0})
+        assert q.assign(ONE, now=start + 4.0) == []
+        (hop,) = q.assign(ONE, now=start + 5.5)
+        q.finished(hop, start + 6.0, context_tokens=30_000, service_s=0.5)
+
+
+def test_a_late_hop_does_not_give_way() -> None:
+    q = guarded_queue()
+    submit(q, "late", 1.0, **{**BIG, "deadline": 20.0, "remaining_critical_path_s": 25.0})
+    assert [h.run_id for h in q.assign(ONE, now=1.0)] == ["late"]
