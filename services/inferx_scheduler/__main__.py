@@ -29,7 +29,12 @@ class SchedulerComponent(ServiceComponent):
             settings.policy,
             usable=self.health.usable,
             time_scale=settings.time_scale,
-            policy_options={"reuse_window_hops": settings.reuse_window_hops, "kv_warm_s": settings.kv_warm_s},
+            policy_options={
+                "reuse_window_hops": settings.reuse_window_hops,
+                "kv_retention": settings.kv_retention,
+                "max_hold_s": settings.max_hold_s,
+                "kv_warm_s": settings.kv_warm_s,
+            },
         )
         self.services = ServiceLocator(runtime.etcd)
         self._health_interval_s = settings.health_check_interval_s

@@ -1,5 +1,7 @@
 """Options of `inferx-scheduler` (flags or INFERX_* environment variables)."""
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 
 from inferx.settings import ServiceSettings
@@ -34,11 +36,18 @@ class SchedulerSettings(ServiceSettings):
         description="chain-aware: a chain keeps its worker (where its prefix is cached) for this many "
         "hops, then is placed by load again; 0 = for as long as the worker has room",
     )
+    kv_retention: Literal["priced", "fixed"] = Field(
+        "priced",
+        description="chain-aware: between its hops (tool calls) a chain's context is held on its worker "
+        "(no hop is admitted over it) for as long as that is expected to cost less than re-prefilling it, "
+        "learned from the gaps seen so far (priced), or for --kv-warm-s (fixed)",
+    )
+    max_hold_s: float = Field(600.0, gt=0, description="chain-aware, priced retention: the longest hold")
     kv_warm_s: float = Field(
         30.0,
         gt=0,
-        description="chain-aware: between its hops (tool calls) a chain's context is held on its worker "
-        "this long, so other work is not placed over it",
+        description="chain-aware, fixed retention: between its hops (tool calls) a chain's context is held "
+        "on its worker this long, so other chains are not placed over it",
     )
     time_scale: float = Field(
         1.0,
