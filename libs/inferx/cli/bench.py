@@ -5,6 +5,8 @@
   inferx bench --simulate         the same as `inferx sim`
   inferx bench --engine sim       replay the trace on a live local stack per policy
                                   (SIMULATED sim workers, time-compressed by --speed)
+  inferx bench --overhead         what a hop through router + scheduler adds to a
+                                  direct worker call (one SIMULATED sim worker)
   inferx bench --scenario seed-agent --engine vllm
                                   the seed-shaped agent chain on real vLLM workers,
                                   InferX on vs the reference: round-robin in front
@@ -47,13 +49,19 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 class ChainRateColumn(ProgressColumn):
-    """Chains finished per wall-clock second, as rich measures the task's speed."""
+    """Chains (or other units) finished per wall-clock second, as rich measures the
+    task's speed."""
+
+    def __init__(self, unit: str = "chains") -> None:
+        super().__init__()
+        self.unit = unit
 
     def render(self, task: Task) -> Text:
-        return Text("-- chains/s" if task.speed is None else f"{task.speed:.2f} chains/s", style="dim")
+        speed = "--" if task.speed is None else f"{task.speed:.2f}"
+        return Text(f"{speed} {self.unit}/s", style="dim")
 
 
-def _progress_factory(enabled: bool) -> runner.ProgressFactory:
+def _progress_factory(enabled: bool, unit: str = "chains") -> runner.ProgressFactory:
     @contextmanager
     def progress(label: str, total: int) -> Iterator[Callable[[int], None]]:
         if not enabled:
@@ -63,7 +71,7 @@ def _progress_factory(enabled: bool) -> runner.ProgressFactory:
             TextColumn("{task.description}"),
             BarColumn(),
             MofNCompleteColumn(),
-            ChainRateColumn(),
+            ChainRateColumn(unit),
             TimeElapsedColumn(),
             TimeRemainingColumn(),
             console=err,
@@ -261,6 +269,16 @@ async def cmd_router(args: argparse.Namespace) -> int:
 
 
 async def cmd_bench(args: argparse.Namespace) -> int:
+    if args.overhead:
+        from inferx.cli.overhead import DEFAULT_SPEED, check_args, cmd_overhead
+
+        if not args.speed_given:
+            args.speed = DEFAULT_SPEED
+        check_args(args)
+        if args.policy:
+            runner.check_policies([args.policy])
+        saved = _Results(args, "overhead")
+        return await cmd_overhead(args, _progress_factory(not args.json, "calls"), out, err, saved)
     if args.scenario == "seed-agent":
         return await cmd_seed_agent(args)
     if args.router:
@@ -360,6 +378,30 @@ def _seed_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--model-path", default=".inferx/models/tiny-llama", help="vLLM model (the tiny local model)"
+    )
+
+
+def _overhead_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("--overhead")
+    group.add_argument(
+        "--overhead",
+        action="store_true",
+        help="start a local stack with one SIMULATED sim worker (--speed, default 10000: engine "
+        "time ~0) and measure side by side a direct worker Generate, a 1-hop and an N-hop chain "
+        "through the router: latency, added latency per hop, throughput",
+    )
+    group.add_argument("--hops", type=int, default=4, help="--overhead: hops of the long chain (4)")
+    group.add_argument(
+        "--count", type=int, default=300, help="--overhead: sequential calls measured per path (300)"
+    )
+    group.add_argument(
+        "--warmup", type=int, default=30, help="--overhead: sequential calls before those, not measured (30)"
+    )
+    group.add_argument(
+        "--concurrency", type=int, default=16, help="--overhead: closed-loop callers for throughput (16)"
+    )
+    group.add_argument(
+        "--load-calls", type=int, default=1000, help="--overhead: closed-loop calls per path (1000)"
     )
 
 
@@ -498,7 +540,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--speed",
         type=float,
         help="live: engines and the trace run this many times faster than real time "
-        "(default 4 with --engine sim; 1 with --router, unless its workers run faster)",
+        "(default 4 with --engine sim; 1 with --router, unless its workers run faster; "
+        "10000 with --overhead)",
     )
     bench.add_argument("--timeout", type=float, default=900.0, help="live: give up after S wall seconds")
     bench.add_argument("--max-chains", type=int, help="live: only the first N chains of the trace")
@@ -511,6 +554,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "vLLM, prefix caching on (see docs/benchmarks.md)",
     )
     _seed_arguments(bench)
+    _overhead_arguments(bench)
     bench.set_defaults(handler=lambda a: _with_defaults(a, cmd_bench))
 
     trace = sub.add_parser("workload", help="generate a JSONL agent-chain workload trace")
