@@ -1,3 +1,7 @@
 """InferX: schedules whole AI-agent chains over inference engines."""
 
 __version__ = "0.1.0"
+
+# Where the CLI and the SDK find the router unless told (here: the parser needs it
+# without importing the gRPC client).
+DEFAULT_ROUTER = "127.0.0.1:50051"

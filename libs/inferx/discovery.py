@@ -11,16 +11,11 @@ from google.protobuf import json_format
 
 from inferx import etcd, telemetry
 from inferx.v1 import common_pb2
+from inferx.wire import CHANNEL_OPTIONS
 
 log = logging.getLogger(__name__)
 
-# Keep idle channels healthy, and let big prompts through.
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.enable_retries", 0),
-]
+__all__ = ["CHANNEL_OPTIONS", "ChannelPool", "ServiceLocator"]
 
 
 class ChannelPool:

@@ -58,20 +58,18 @@ class SchedulerComponent(ServiceComponent):
 
         self.workers = etcd.PrefixMirror(runtime.etcd, etcd.WORKERS, on_workers)
         self.models = etcd.PrefixMirror(runtime.etcd, etcd.MODELS, self.directory.update_models)
-        scheduler_pb2_grpc.add_SchedulerServicer_to_server(
-            SchedulerServicer(
-                self.dispatcher,
-                self.services,
-                self.channels,
-                settings.reserve_kv,
-                self.health,
-                settings.max_redispatch,
-                holder=runtime.instance_id,
-                lookahead=self.lookahead,
-                max_kv_wait_s=settings.max_kv_wait_s,
-            ),
-            runtime.server,
+        self.servicer = SchedulerServicer(
+            self.dispatcher,
+            self.services,
+            self.channels,
+            settings.reserve_kv,
+            self.health,
+            settings.max_redispatch,
+            holder=runtime.instance_id,
+            lookahead=self.lookahead,
+            max_kv_wait_s=settings.max_kv_wait_s,
         )
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(self.servicer, runtime.server)
 
     async def ready(self) -> None:
         for mirror in (self.workers, self.models, self.services.mirror):
@@ -81,6 +79,7 @@ class SchedulerComponent(ServiceComponent):
         self.health.start(self._health_interval_s)
 
     async def stop(self) -> None:
+        await self.servicer.drain_releases()  # before the channels close under them
         if self.lookahead is not None:
             await self.lookahead.close()
         await self.health.close()

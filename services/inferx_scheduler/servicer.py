@@ -75,6 +75,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._holder = holder  # this instance: the memory-pool drops our reservations if it dies
         self._lookahead = lookahead if reserve_kv else None
         self._max_kv_wait_s = max_kv_wait_s
+        self._releases: set[asyncio.Task[None]] = set()  # releases still on their way
 
     async def SubmitHop(self, request: scheduler_pb2.HopRequest, context: grpc.aio.ServicerContext):
         if not request.model:
@@ -206,7 +207,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             error.message = f"worker {worker_id}: {error.message}"
             raise error from None
         finally:
-            await self._release(reservation)
+            self._release_soon(reservation)
 
     async def _reserve(
         self, worker_id: str, view: HopView, context, ahead: AheadHold | None = None
@@ -264,6 +265,24 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             else:
                 log.info("memory-pool reachable again: full concurrency")
             self._dispatcher.conservative = on
+
+    def _release_soon(self, reservation_id: str | None) -> None:
+        """Release the hop's reservation without holding the hop's stream open for the
+        memory-pool's reply: the router reads a hop's stream to its end, so an awaited
+        Release was one more round trip on every hop's critical path (issue #14: ~0.9 ms
+        of ~4.3 ms per hop on a 2-core box). The request is sent at once, before the
+        chain's next hop can reserve, and a refusal in the meantime only makes that hop
+        wait for room. `drain_releases` lets the scheduler's shutdown finish them."""
+        if not reservation_id:
+            return
+        task = asyncio.create_task(self._release(reservation_id))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def drain_releases(self) -> None:
+        """Wait for the releases still on their way (each is bounded by its timeout)."""
+        if self._releases:
+            await asyncio.gather(*list(self._releases), return_exceptions=True)
 
     async def _release(self, reservation_id: str | None) -> None:
         if not reservation_id:

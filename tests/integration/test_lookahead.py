@@ -83,9 +83,14 @@ async def test_next_big_model_hop_runs_where_room_was_reserved(two_pool_stack: L
     used = total(scheduler, "inferx_scheduler_lookahead_total", pool="big", outcome="used")
     assert reserved == runs, scheduler
     assert used == runs  # every answer hop ran on the worker its room was kept on
-    usage = await _usage(two_pool_stack)
-    assert _lookahead_tokens(usage) == 0  # replaced by the hops' own reservations, then released
-    assert sum(w.reserved_tokens for w in usage.workers) == 0
+    # The hops' own reservations replaced the look-ahead ones, then were released: a
+    # release is sent as the hop ends, not awaited before its stream closes, so poll.
+
+    async def all_released() -> bool:
+        usage = await _usage(two_pool_stack)
+        return _lookahead_tokens(usage) == 0 and sum(w.reserved_tokens for w in usage.workers) == 0
+
+    await poll_until(all_released, timeout_s=5, what="every reservation to be released")
 
 
 async def _submit_with_successor(stack: LocalStack, run_id: str) -> None:

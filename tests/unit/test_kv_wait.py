@@ -3,6 +3,8 @@ engine would queue it) instead of failing after a fixed short time."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
@@ -13,6 +15,7 @@ from inferx.scheduling.views import HopView, Tier
 from inferx.v1 import memory_pool_pb2, memory_pool_pb2_grpc
 from inferx_scheduler.dispatcher import HopDispatcher
 from inferx_scheduler.servicer import SchedulerServicer
+from tests.polling import poll_until
 
 
 class FullUntil(memory_pool_pb2_grpc.MemoryPoolServicer):
@@ -116,3 +119,41 @@ async def test_without_a_deadline_the_wait_is_bounded_by_max_kv_wait(memory_pool
     finally:
         await channels.close()
     assert len(pool.requests) == 3  # 0.05 + 0.1 fit in 0.2 s; 0.2 more does not
+
+
+class SlowRelease(memory_pool_pb2_grpc.MemoryPoolServicer):
+    """Answers Release only when the test lets it."""
+
+    def __init__(self) -> None:
+        self.received: list[str] = []
+        self.answer = asyncio.Event()
+
+    async def Release(self, request, context):
+        self.received.append(request.reservation_id)
+        await self.answer.wait()
+        return memory_pool_pb2.ReleaseResponse(released=True)
+
+
+async def test_a_release_is_sent_without_holding_up_the_hop_and_drained_at_shutdown() -> None:
+    """The hop's stream must not wait for the memory-pool's answer to Release (one round
+    trip per hop, issue #14), yet the release is sent, and shutdown waits for it."""
+    pool = SlowRelease()
+    server = grpc.aio.server()
+    memory_pool_pb2_grpc.add_MemoryPoolServicer_to_server(pool, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channels = ChannelPool()
+    try:
+        servicer = scheduler(f"127.0.0.1:{port}", channels, max_kv_wait_s=1.0)
+        servicer._release_soon("r1")  # returns at once, while the pool holds its answer
+        servicer._release_soon(None)  # no reservation (KV reservation off): nothing to send
+        drained = asyncio.create_task(servicer.drain_releases())
+        await poll_until(lambda: pool.received == ["r1"], timeout_s=5, what="the Release to arrive")
+        await asyncio.sleep(0.05)
+        assert not drained.done()  # shutdown waits for the answer ...
+        pool.answer.set()
+        await asyncio.wait_for(drained, 5)  # ... and then finishes
+        assert servicer._releases == set()
+    finally:
+        await channels.close()
+        await server.stop(0)

@@ -5,6 +5,8 @@
   inferx bench --simulate         the same as `inferx sim`
   inferx bench --engine sim       replay the trace on a live local stack per policy
                                   (SIMULATED sim workers, time-compressed by --speed)
+  inferx bench --overhead         what a hop through router + scheduler adds to a
+                                  direct worker call (one SIMULATED sim worker)
   inferx bench --scenario seed-agent --engine vllm
                                   the seed-shaped agent chain on real vLLM workers,
                                   InferX on vs the reference: round-robin in front
@@ -47,13 +49,19 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 class ChainRateColumn(ProgressColumn):
-    """Chains finished per wall-clock second, as rich measures the task's speed."""
+    """Chains (or other units) finished per wall-clock second, as rich measures the
+    task's speed."""
+
+    def __init__(self, unit: str = "chains") -> None:
+        super().__init__()
+        self.unit = unit
 
     def render(self, task: Task) -> Text:
-        return Text("-- chains/s" if task.speed is None else f"{task.speed:.2f} chains/s", style="dim")
+        speed = "--" if task.speed is None else f"{task.speed:.2f}"
+        return Text(f"{speed} {self.unit}/s", style="dim")
 
 
-def _progress_factory(enabled: bool) -> runner.ProgressFactory:
+def _progress_factory(enabled: bool, unit: str = "chains") -> runner.ProgressFactory:
     @contextmanager
     def progress(label: str, total: int) -> Iterator[Callable[[int], None]]:
         if not enabled:
@@ -63,7 +71,7 @@ def _progress_factory(enabled: bool) -> runner.ProgressFactory:
             TextColumn("{task.description}"),
             BarColumn(),
             MofNCompleteColumn(),
-            ChainRateColumn(),
+            ChainRateColumn(unit),
             TimeElapsedColumn(),
             TimeRemainingColumn(),
             console=err,
@@ -261,6 +269,16 @@ async def cmd_router(args: argparse.Namespace) -> int:
 
 
 async def cmd_bench(args: argparse.Namespace) -> int:
+    if args.overhead:
+        from inferx.cli.overhead import DEFAULT_SPEED, check_args, cmd_overhead
+
+        if not args.speed_given:
+            args.speed = DEFAULT_SPEED
+        check_args(args)
+        if args.policy:
+            runner.check_policies([args.policy])
+        saved = _Results(args, "overhead")
+        return await cmd_overhead(args, _progress_factory(not args.json, "calls"), out, err, saved)
     if args.scenario == "seed-agent":
         return await cmd_seed_agent(args)
     if args.router:
@@ -351,18 +369,6 @@ async def cmd_seed_agent(args: argparse.Namespace) -> int:
     return 0
 
 
-def _seed_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("--scenario seed-agent")
-    group.add_argument("--chains", type=int, default=60, help="chains to run per configuration (60)")
-    group.add_argument("--max-tokens", type=int, default=16, help="completion tokens per model call (16)")
-    group.add_argument(
-        "--tool-median-ms", type=float, default=300.0, help="knowledge-tool latency median (300 ms)"
-    )
-    group.add_argument(
-        "--model-path", default=".inferx/models/tiny-llama", help="vLLM model (the tiny local model)"
-    )
-
-
 def cmd_trace(args: argparse.Namespace) -> int:
     mix: dict[str, float] = {}
     for part in args.mix.split(","):
@@ -385,144 +391,3 @@ def cmd_trace(args: argparse.Namespace) -> int:
     kinds = {k: sum(1 for c in trace.chains if c.kind == k) for k in mix}
     out.print(f"wrote {len(trace.chains)} chains to {args.out} ({kinds}, seed {args.seed})")
     return 0
-
-
-def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", help="JSONL trace (default: benchmarks/default_trace.jsonl)")
-    parser.add_argument(
-        "--results",
-        metavar="FILE",
-        help="write the raw results here, as they come in and before any table "
-        f"(default: {results.RESULTS_DIR}/<UTC time>-<kind>.json)",
-    )
-    parser.add_argument(
-        "--compare",
-        nargs="+",
-        metavar="POLICY",
-        default=None,
-        help="policies to run on the same trace (default: round-robin chain-aware; `baseline` "
-        "is accepted for round-robin); with --scenario seed-agent, configurations "
-        "(default: reference on; also no-affinity)",
-    )
-    parser.add_argument("--policy", help="run one policy instead of comparing")
-    parser.add_argument("--workers", type=int, default=None, help="model workers (default 4; seed-agent 2)")
-    load = parser.add_mutually_exclusive_group()
-    load.add_argument("--rate", type=float, help="chain arrivals per second (virtual time)")
-    load.add_argument(
-        "--load",
-        type=float,
-        default=0.8,
-        help="fraction of round-robin's saturation rate (default 0.8)",
-    )
-    parser.add_argument("--duration", type=float, help="only chains arriving in the first S s")
-    parser.add_argument("--profile", help="engine calibration file (YAML/JSON)")
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.add_argument(
-        "--capacity",
-        action="store_true",
-        help="simulator: find each policy's capacity at SLO (>= 99%% realtime and >= 95%% of all "
-        "chains meet their SLO) by bisecting the arrival rate; --rate sets where the search starts",
-    )
-    parser.add_argument(
-        "--seeds",
-        type=int,
-        default=1,
-        help="--capacity: repeat on N traces (seeds from the trace's own, or from --seed with "
-        "--workload) and report the median and spread (default 1)",
-    )
-    parser.add_argument(
-        "--workload",
-        choices=("mix", "coding", "research"),
-        help="--capacity: generate the trace (mix = chat/bfcl/swe; coding = long-context coding "
-        "agent; research = deep-research agent, parallel branches joined by a report) instead of --trace",
-    )
-    parser.add_argument("--seed", type=int, default=1, help="--workload: the first trace seed (default 1)")
-    parser.add_argument(
-        "--option",
-        action="append",
-        metavar="KEY=VALUE",
-        help="simulator: a policy option (e.g. realtime_guard=false for an ablation); "
-        "given to the compared policies that take it",
-    )
-    parser.add_argument(
-        "--plot",
-        metavar="FILE",
-        help="--capacity: draw SLO attainment and P99 latency against arrival rate, per policy, "
-        "capacity marked (PNG/SVG/PDF by the file's extension; first seed)",
-    )
-
-
-def _defaults(args: argparse.Namespace) -> None:
-    args.workers_given = args.workers is not None
-    args.compare_given = bool(args.compare)
-    args.speed_given = getattr(args, "speed", None) is not None
-    if not args.speed_given:
-        args.speed = 4.0
-    if args.workers is None:
-        args.workers = 4
-    if getattr(args, "scenario", None):
-        return  # cmd_seed_agent resolves its configuration names
-    if args.policy:
-        args.compare = None
-    elif not args.compare:
-        args.compare = ["round-robin", "chain-aware"]
-
-
-def _with_defaults(args: argparse.Namespace, command) -> int:
-    _defaults(args)
-    return command(args)
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    sim = sub.add_parser("sim", help="replay a trace through the policies in virtual time")
-    _common(sim)
-    sim.set_defaults(handler=lambda a: _with_defaults(a, cmd_sim), simulate=True)
-
-    bench = sub.add_parser("bench", help="benchmark the scheduling policies on a trace")
-    _common(bench)
-    bench.add_argument("--simulate", action="store_true", help="same as `inferx sim`")
-    bench.add_argument(
-        "--engine",
-        choices=("sim", "vllm"),
-        help="live: start a local stack with this engine per policy",
-    )
-    bench.add_argument(
-        "--router",
-        help="replay the trace against a running stack (HOST:PORT of its router), once, with the "
-        "policy its scheduler runs",
-    )
-    bench.add_argument(
-        "--model", help="--router: the model to send the trace's hops to (default: its only pool)"
-    )
-    bench.add_argument(
-        "--speed",
-        type=float,
-        help="live: engines and the trace run this many times faster than real time "
-        "(default 4 with --engine sim; 1 with --router, unless its workers run faster)",
-    )
-    bench.add_argument("--timeout", type=float, default=900.0, help="live: give up after S wall seconds")
-    bench.add_argument("--max-chains", type=int, help="live: only the first N chains of the trace")
-    bench.add_argument("--state-dir", help="live: keep each stack's state and logs under DIR/<name>")
-    bench.add_argument(
-        "--scenario",
-        choices=("seed-agent",),
-        help="seed-agent: an 8-call agent chain with knowledge-tool calls on real vLLM, "
-        "InferX (affinity + tool cache) vs the reference: round-robin in front of stock "
-        "vLLM, prefix caching on (see docs/benchmarks.md)",
-    )
-    _seed_arguments(bench)
-    bench.set_defaults(handler=lambda a: _with_defaults(a, cmd_bench))
-
-    trace = sub.add_parser("workload", help="generate a JSONL agent-chain workload trace")
-    trace.add_argument("-o", "--out", required=True, help="output file")
-    trace.add_argument("--seed", type=int, default=4)
-    trace.add_argument("--duration", type=float, default=900.0, help="arrival window (s)")
-    trace.add_argument("--rate", type=float, default=1.0, help="chains per second")
-    trace.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
-    trace.add_argument(
-        "--mix",
-        default="chat=0.45,bfcl=0.4,swe=0.15",
-        help="KIND=WEIGHT,... (kinds: chat, bfcl, swe, coding, research)",
-    )
-    trace.add_argument("--profile", help="engine calibration used to set SLOs")
-    trace.set_defaults(handler=cmd_trace)

@@ -1,25 +1,33 @@
 """`inferx`: the command-line interface. Human output by default, `--json` for scripts.
-Every failure is one line on stderr and a non-zero exit; never a traceback."""
+Every failure is one line on stderr and a non-zero exit; never a traceback.
+
+Start-up time matters (`inferx run` is called from scripts and agents): building the
+parser imports nothing heavy, and each command imports what it needs (the gRPC client
+and protobuf for calls, the benchmark and simulator code for `inferx bench`) when it
+runs."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import getpass
 import json
 import os
 import sys
 import time
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from google.protobuf import json_format
 from rich.console import Console
 from rich.table import Table
 
-from inferx.cli import bench, observe
-from inferx.client import DEFAULT_ROUTER, InferxClient
+from inferx import DEFAULT_ROUTER
+from inferx.cli import bench_args, observe
 from inferx.errors import InferxError
-from inferx.v1 import router_pb2
+
+if TYPE_CHECKING:
+    from inferx.client import InferxClient
+    from inferx.v1 import router_pb2
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -29,7 +37,15 @@ def _router_default() -> str:
     return os.environ.get("INFERX_ROUTER", DEFAULT_ROUTER)
 
 
+def _client(args: argparse.Namespace) -> InferxClient:
+    from inferx.client import InferxClient
+
+    return InferxClient(args.router)
+
+
 def _msg_json(message) -> dict:
+    from google.protobuf import json_format
+
     return json_format.MessageToDict(message, preserving_proto_field_name=True)
 
 
@@ -99,7 +115,7 @@ def _print_run(finished: router_pb2.ChainFinished, chain: str) -> None:
 async def cmd_run(args: argparse.Namespace) -> int:
     if args.version and args.label:
         raise InferxError("give --version or --label, not both")
-    async with InferxClient(args.router) as client:
+    async with _client(args) as client:
         finished = None
         async for event in client.run_chain(
             args.chain,
@@ -146,7 +162,7 @@ def cmd_chain_schema(args: argparse.Namespace) -> int:
 
 async def cmd_chain_put(args: argparse.Namespace) -> int:
     text = _read_file(args.file)
-    async with InferxClient(args.router) as client:
+    async with _client(args) as client:
         reply = await client.put_chain(
             text,
             message=args.message or "",
@@ -163,7 +179,7 @@ async def cmd_chain_put(args: argparse.Namespace) -> int:
 
 
 async def cmd_chain_get(args: argparse.Namespace) -> int:
-    async with InferxClient(args.router) as client:
+    async with _client(args) as client:
         reply = await client.get_chain(args.name, version=args.version, label=args.label or "")
     if args.json:
         print(json.dumps(_msg_json(reply), indent=2))
@@ -176,7 +192,7 @@ async def cmd_chain_get(args: argparse.Namespace) -> int:
 
 
 async def cmd_chain_list(args: argparse.Namespace) -> int:
-    async with InferxClient(args.router) as client:
+    async with _client(args) as client:
         reply = await client.list_chains()
     if args.json:
         print(json.dumps(_msg_json(reply).get("chains", []), indent=2))
@@ -197,7 +213,7 @@ async def cmd_chain_list(args: argparse.Namespace) -> int:
 
 
 async def cmd_chain_history(args: argparse.Namespace) -> int:
-    async with InferxClient(args.router) as client:
+    async with _client(args) as client:
         history = await client.chain_history(args.name)
     if args.json:
         print(json.dumps(_msg_json(history), indent=2))
@@ -220,7 +236,7 @@ async def cmd_chain_history(args: argparse.Namespace) -> int:
 
 
 async def cmd_chain_diff(args: argparse.Namespace) -> int:
-    async with InferxClient(args.router) as client:
+    async with _client(args) as client:
         diff = await client.diff_chain(args.name, args.v1, args.v2)
     if args.json:
         print(json.dumps({"diff": diff}))
@@ -234,7 +250,7 @@ async def cmd_chain_diff(args: argparse.Namespace) -> int:
 
 
 async def cmd_chain_label(args: argparse.Namespace) -> int:
-    async with InferxClient(args.router) as client:
+    async with _client(args) as client:
         previous = await client.label_chain(args.name, args.label, args.version)
     if args.json:
         print(json.dumps({"name": args.name, "label": args.label, "version": args.version}))
@@ -245,7 +261,7 @@ async def cmd_chain_label(args: argparse.Namespace) -> int:
 
 
 async def cmd_chain_rollback(args: argparse.Namespace) -> int:
-    async with InferxClient(args.router) as client:
+    async with _client(args) as client:
         reply = await client.rollback_chain(args.name, args.to)
     if args.json:
         print(json.dumps(_msg_json(reply)))
@@ -266,7 +282,7 @@ def _reserved_cell(row) -> str:
 
 
 async def cmd_status(args: argparse.Namespace) -> int:
-    async with InferxClient(args.router) as client:
+    async with _client(args) as client:
         status = await client.status()
     if args.json:
         print(json.dumps(_msg_json(status), indent=2))
@@ -312,7 +328,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
 
 
 async def cmd_cache_invalidate(args: argparse.Namespace) -> int:
-    async with InferxClient(args.router) as client:
+    async with _client(args) as client:
         reply = await client.invalidate_tool_cache(args.tool, args.arguments or "")
     if args.json:
         print(json.dumps(_msg_json(reply)))
@@ -326,7 +342,7 @@ async def cmd_cache_invalidate(args: argparse.Namespace) -> int:
 
 
 async def cmd_cache_stats(args: argparse.Namespace) -> int:
-    async with InferxClient(args.router) as client:
+    async with _client(args) as client:
         stats = await client.tool_cache_stats()
     if args.json:
         print(json.dumps(_msg_json(stats), indent=2))
@@ -431,12 +447,14 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(handler=cmd_status)
 
     up = sub.add_parser("up", help="start etcd and every service locally (what `make run` does)")
-    standalone = _standalone_engines()
     up.add_argument(
         "--engine",
-        choices=standalone,  # registered engines that need no outside server; see `inferx engines`
+        # Registered engines that need no outside server (see `inferx engines`), looked
+        # up only when `up` is used: the registry imports every engine module.
+        choices=_LazyChoices(_standalone_engines),
+        metavar="ENGINE",  # a metavar: argparse would list (so load) the choices at once
         default="vllm",
-        help=f"one of {', '.join(standalone)} (default vllm; sim is a SIMULATED latency model)",
+        help="one of %(choices)s (default vllm; sim is a SIMULATED latency model)",
     )
     up.add_argument("--workers", type=int, default=1, help="model-workers to start")
     up.set_defaults(handler=cmd_up)
@@ -445,8 +463,30 @@ def build_parser() -> argparse.ArgumentParser:
     policies = sub.add_parser("policies", help="the scheduling policies this install has")
     policies.set_defaults(handler=cmd_policies)
     observe.register(sub)
-    bench.register(sub)
+    bench_args.register(sub)
     return parser
+
+
+class _LazyChoices:
+    """argparse `choices` computed on first use (a value to check, a help to print)."""
+
+    def __init__(self, load: Callable[[], list[str]]) -> None:
+        self._load = load
+        self._items: list[str] | None = None
+
+    def _get(self) -> list[str]:
+        if self._items is None:
+            self._items = self._load()
+        return self._items
+
+    def __contains__(self, value: object) -> bool:
+        return value in self._get()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
 
 
 def _standalone_engines() -> list[str]:
@@ -481,7 +521,12 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         result = args.handler(args)
-        code = asyncio.run(result) if asyncio.iscoroutine(result) else result
+        if isinstance(result, Coroutine):
+            import asyncio
+
+            code = asyncio.run(result)
+        else:
+            code = result
     except InferxError as exc:
         name = exc.code.name if type(exc) is not InferxError else "error"
         err.print(f"inferx: {name}: {exc.message}" if name != "error" else f"inferx: error: {exc.message}")

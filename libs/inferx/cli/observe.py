@@ -12,13 +12,15 @@ import math
 import os
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from google.protobuf import json_format
 from rich.console import Console
 from rich.text import Text
 
-from inferx.client import DEFAULT_ROUTER, InferxClient
-from inferx.v1 import router_pb2
+from inferx import DEFAULT_ROUTER
+
+if TYPE_CHECKING:  # imported by the commands that call the router (start-up time)
+    from inferx.v1 import router_pb2
 
 WIDTH = 80
 NAME_W = 20
@@ -140,6 +142,11 @@ def waterfall(trace: router_pb2.RunTrace, width: int = WIDTH) -> list[Text]:
 
 
 async def cmd_trace(args: argparse.Namespace) -> int:
+    from google.protobuf import json_format
+
+    from inferx.client import InferxClient
+    from inferx.v1 import router_pb2
+
     async with InferxClient(args.router) as client:
         trace = await client._unary(
             client._stub.GetRun, router_pb2.GetRunRequest(run_id=args.run_id or "", chain=args.chain or "")
@@ -201,6 +208,11 @@ def stats_lines(stats: router_pb2.ChainStats, width: int = WIDTH) -> list[Text]:
 
 
 async def cmd_stats(args: argparse.Namespace) -> int:
+    from google.protobuf import json_format
+
+    from inferx.client import InferxClient
+    from inferx.v1 import router_pb2
+
     async with InferxClient(args.router) as client:
         stats = await client._unary(
             client._stub.GetChainStats, router_pb2.GetChainStatsRequest(chain=args.chain, last=args.last)

@@ -1,0 +1,208 @@
+"""`inferx bench --overhead` (I/O): start a local stack (the one bootstrap,
+`inferx.devstack.LocalStack`) with one SIMULATED sim worker at a very high
+--sim-speed, then measure the direct worker call, a 1-hop and an N-hop chain through
+the router, one after the other in one run. See `inferx.bench.overhead` for what is
+derived from the samples.
+
+Both paths are called with plain gRPC stubs on plain channels (no client
+interceptors), so the difference between them is the serving path, not the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from inferx.bench.overhead import (
+    DIRECT,
+    MODEL,
+    PROMPT,
+    PathSamples,
+    chain_name,
+    chain_yaml,
+    path_name,
+)
+from inferx.bench.runner import ProgressFactory
+from inferx.devstack import LocalStack, StackPorts, wait_serving
+from inferx.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+CALL_TIMEOUT_S = 30.0
+READY_TIMEOUT_S = 60.0
+
+
+@dataclass
+class OverheadOptions:
+    hops: int = 4
+    count: int = 300  # sequential calls measured per path
+    warmup: int = 30  # sequential calls before them, not measured
+    concurrency: int = 16  # closed-loop callers
+    load_calls: int = 1000  # closed-loop calls per path
+    speed: float = 10_000.0  # the sim worker's --sim-speed
+    policy: str | None = None  # the scheduler's --policy (default: its own)
+    python: str = sys.executable  # what runs the services (a profiler wrapper, say)
+
+
+class CallFailed(Exception):
+    """One call that did not end as it should; the message says how."""
+
+
+def start_overhead_stack(state_dir: Path, options: OverheadOptions) -> LocalStack:
+    """etcd, router, scheduler, memory-pool, cache and one sim worker, all serving,
+    the model mapped and the 1-hop and N-hop chains stored."""
+    stack = LocalStack(state_dir, StackPorts.free(), lease_ttl_s=10, fresh_etcd=True, python=options.python)
+    try:
+        stack.start_etcd()
+        if options.policy:
+            stack.start_service("scheduler", ["--policy", options.policy])
+        stack.start_core()
+        stack.load_models({MODEL: MODEL})
+        stack.start_worker(MODEL, "sim", ["--sim-speed", str(options.speed)])
+        wait_serving(stack.workers[0], READY_TIMEOUT_S)
+        files = []
+        for hops in sorted({1, options.hops}):
+            path = state_dir / f"{chain_name(hops)}.yaml"
+            path.write_text(chain_yaml(hops))
+            files.append(path)
+        stack.put_chains(files, message="inferx bench --overhead")
+        return stack
+    except BaseException:
+        stack.stop()
+        raise
+
+
+Call = Callable[[], Awaitable[None]]
+
+
+def direct_call(stub: worker_pb2_grpc.ModelWorkerStub) -> Call:
+    request = worker_pb2.GenerateRequest(
+        context=common_pb2.HopContext(run_id="overhead", hop_id="direct"),
+        prompt=PROMPT,
+        sampling=common_pb2.SamplingOptions(max_tokens=1),
+    )
+
+    async def call() -> None:
+        last = None
+        async for chunk in stub.Generate(request, timeout=CALL_TIMEOUT_S):
+            last = chunk
+        if last is None or not last.finished:
+            raise CallFailed("Generate ended without its finished chunk")
+
+    return call
+
+
+def chain_call(stub: router_pb2_grpc.RouterStub, hops: int) -> Call:
+    request = router_pb2.RunChainRequest(chain=chain_name(hops))
+
+    async def call() -> None:
+        finished = None
+        async for event in stub.RunChain(request, timeout=CALL_TIMEOUT_S):
+            if event.HasField("chain_finished"):
+                finished = event.chain_finished
+        if finished is None:
+            raise CallFailed("RunChain ended without chain_finished")
+        if finished.status != "ok":
+            raise CallFailed(f"chain {finished.status}: {finished.error}")
+        if len(finished.hops) != hops:
+            raise CallFailed(f"chain reported {len(finished.hops)} hops, expected {hops}")
+
+    return call
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+async def _until_ready(call: Call, what: str) -> None:
+    """The router may not have seen the worker yet (etcd watch): retry until one call
+    succeeds, then measure."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        try:
+            await call()
+            return
+        except (grpc.aio.AioRpcError, CallFailed) as exc:
+            if time.monotonic() > deadline:
+                raise CallFailed(
+                    f"{what} still failing after {READY_TIMEOUT_S:.0f}s: {_describe(exc)}"
+                ) from None
+            await asyncio.sleep(0.2)
+
+
+async def measure_path(
+    samples: PathSamples, call: Call, options: OverheadOptions, progress: ProgressFactory
+) -> PathSamples:
+    """Sequential latency (warm-up, then `count` timed calls), then closed-loop
+    throughput (`concurrency` callers sharing `load_calls` calls)."""
+    await _until_ready(call, samples.name)
+
+    async def attempt() -> bool:
+        try:
+            await call()
+            return True
+        except (grpc.aio.AioRpcError, CallFailed) as exc:
+            if not samples.first_error:
+                samples.first_error = _describe(exc)
+            return False
+
+    clock = time.perf_counter
+    with progress(f"{samples.name}: sequential", options.warmup + options.count) as advance:
+        for i in range(options.warmup + options.count):
+            started = clock()
+            ok = await attempt()
+            elapsed_ms = (clock() - started) * 1000
+            if not ok:
+                samples.errors += 1
+            elif i >= options.warmup:
+                samples.latencies_ms.append(elapsed_ms)
+            advance(i + 1)
+
+    samples.concurrency = options.concurrency
+    issued = 0
+    with progress(f"{samples.name}: x{options.concurrency} closed loop", options.load_calls) as advance:
+
+        async def caller() -> None:
+            nonlocal issued
+            while issued < options.load_calls:
+                issued += 1
+                if await attempt():
+                    samples.load_calls += 1
+                else:
+                    samples.load_errors += 1
+                advance(samples.load_calls + samples.load_errors)
+
+        started = clock()
+        await asyncio.gather(*(caller() for _ in range(options.concurrency)))
+        samples.load_wall_s = clock() - started
+    return samples
+
+
+async def measure(
+    stack: LocalStack,
+    options: OverheadOptions,
+    progress: ProgressFactory,
+    on_path: Callable[[PathSamples], None] = lambda p: None,
+) -> list[PathSamples]:
+    """direct, 1-hop, N-hop, in that order; `on_path` gets each as soon as it is done."""
+    channel_options = [("grpc.max_receive_message_length", 64 << 20)]
+    done: list[PathSamples] = []
+    async with (
+        grpc.aio.insecure_channel(stack.workers[0].address, options=channel_options) as worker,
+        grpc.aio.insecure_channel(stack.router_address, options=channel_options) as router,
+    ):
+        worker_stub = worker_pb2_grpc.ModelWorkerStub(worker)
+        router_stub = router_pb2_grpc.RouterStub(router)
+        plan: list[tuple[PathSamples, Call]] = [(PathSamples(DIRECT, 1), direct_call(worker_stub))]
+        for hops in sorted({1, options.hops}):
+            plan.append((PathSamples(path_name(hops), hops), chain_call(router_stub, hops)))
+        for samples, call in plan:
+            done.append(await measure_path(samples, call, options, progress))
+            on_path(samples)
+    return done

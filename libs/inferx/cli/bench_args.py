@@ -1,0 +1,198 @@
+"""The `inferx sim`, `inferx bench` and `inferx workload` command lines: the parser
+only, cheap to import (`inferx --help` builds every parser). What runs a command is
+in `inferx.cli.bench`, imported when that command runs."""
+
+from __future__ import annotations
+
+import argparse
+
+# inferx.bench.results.RESULTS_DIR, spelled out: importing that module costs pydantic.
+RESULTS_DIR = ".inferx/bench-results"
+
+
+def _handler(name: str, *, defaults: bool = True):
+    """The command `inferx.cli.bench.<name>`, imported when it runs (after the defaults
+    that depend on other flags are filled in, for sim and bench)."""
+
+    def run(args: argparse.Namespace):
+        from inferx.cli import bench
+
+        if defaults:
+            _defaults(args)
+        return getattr(bench, name)(args)
+
+    return run
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", help="JSONL trace (default: benchmarks/default_trace.jsonl)")
+    parser.add_argument(
+        "--results",
+        metavar="FILE",
+        help="write the raw results here, as they come in and before any table "
+        f"(default: {RESULTS_DIR}/<UTC time>-<kind>.json)",
+    )
+    parser.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="POLICY",
+        default=None,
+        help="policies to run on the same trace (default: round-robin chain-aware; `baseline` "
+        "is accepted for round-robin); with --scenario seed-agent, configurations "
+        "(default: reference on; also no-affinity)",
+    )
+    parser.add_argument("--policy", help="run one policy instead of comparing")
+    parser.add_argument("--workers", type=int, default=None, help="model workers (default 4; seed-agent 2)")
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument("--rate", type=float, help="chain arrivals per second (virtual time)")
+    load.add_argument(
+        "--load",
+        type=float,
+        default=0.8,
+        help="fraction of round-robin's saturation rate (default 0.8)",
+    )
+    parser.add_argument("--duration", type=float, help="only chains arriving in the first S s")
+    parser.add_argument("--profile", help="engine calibration file (YAML/JSON)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument(
+        "--capacity",
+        action="store_true",
+        help="simulator: find each policy's capacity at SLO (>= 99%% realtime and >= 95%% of all "
+        "chains meet their SLO) by bisecting the arrival rate; --rate sets where the search starts",
+    )
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="--capacity: repeat on N traces (seeds from the trace's own, or from --seed with "
+        "--workload) and report the median and spread (default 1)",
+    )
+    parser.add_argument(
+        "--workload",
+        choices=("mix", "coding", "research"),
+        help="--capacity: generate the trace (mix = chat/bfcl/swe; coding = long-context coding "
+        "agent; research = deep-research agent, parallel branches joined by a report) instead of --trace",
+    )
+    parser.add_argument("--seed", type=int, default=1, help="--workload: the first trace seed (default 1)")
+    parser.add_argument(
+        "--option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="simulator: a policy option (e.g. realtime_guard=false for an ablation); "
+        "given to the compared policies that take it",
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="--capacity: draw SLO attainment and P99 latency against arrival rate, per policy, "
+        "capacity marked (PNG/SVG/PDF by the file's extension; first seed)",
+    )
+
+
+def _defaults(args: argparse.Namespace) -> None:
+    args.workers_given = args.workers is not None
+    args.compare_given = bool(args.compare)
+    args.speed_given = getattr(args, "speed", None) is not None
+    if not args.speed_given:
+        args.speed = 4.0
+    if args.workers is None:
+        args.workers = 4
+    if getattr(args, "scenario", None):
+        return  # cmd_seed_agent resolves its configuration names
+    if args.policy:
+        args.compare = None
+    elif not args.compare:
+        args.compare = ["round-robin", "chain-aware"]
+
+
+def _seed_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("--scenario seed-agent")
+    group.add_argument("--chains", type=int, default=60, help="chains to run per configuration (60)")
+    group.add_argument("--max-tokens", type=int, default=16, help="completion tokens per model call (16)")
+    group.add_argument(
+        "--tool-median-ms", type=float, default=300.0, help="knowledge-tool latency median (300 ms)"
+    )
+    group.add_argument(
+        "--model-path", default=".inferx/models/tiny-llama", help="vLLM model (the tiny local model)"
+    )
+
+
+def _overhead_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("--overhead")
+    group.add_argument(
+        "--overhead",
+        action="store_true",
+        help="start a local stack with one SIMULATED sim worker (--speed, default 10000: engine "
+        "time ~0) and measure side by side a direct worker Generate, a 1-hop and an N-hop chain "
+        "through the router: latency, added latency per hop, throughput",
+    )
+    group.add_argument("--hops", type=int, default=4, help="--overhead: hops of the long chain (4)")
+    group.add_argument(
+        "--count", type=int, default=300, help="--overhead: sequential calls measured per path (300)"
+    )
+    group.add_argument(
+        "--warmup", type=int, default=30, help="--overhead: sequential calls before those, not measured (30)"
+    )
+    group.add_argument(
+        "--concurrency", type=int, default=16, help="--overhead: closed-loop callers for throughput (16)"
+    )
+    group.add_argument(
+        "--load-calls", type=int, default=1000, help="--overhead: closed-loop calls per path (1000)"
+    )
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    sim = sub.add_parser("sim", help="replay a trace through the policies in virtual time")
+    _common(sim)
+    sim.set_defaults(handler=_handler("cmd_sim"), simulate=True)
+
+    bench = sub.add_parser("bench", help="benchmark the scheduling policies on a trace")
+    _common(bench)
+    bench.add_argument("--simulate", action="store_true", help="same as `inferx sim`")
+    bench.add_argument(
+        "--engine",
+        choices=("sim", "vllm"),
+        help="live: start a local stack with this engine per policy",
+    )
+    bench.add_argument(
+        "--router",
+        help="replay the trace against a running stack (HOST:PORT of its router), once, with the "
+        "policy its scheduler runs",
+    )
+    bench.add_argument(
+        "--model", help="--router: the model to send the trace's hops to (default: its only pool)"
+    )
+    bench.add_argument(
+        "--speed",
+        type=float,
+        help="live: engines and the trace run this many times faster than real time "
+        "(default 4 with --engine sim; 1 with --router, unless its workers run faster; "
+        "10000 with --overhead)",
+    )
+    bench.add_argument("--timeout", type=float, default=900.0, help="live: give up after S wall seconds")
+    bench.add_argument("--max-chains", type=int, help="live: only the first N chains of the trace")
+    bench.add_argument("--state-dir", help="live: keep each stack's state and logs under DIR/<name>")
+    bench.add_argument(
+        "--scenario",
+        choices=("seed-agent",),
+        help="seed-agent: an 8-call agent chain with knowledge-tool calls on real vLLM, "
+        "InferX (affinity + tool cache) vs the reference: round-robin in front of stock "
+        "vLLM, prefix caching on (see docs/benchmarks.md)",
+    )
+    _seed_arguments(bench)
+    _overhead_arguments(bench)
+    bench.set_defaults(handler=_handler("cmd_bench"))
+
+    trace = sub.add_parser("workload", help="generate a JSONL agent-chain workload trace")
+    trace.add_argument("-o", "--out", required=True, help="output file")
+    trace.add_argument("--seed", type=int, default=4)
+    trace.add_argument("--duration", type=float, default=900.0, help="arrival window (s)")
+    trace.add_argument("--rate", type=float, default=1.0, help="chains per second")
+    trace.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    trace.add_argument(
+        "--mix",
+        default="chat=0.45,bfcl=0.4,swe=0.15",
+        help="KIND=WEIGHT,... (kinds: chat, bfcl, swe, coding, research)",
+    )
+    trace.add_argument("--profile", help="engine calibration used to set SLOs")
+    trace.set_defaults(handler=_handler("cmd_trace", defaults=False))

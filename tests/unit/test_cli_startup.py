@@ -1,0 +1,78 @@
+"""The CLI's start-up stays light: building the parser (what `inferx --help` does)
+imports neither the gRPC client, protobuf messages, OpenTelemetry, the engines nor the
+benchmark code; those load when a command that needs them runs. Checked by module,
+not by time (no timing in unit tests); the figures are in docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from inferx.bench import results
+from inferx.cli import bench_args
+
+HEAVY = (
+    "inferx.client",
+    "inferx.telemetry",
+    "inferx.discovery",
+    "inferx.v1.router_pb2",
+    "google.protobuf.json_format",
+    "opentelemetry",
+    "aetcd",
+    "httpx",
+    "pydantic",
+    "numpy",
+    "inferx_worker.engines.registry",
+    "inferx.cli.bench",
+    "inferx.bench.runner",
+    "inferx.sim.profile",
+    "rich.progress",
+)
+# What `up --help` may load besides: it lists the registered engines, so the engine
+# registry imports the engine modules (and what they import).
+ENGINES = ("inferx_worker", "httpx", "pydantic", "numpy", "inferx.sim", "rich.progress")
+
+PROBE = """
+import json, sys
+from inferx.cli.main import build_parser
+parser = build_parser()
+try:
+    parser.parse_args(sys.argv[1:])
+except SystemExit:
+    pass
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def loaded_after(*argv: str) -> set[str]:
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, timeout=60, check=True
+    )
+    return set(json.loads(done.stdout.splitlines()[-1]))
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["bench", "--help"], ["up", "--help"]])
+def test_building_the_parser_and_help_import_nothing_heavy(argv: list[str]) -> None:
+    loaded = loaded_after(*argv)
+    heavy = sorted(m for m in loaded if m in HEAVY or m.split(".")[0] in ("opentelemetry", "aetcd", "numpy"))
+    if argv == ["up", "--help"]:
+        assert "inferx_worker.engines.registry" in loaded
+        heavy = [m for m in heavy if not m.startswith(ENGINES)]
+    assert heavy == []
+
+
+def test_up_checks_its_engine_against_the_registry_when_used(capsys) -> None:
+    from inferx.cli.main import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["up", "--engine", "sim"]).engine == "sim"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["up", "--engine", "bogus"])
+    assert "invalid choice: 'bogus' (choose from 'vllm', 'sim')" in capsys.readouterr().err
+
+
+def test_the_parsers_results_directory_is_the_one_results_are_written_to() -> None:
+    assert bench_args.RESULTS_DIR == results.RESULTS_DIR.as_posix()
