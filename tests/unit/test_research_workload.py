@@ -341,7 +341,7 @@ def test_the_default_trace_replays_exactly_as_before() -> None:
     realtime guard and priced, tiered KV holds came after the pin, so they are off: this
     pins the replay, not the policy.)"""
     trace = read_trace(ROOT / "benchmarks" / "default_trace.jsonl").head(60)
-    spy = Spy(realtime_guard=False, kv_retention="fixed", tiered_holds=False)
+    spy = Spy(realtime_guard=False, kv_retention="fixed", tiered_holds=False, overload_control=False)
     run = ClusterSim(trace, spy.policy, EngineProfile(), workers=4).run()
     latencies = sorted(c.latency_s or 0.0 for c in run.chains)
     assert len(latencies) == 69 and all(c.status == "ok" for c in run.chains)

@@ -55,7 +55,7 @@ def policy_options(pairs: list[str] | None, policies: list[str]) -> dict[str, ob
     must be accepted by at least one of the compared policies; policies that do not
     take it ignore it (so `--compare session-affinity chain-aware --option
     realtime_guard=false` ablates chain-aware only)."""
-    options: dict[str, object] = {}
+    options: dict[str, Any] = {}
     accepted: set[str] = set()
     for name in policies:
         accepted |= policy_info(name).options
@@ -70,6 +70,11 @@ def policy_options(pairs: list[str] | None, policies: list[str]) -> dict[str, ob
             options[key] = yaml.safe_load(raw)
         except yaml.YAMLError:
             raise InvalidArgument(f"--option {pair!r}: the value is not a scalar") from None
+    for name in policies:  # a value of the wrong type is refused here, before any run
+        try:
+            make_policy(name, **options)
+        except ValueError as exc:
+            raise InvalidArgument(f"--option: {exc}") from None
     return options
 
 

@@ -47,11 +47,14 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from pydantic import TypeAdapter, ValidationError
+
+from inferx.scheduling.overload import ChainWindow, Stretch
 from inferx.scheduling.registry import register_policy
 from inferx.scheduling.retention import GapModel, hold_seconds
 from inferx.scheduling.views import (
@@ -100,6 +103,16 @@ class ChainAwareConfig:
     # A hop may run over room held for chains of a less urgent tier (their idle context
     # may then be evicted): under overload, realtime is not kept waiting by batch holds.
     tiered_holds: bool = True
+    # Tiers protected under overload (`inferx.scheduling.overload`): while hops of a tier
+    # finish stretched (queueing + service over `overload_max_stretch` times their time
+    # alone), new chains of the tiers below wait to start -- as many run as an AIMD
+    # window allows -- and are shed (RESOURCE_EXHAUSTED, a retry hint) once more
+    # than `overload_shed_factor` windows' worth of them wait.
+    overload_control: bool = False  # off by default: near capacity it sheds chains that would have made it
+    overload_max_stretch: float = 2.0
+    overload_cooldown_s: float = 5.0
+    overload_min_chains: float = 2.0
+    overload_shed_factor: float = 2.0
     kv_warm_s: float = 30.0  # "fixed": how long an idle chain's context is held on its worker
     # Realtime guard: a decode step carries the prefill chunks of everything admitted with
     # it, so a long prefill next to a realtime hop stalls every one of its tokens.
@@ -129,6 +142,7 @@ class ChainAwareConfig:
             chain_ttl_s=self.chain_ttl_s / factor,
             kv_warm_s=self.kv_warm_s / factor,
             max_hold_s=self.max_hold_s / factor,
+            overload_cooldown_s=self.overload_cooldown_s / factor,
             retry_after_s=self.retry_after_s / factor,
             guard_wait_s=self.guard_wait_s / factor,
             guard_max_wait_s=self.guard_max_wait_s / factor,
@@ -151,7 +165,8 @@ class ChainState:
     held_tokens: int = 0  # KV of worker_id held for the chain while none of its hops runs
     held_until: float = 0.0
     queued_s: float = 0.0  # how long its hops waited in the queue, in all
-    wait_budget_s: float | None = None  # guard_slack_share of its slack on arrival; None: no deadline
+    initial_slack_s: float | None = None  # deadline - arrival - expected path; None: no deadline
+    wait_budget_s: float | None = None  # guard_slack_share of that
     tier: int = TIER_STANDARD  # the tier of its latest hop (what its held room is ranked by)
     idle_since: float | None = None  # when its last hop ended (none of its hops is queued or running)
 
@@ -172,6 +187,11 @@ class ChainAwarePolicy:
         self._pass_load: float | None = None
         self._realtime_running: dict[str, int] = {}  # worker -> realtime hops in flight
         self._prefill_until: dict[str, float] = {}  # worker -> when its admitted prefills end (estimate)
+        self._windows: dict[tuple[str, int], ChainWindow] = {}  # (pool, protected tier) -> window
+        self._active: dict[ChainKey, int] = {}  # non-realtime chains under way -> tier
+        self._active_count: Counter[tuple[str, int]] = Counter()  # (pool, tier) -> chains under way
+        self._stretch: dict[str, Stretch] = {}  # pool -> its hops' stretch
+        self._dispatched_prefill: dict[tuple[str, str], int] = {}  # hop key -> prefill tokens expected
         self._gaps = GapModel()  # learned tool/think gaps per program kind (priced retention)
         self._kv_capacity: dict[str, int] = {}  # worker -> KV tokens, as last seen
 
@@ -212,6 +232,9 @@ class ChainAwarePolicy:
     def _forget(self, key: ChainKey) -> None:
         self._hold(key, self._chains[key], 0, 0.0)
         del self._chains[key]
+        tier = self._active.pop(key, None)
+        if tier is not None:
+            self._active_count[(key[0], tier)] -= 1
 
     def _hold(self, key: ChainKey, state: ChainState, tokens: int, until: float) -> None:
         """Hold `tokens` of the chain's worker's KV for it until `until` (0: let go)."""
@@ -337,9 +360,24 @@ class ChainAwarePolicy:
     ) -> Admission:
         self._observe_gap(hop, now)
         state = self._touch(self._key(hop), now)
-        if state.wait_budget_s is None and hop.deadline is not None:
-            slack = hop.deadline - now - hop.remaining_critical_path_s
-            state.wait_budget_s = self.config.guard_slack_share * max(slack, 0.0)
+        if state.initial_slack_s is None and hop.deadline is not None:
+            state.initial_slack_s = hop.deadline - now - hop.remaining_critical_path_s
+            state.wait_budget_s = self.config.guard_slack_share * max(state.initial_slack_s, 0.0)
+        if self.config.overload_control:
+            if not self._under_way(hop) and self._overloaded(hop):
+                # Past `overload_shed_factor` windows' worth waiting, the last in line
+                # would wait about that many chain lifetimes: better refused now.
+                tier = hop.tier_rank
+                window = self._window(hop.pool, tier)
+                waiting = sum(1 for q in queued if q.view.tier_rank == tier and not self._under_way(q.view))
+                if waiting >= window.limit * self.config.overload_shed_factor:
+                    self._forget(self._key(hop))
+                    return Admission(
+                        False,
+                        f"pool '{hop.pool}' is overloaded: {waiting} new {tier.label} chains wait to "
+                        f"start and at most {window.limit:.0f} may run beside the more urgent tiers",
+                        self.config.retry_after_s,
+                    )
         if hop.tier_rank != TIER_BATCH or self._under_way(hop) or not workers:
             return ACCEPT
         load = self.load(workers)
@@ -352,6 +390,49 @@ class ChainAwarePolicy:
                     self.config.retry_after_s,
                 )
         return ACCEPT
+
+    def _window(self, pool: str, tier: int) -> ChainWindow:
+        """The window of chains of `tier` (standard or batch) that may be under way."""
+        window = self._windows.get((pool, tier))
+        if window is None:
+            window = self._windows[(pool, tier)] = ChainWindow(
+                min_limit=self.config.overload_min_chains, cooldown_s=self.config.overload_cooldown_s
+            )
+        return window
+
+    def _observe_stretch(self, queued: QueuedHop, now: float, context_tokens: int, service_s: float) -> None:
+        """A finished hop of a protected tier says whether its tier is still served well.
+        Realtime stretched shrinks both lower tiers' windows, standard stretched the
+        batch one; hops served well let them grow back (standard's first)."""
+        hop = queued.view
+        prefill = self._dispatched_prefill.pop(hop.key, 0)
+        meter = self._stretch.get(hop.pool)
+        if meter is None:
+            meter = self._stretch[hop.pool] = Stretch(self.config.prefill_tokens_per_s)
+        output = context_tokens - hop.prompt_tokens if context_tokens else 0
+        waited = max(now - service_s - queued.enqueued_at, 0.0)
+        stretch = meter.observe(waited, service_s, prefill, context_tokens, output)
+        tier = hop.tier_rank
+        if stretch is None or tier == TIER_BATCH:
+            return
+        batch, standard = self._window(hop.pool, TIER_BATCH), self._window(hop.pool, TIER_STANDARD)
+        batch_active = self._active_count[(hop.pool, TIER_BATCH)]
+        standard_active = self._active_count[(hop.pool, TIER_STANDARD)]
+        if stretch > self.config.overload_max_stretch:
+            batch.at_risk(batch_active, now)
+            if tier == TIER_REALTIME:
+                standard.at_risk(standard_active, now)
+        elif tier == TIER_REALTIME and standard.limited:
+            standard.on_track(standard_active)
+        else:
+            batch.on_track(batch_active)
+
+    def _overloaded(self, hop: HopView) -> bool:
+        """A new chain of this tier must wait: its tier's window is full."""
+        tier = hop.tier_rank
+        if tier == TIER_REALTIME:
+            return False
+        return not self._window(hop.pool, tier).admits(self._active_count[(hop.pool, tier)])
 
     @staticmethod
     def _program_kind(hop: HopView) -> str:
@@ -434,6 +515,8 @@ class ChainAwarePolicy:
         load = self._pass_load if self._pass_load is not None else self.load(workers)
         if self._held_back(hop, load) and not self._starved(queued, now):
             return None
+        if self.config.overload_control and not self._under_way(hop) and self._overloaded(hop):
+            return None  # waits for a chain below the protected tier to end (no starvation escape)
         chosen = self._choose(queued, workers, now)
         if chosen is None or not self.config.realtime_guard:
             return chosen
@@ -564,12 +647,18 @@ class ChainAwarePolicy:
     def on_dispatch(self, queued: QueuedHop, worker_id: str, now: float) -> None:
         key = self._key(queued.view)
         prefill = self._prefill_estimate(queued.view, worker_id)
+        if self.config.overload_control:
+            self._dispatched_prefill[queued.view.key] = prefill
         start = max(self._prefill_until.get(worker_id, 0.0), now)
         self._prefill_until[worker_id] = start + prefill / self.config.prefill_tokens_per_s
         if queued.view.tier_rank == TIER_REALTIME:
             self._realtime_running[worker_id] = self._realtime_running.get(worker_id, 0) + 1
         state = self._touch(key, now)
         state.queued_s += now - queued.enqueued_at
+        tier = queued.view.tier_rank
+        if tier != TIER_REALTIME and key not in self._active:
+            self._active[key] = tier
+            self._active_count[(key[0], tier)] += 1
         self._hold(key, state, 0, 0.0)  # its KV now counts as running there
         state.tier = queued.view.tier_rank
         if state.worker_id != worker_id:
@@ -582,6 +671,8 @@ class ChainAwarePolicy:
 
     def on_finish(self, queued: QueuedHop, now: float, context_tokens: int, service_s: float) -> None:
         hop = queued.view
+        if self.config.overload_control and queued.worker_id is not None:
+            self._observe_stretch(queued, now, context_tokens, service_s)
         if hop.tier_rank == TIER_REALTIME and queued.worker_id is not None:
             self._realtime_running[queued.worker_id] = max(
                 0, self._realtime_running.get(queued.worker_id, 0) - 1
@@ -615,6 +706,9 @@ class ChainAwarePolicy:
             self._forget(key)
 
 
+_CONFIG = TypeAdapter(ChainAwareConfig)
+
+
 @register_policy(
     "chain-aware",
     summary="tiers, chains under way first, slack to deadline, affinity with a reuse window, "
@@ -622,5 +716,12 @@ class ChainAwarePolicy:
     options=tuple(ChainAwareConfig.__dataclass_fields__),
 )
 def _chain_aware(time_scale: float = 1.0, **options: object) -> ChainAwarePolicy:
-    config = ChainAwareConfig(**options)  # type: ignore[arg-type]
+    """Options are checked and converted to their declared types ("1e9" -> 1e9); a bad
+    one is a ValueError naming it."""
+    try:
+        config = _CONFIG.validate_python(options)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        raise ValueError(f"chain-aware option {where}: {error['msg']}") from None
     return ChainAwarePolicy(config.time_scaled(time_scale) if time_scale != 1.0 else config)

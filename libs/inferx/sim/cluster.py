@@ -196,6 +196,12 @@ class ClusterSim:
 
         learned = RemainingPath()  # what the policy may know of the rest: learned, not read ahead
 
+        def program(spec: TraceChain) -> str:
+            # What a live router learns per: a chain config, which has one tier. (Mixing
+            # tiers would let the queueing of deferred batch chains inflate what a
+            # realtime chain of the same kind expects.)
+            return f"{spec.kind}/{spec.tier}"
+
         def hop_ready(chain: _Chain, k: int, now: float) -> None:
             spec = chain.spec
             if chain.record.status != "running":
@@ -203,11 +209,11 @@ class ClusterSim:
             for j in spec.deps(k):
                 if j not in chain.gaps_seen:  # j's first dependent issued: the gap after j
                     chain.gaps_seen.add(j)
-                    learned.gap_observed(spec.kind, j, now - chain.progress.finished_at[j])
+                    learned.gap_observed(program(spec), j, now - chain.progress.finished_at[j])
             chain.ready_at[k] = now
             hop_index, remaining_hops = chain.progress.issue(k)
             structure = None if spec.is_sequence else [spec.deps(j) for j in range(len(spec.hops))]
-            remaining = learned.remaining_s(spec.kind, k, len(spec.hops), structure)
+            remaining = learned.remaining_s(program(spec), k, len(spec.hops), structure)
             view = HopView(
                 POOL,
                 spec.chain_id,
@@ -251,7 +257,7 @@ class ClusterSim:
                 chain.record.cached_tokens += request.cached_tokens
                 chain.record.preemptions = (chain.record.preemptions or 0) + request.preemptions
                 k = flight.k
-                learned.call_finished(chain.spec.kind, k, now - chain.ready_at[k])
+                learned.call_finished(program(chain.spec), k, now - chain.ready_at[k])
                 for d, at in chain.progress.finish(k, now):
                     push(at, "hop", (chain, d))
                 if chain.progress.done and chain.record.status == "running":

@@ -1,0 +1,94 @@
+"""Tiers protected under overload: how many chains of the less urgent tiers may be under
+way at once, adapted to whether the urgent tier's chains are still on track.
+
+Past capacity, every chain admitted slows every other: a continuous-batching engine
+runs all admitted sequences in each step. Holding back new chains of lower tiers
+(they wait to start; past a bound they are shed with RESOURCE_EXHAUSTED) keeps the
+engines fast enough for the chains that matter most. How many chains may run is not
+known in advance (it depends on the models, the contexts, the tools), so it is
+learned the way TCP learns a congestion window -- additive increase, multiplicative
+decrease (AIMD) -- from a signal the live system has and that only scheduling moves:
+a hop of the protected tier that finished *stretched* (queueing + service more than
+`max_stretch` times what it would take alone, see `Stretch`) says its tier is at
+risk. (Slack to the deadline is a poorer signal: tool and think times vary far more
+than the engine does, so it cries wolf on workloads with chatty users.) An at-risk
+hop shrinks the window (at most once per `cooldown_s`, the time a change needs to
+show); a hop on track grows it by about one chain per window's worth of hops.
+
+Pure: no clock, no I/O; the policy passes the time in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass
+class ChainWindow:
+    """The number of chains of one tier that may be under way at once."""
+
+    min_limit: float = 2.0
+    decrease: float = 0.5
+    cooldown_s: float = 5.0
+    limit: float = math.inf  # no limit until the protected tier is first at risk
+    _last_decrease: float = -math.inf
+
+    def at_risk(self, active: int, now: float) -> None:
+        if now - self._last_decrease < self.cooldown_s:
+            return
+        self._last_decrease = now
+        start = min(self.limit, float(max(active, 1)))
+        self.limit = max(self.min_limit, start * self.decrease)
+
+    def on_track(self, active: int) -> None:
+        if math.isinf(self.limit):
+            return
+        self.limit += 1.0 / self.limit
+        if self.limit > 2 * max(active, self.min_limit) + 8:
+            self.limit = math.inf  # far above what runs: the overload is over
+
+    @property
+    def limited(self) -> bool:
+        return not math.isinf(self.limit)
+
+    def admits(self, active: int) -> bool:
+        return active < self.limit
+
+
+class Stretch:
+    """How much slower than the engine's best a hop ran: (queueing + service) over what
+    it would take alone -- its prefill at `prefill_tokens_per_s` plus its output tokens
+    at the best per-token time seen lately for contexts of its size (a low quantile of
+    recent hops in its context-length bucket: every decode step reads the context, so
+    long contexts decode slower even alone). Measures only what scheduling influences
+    (not tool time, not output length)."""
+
+    def __init__(self, prefill_tokens_per_s: float, window: int = 128, quantile: float = 0.1) -> None:
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.window = window
+        self.quantile = quantile
+        self._per_token: dict[int, deque[float]] = {}
+
+    @staticmethod
+    def bucket(context_tokens: int) -> int:
+        """Context lengths in powers of two from 1k tokens."""
+        return max(context_tokens, 1).bit_length() - 10 if context_tokens > 1024 else 0
+
+    def observe(
+        self, waited_s: float, service_s: float, prefill_tokens: int, context_tokens: int, output_tokens: int
+    ) -> float | None:
+        """Record a finished hop; its stretch, or None when it says too little (a
+        handful of output tokens, or too few like it seen yet to compare with)."""
+        if output_tokens < 8 or service_s <= 0:
+            return None
+        prefill_s = prefill_tokens / self.prefill_tokens_per_s
+        seen = self._per_token.setdefault(self.bucket(context_tokens), deque(maxlen=self.window))
+        seen.append(max(service_s - prefill_s, 0.0) / output_tokens)
+        if len(seen) < 16:
+            return None
+        ordered = sorted(seen)
+        best = ordered[int(self.quantile * (len(ordered) - 1))]
+        alone = prefill_s + best * output_tokens
+        return (waited_s + service_s) / alone if alone > 0 else None

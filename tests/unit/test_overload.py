@@ -1,0 +1,117 @@
+"""Tiers protected under overload (`inferx.scheduling.overload` and chain-aware's
+`overload_control`): the AIMD window of chains per tier, the stretch signal, and
+that past the window new chains of lower tiers wait, then are shed, while realtime
+and chains already under way go on."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from inferx.scheduling.chain_aware import ChainAwareConfig, ChainAwarePolicy
+from inferx.scheduling.overload import ChainWindow, Stretch
+from inferx.scheduling.queue import DispatchQueue, Rejected
+from inferx.scheduling.views import TIER_BATCH, TIER_REALTIME, TIER_STANDARD, HopView, WorkerSlots
+
+# ----- the window ------------------------------------------------------------------------
+
+
+def test_the_window_is_open_until_the_first_sign_of_risk_then_halves_what_runs() -> None:
+    window = ChainWindow(min_limit=2.0, decrease=0.5, cooldown_s=5.0)
+    assert window.admits(1_000) and not window.limited
+    window.at_risk(active=20, now=0.0)
+    assert window.limit == 10.0 and not window.admits(10) and window.admits(9)
+    window.at_risk(active=20, now=3.0)  # within the cooldown: the first cut has not shown yet
+    assert window.limit == 10.0
+    window.at_risk(active=9, now=6.0)
+    assert window.limit == 4.5
+    for _ in range(10):
+        window.at_risk(active=1, now=100.0 + 10 * _)
+    assert window.limit == 2.0  # never below the minimum
+
+
+def test_hops_on_track_grow_the_window_back_and_finally_open_it() -> None:
+    window = ChainWindow(min_limit=2.0)
+    window.at_risk(active=8, now=0.0)
+    assert window.limit == 4.0
+    window.on_track(active=4)
+    assert window.limit == pytest.approx(4.25)  # about one chain per window's worth of hops
+    for _ in range(200):
+        window.on_track(active=4)
+    assert math.isinf(window.limit)  # far above what runs: the overload is over
+
+
+# ----- the signal ------------------------------------------------------------------------
+
+
+def test_stretch_compares_a_hop_with_the_best_seen_for_its_context_length() -> None:
+    meter = Stretch(prefill_tokens_per_s=10_000.0)
+    for _ in range(15):  # 100 tokens at 10 ms each, short contexts: not enough seen yet
+        assert meter.observe(0.0, 1.0, 0, 2_000, 100) is None
+    assert meter.observe(0.0, 1.0, 0, 2_000, 100) == pytest.approx(1.0)
+    # Twice as slow, or waiting in the queue as long as it ran: stretched 2x.
+    assert meter.observe(0.0, 2.0, 0, 2_000, 100) == pytest.approx(2.0, rel=0.01)
+    assert meter.observe(1.0, 1.0, 0, 2_000, 100) == pytest.approx(2.0, rel=0.01)
+    # Prefill counts at the given rate: 10k tokens = 1 s of the hop's time alone.
+    assert meter.observe(0.0, 2.0, 10_000, 2_000, 100) == pytest.approx(1.0, rel=0.01)
+    # A 60k-token context decodes slower even alone: it is compared with its own kind.
+    assert meter.observe(0.0, 3.0, 0, 60_000, 100) is None
+    # Too few output tokens to judge the decode speed by.
+    assert meter.observe(0.0, 9.0, 0, 2_000, 3) is None
+
+
+# ----- in the policy ---------------------------------------------------------------------
+
+WORKERS = {"p": [WorkerSlots("a", 64, 1_000_000)]}
+
+
+def overloaded_queue(**config) -> DispatchQueue:
+    """Chain-aware with overload control, after realtime hops first ran fast (the
+    baseline) and then stretched 5x beside 8 batch chains under way."""
+    options = dict(
+        overload_control=True, realtime_guard=False, overload_min_chains=2.0, overload_cooldown_s=100.0
+    )
+    q = DispatchQueue(policy=ChainAwarePolicy(ChainAwareConfig(**{**options, **config})))
+    now = 0.0
+    for i in range(8):
+        hop = q.submit("p", f"b{i}", "0", now, HopView("p", f"b{i}", "0", tier=TIER_BATCH, remaining_hops=3))
+        q.assign(WORKERS, now)
+        assert hop.worker_id == "a"
+    for i in range(24):
+        now += 1.0
+        slow = i >= 16
+        view = HopView("p", f"rt{i}", "0", tier=TIER_REALTIME, prompt_tokens=500, max_tokens=100)
+        (hop,) = [q.submit("p", f"rt{i}", "0", now, view)]
+        q.assign(WORKERS, now)
+        q.finished(hop, now + (5.0 if slow else 1.0), context_tokens=600, service_s=5.0 if slow else 1.0)
+    return q
+
+
+def test_realtime_hops_running_stretched_hold_new_batch_chains_back() -> None:
+    q = overloaded_queue()
+    new = q.submit("p", "late", "0", 100.0, HopView("p", "late", "0", tier=TIER_BATCH, remaining_hops=3))
+    assert q.assign(WORKERS, 100.0) == []  # 8 batch chains under way, the window is 4
+    # ... while a hop of a batch chain already under way, and realtime, still go.
+    going = q.submit("p", "b0", "1", 100.0, HopView("p", "b0", "1", tier=TIER_BATCH, hop_index=1))
+    urgent = q.submit("p", "rt", "0", 100.0, HopView("p", "rt", "0", tier=TIER_REALTIME))
+    assert set(q.assign(WORKERS, 100.0)) == {going, urgent}
+    assert new.worker_id is None
+
+
+def test_past_the_shed_factor_new_chains_are_refused_with_a_retry_hint() -> None:
+    q = overloaded_queue(overload_shed_factor=1.0, retry_after_s=7.0)
+    for i in range(4):  # a window's worth of new batch chains may wait
+        q.submit("p", f"w{i}", "0", 100.0, HopView("p", f"w{i}", "0", tier=TIER_BATCH))
+    with pytest.raises(Rejected) as refused:
+        q.submit("p", "one-too-many", "0", 100.0, HopView("p", "one-too-many", "0", tier=TIER_BATCH))
+    assert refused.value.retry_after_s == 7.0
+    assert "overloaded" in str(refused.value) and "batch" in str(refused.value)
+    # Standard chains have their own window (not limited by anything yet).
+    q.submit("p", "std", "0", 100.0, HopView("p", "std", "0", tier=TIER_STANDARD))
+
+
+def test_without_overload_control_nothing_is_held_back() -> None:
+    q = overloaded_queue(overload_control=False)
+    q.submit("p", "late", "0", 100.0, HopView("p", "late", "0", tier=TIER_BATCH, remaining_hops=3))
+    assert [h.run_id for h in q.assign(WORKERS, 100.0)] == ["late"]
