@@ -33,6 +33,7 @@ class SchedulerComponent(ServiceComponent):
                 "reuse_window_hops": settings.reuse_window_hops,
                 "kv_retention": settings.kv_retention,
                 "max_hold_s": settings.max_hold_s,
+                "overload_control": settings.overload_control,
                 "kv_warm_s": settings.kv_warm_s,
             },
         )

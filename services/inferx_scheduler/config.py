@@ -43,6 +43,12 @@ class SchedulerSettings(ServiceSettings):
         "learned from the gaps seen so far (priced), or for --kv-warm-s (fixed)",
     )
     max_hold_s: float = Field(600.0, gt=0, description="chain-aware, priced retention: the longest hold")
+    overload_control: bool = Field(
+        False,
+        description="chain-aware: protect tiers under overload -- while realtime (standard) hops run "
+        "stretched, new standard and batch (batch) chains wait to start, as many running as an adaptive "
+        "window allows, and past it are refused with RESOURCE_EXHAUSTED and a retry hint",
+    )
     kv_warm_s: float = Field(
         30.0,
         gt=0,
