@@ -29,13 +29,7 @@ class SchedulerComponent(ServiceComponent):
             settings.policy,
             usable=self.health.usable,
             time_scale=settings.time_scale,
-            policy_options={
-                "reuse_window_hops": settings.reuse_window_hops,
-                "kv_retention": settings.kv_retention,
-                "max_hold_s": settings.max_hold_s,
-                "overload_control": settings.overload_control,
-                "kv_warm_s": settings.kv_warm_s,
-            },
+            policy_options=settings.policy_options(),
         )
         self.services = ServiceLocator(runtime.etcd)
         self._health_interval_s = settings.health_check_interval_s

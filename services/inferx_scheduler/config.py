@@ -1,6 +1,6 @@
 """Options of `inferx-scheduler` (flags or INFERX_* environment variables)."""
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -70,6 +70,16 @@ class SchedulerSettings(ServiceSettings):
         description="a registered scheduling policy: chain-aware (tiers, chain progress, affinity, "
         "admission), round-robin (alias baseline), or a peer policy (`inferx sim --help` lists them)",
     )
+
+    def policy_options(self) -> dict[str, Any]:
+        """The policy's options set by flags (a policy ignores those it does not take)."""
+        return {
+            "reuse_window_hops": self.reuse_window_hops,
+            "kv_retention": self.kv_retention,
+            "max_hold_s": self.max_hold_s,
+            "kv_warm_s": self.kv_warm_s,
+            "overload_control": self.overload_control,
+        }
 
     @field_validator("policy")
     @classmethod

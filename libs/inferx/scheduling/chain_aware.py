@@ -100,6 +100,10 @@ class ChainAwareConfig:
     # "fixed" holds it `kv_warm_s` and only keeps other chains from being placed on it.
     kv_retention: Literal["priced", "fixed"] = "priced"
     max_hold_s: float = 600.0  # "priced": the longest hold
+    reprefill_cost_factor: float = 1.0  # "priced": a re-prefill's GPU time counts this many times
+    # Holds are real: no hop runs over another chain's held room on any worker (else
+    # they only keep other chains from being *placed* on it).
+    strict_holds: bool = True
     # A hop may run over room held for chains of a less urgent tier (their idle context
     # may then be evicted): under overload, realtime is not kept waiting by batch holds.
     tiered_holds: bool = True
@@ -452,7 +456,8 @@ class ChainAwarePolicy:
         return hold_seconds(
             self._gaps.samples(self._program_kind(hop)),
             kv_capacity_tokens=self._kv_capacity.get(worker_id, 0),
-            prefill_tokens_per_s=self.config.prefill_tokens_per_s,
+            # A re-prefill stalls every sequence decoding beside it, not just its own.
+            prefill_tokens_per_s=self.config.prefill_tokens_per_s / self.config.reprefill_cost_factor,
             max_hold_s=self.config.max_hold_s,
         )
 
@@ -479,10 +484,10 @@ class ChainAwarePolicy:
         # chain's own worker either (that would make the engine evict it). Only room
         # held for chains as urgent as this one counts: a realtime hop may run over a
         # batch chain's idle context (tiers are protected under overload).
-        priced = self.config.kv_retention == "priced"
+        strict = self.config.strict_holds
         up_to = hop.tier_rank if self.config.tiered_holds else TIER_BATCH
-        held = max(0, self.resident(worker.worker_id, up_to) - own_held) if placing or priced else 0
-        if worker.in_flight == 0 and not (priced and held):
+        held = max(0, self.resident(worker.worker_id, up_to) - own_held) if placing or strict else 0
+        if worker.in_flight == 0 and not (strict and held):
             return True  # an idle worker takes any hop, even one larger than the budget
         capacity = worker.kv_capacity_tokens
         running = worker.kv_in_flight + hop.kv_tokens

@@ -1,0 +1,100 @@
+"""Past capacity: realtime SLO attainment, what is shed, and preemptions, per policy, at
+a fixed multiple of a given rate (e.g. 2x the strongest peer's capacity at SLO), over
+several trace seeds, in the simulator.
+
+    python benchmarks/overload.py --workload research --rate 0.534 --seeds 3 \\
+        --compare prefix-aware chain-aware chain-aware:overload_control=true [--profile F]
+
+A `policy:key=value,key=value` entry runs the policy with those options (an ablation).
+Prints a markdown table (medians over the seeds, (min-max) in brackets); --json for
+the raw figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import yaml
+
+from inferx.scheduling.registry import make_policy
+from inferx.sim.capacity import attainment
+from inferx.sim.cluster import ClusterSim
+from inferx.sim.profile import load_profile
+from inferx.sim.trace import generate, workload
+
+
+def parse_entry(entry: str) -> tuple[str, dict[str, object]]:
+    name, _, raw = entry.partition(":")
+    options: dict[str, object] = {}
+    for pair in filter(None, raw.split(",")):
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"overload.py: {entry!r}: options are key=value, comma-separated")
+        options[key] = yaml.safe_load(value)
+    return name, options
+
+
+def run(name: str, options: dict[str, object], args: argparse.Namespace, seed: int) -> dict[str, float]:
+    profile = load_profile(args.profile)
+    trace = generate(workload(args.workload, seed), profile).at_rate(args.rate)
+    try:
+        policy = make_policy(name, **options)
+    except (KeyError, ValueError) as exc:
+        raise SystemExit(f"overload.py: {name}: {exc}") from None
+    result = ClusterSim(trace, policy, profile, args.workers).run()
+    score = attainment(result.chains)
+    return {
+        "realtime": score.realtime,
+        "overall": score.overall,
+        "shed": sum(c.status == "shed" for c in result.chains) / len(result.chains),
+        "preemptions": float(result.preemptions or 0),
+    }
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--workload", required=True, choices=["mix", "coding", "research"])
+    parser.add_argument("--rate", type=float, required=True, help="chain arrivals per second")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=1, help="the first trace seed")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--profile", default=None)
+    parser.add_argument("--compare", nargs="+", required=True, metavar="POLICY[:k=v,...]")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if args.rate <= 0 or args.seeds < 1 or args.workers < 1:
+        raise SystemExit("overload.py: --rate, --seeds and --workers must be positive")
+    figures: dict[str, list[dict[str, float]]] = {}
+    for entry in args.compare:
+        name, options = parse_entry(entry)
+        figures[entry] = []
+        for seed in range(args.seed, args.seed + args.seeds):
+            figures[entry].append(run(name, options, args, seed))
+            print(f"{entry} seed {seed}: {figures[entry][-1]}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"args": vars(args), "figures": figures}, indent=2))
+        return
+
+    def cell(rows: list[dict[str, float]], key: str, percent: bool = True) -> str:
+        values = [row[key] for row in rows]
+        scale, unit = (100.0, "%") if percent else (1.0, "")
+        mid, lo, hi = statistics.median(values) * scale, min(values) * scale, max(values) * scale
+        return f"{mid:.1f}{unit} ({lo:.1f}-{hi:.1f})" if percent else f"{mid:.0f} ({lo:.0f}-{hi:.0f})"
+
+    print(f"\n{args.workload} at {args.rate:g} chains/s, {args.workers} workers, seeds {args.seed}..")
+    print("| policy | realtime within SLO | all within SLO | shed | preemptions |")
+    print("|---|---|---|---|---|")
+    for entry, rows in figures.items():
+        print(
+            f"| {entry} | {cell(rows, 'realtime')} | {cell(rows, 'overall')} | {cell(rows, 'shed')} "
+            f"| {cell(rows, 'preemptions', percent=False)} |"
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
