@@ -94,8 +94,8 @@ def run_first_hop(q: DispatchQueue, run: str, now: float, context: int, **kw) ->
     q.finished(hop, now + 1, context_tokens=context, service_s=1.0)
 
 
-def test_a_priced_hold_is_real_on_the_chains_own_worker_too() -> None:
-    q, chosen = policy()
+def test_a_strict_priced_hold_is_real_on_the_chains_own_worker_too() -> None:
+    q, chosen = policy(strict_holds=True, reprefill_cost_factor=1.0)
     run_first_hop(q, "held", 0.0, 60_000)  # held for the break-even time (6.7 s)
     assert chosen.resident("a") == 60_000
     run_first_hop(q, "other", 1.0, 20_000)  # its own worker is "a" too
@@ -108,8 +108,8 @@ def test_a_priced_hold_is_real_on_the_chains_own_worker_too() -> None:
     assert [h.run_id for h in q.assign(ONE, now=9.0)] == ["other"]
 
 
-def test_fixed_retention_only_keeps_other_chains_from_being_placed_there() -> None:
-    q, _ = policy(kv_retention="fixed", kv_warm_s=30.0)
+def test_without_strict_holds_a_hold_only_keeps_other_chains_from_being_placed_there() -> None:
+    q, _ = policy(kv_warm_s=30.0)
     run_first_hop(q, "held", 0.0, 60_000)
     run_first_hop(q, "other", 1.0, 20_000)
     submit(q, "other", 3.0, "1", hop_index=1, prompt_tokens=40_000, max_tokens=1_000)
@@ -131,19 +131,19 @@ def test_a_chain_whose_gaps_are_long_lets_its_context_go_at_once() -> None:
 
 
 def test_realtime_may_use_room_held_for_a_less_urgent_tier_and_not_the_reverse() -> None:
-    q, _ = policy()
+    q, _ = policy(strict_holds=True, tiered_holds=True)
     run_first_hop(q, "batch", 0.0, 60_000, tier=TIER_BATCH)
     submit(q, "rt", 1.5, tier=TIER_REALTIME, prompt_tokens=40_000, max_tokens=1_000)
     assert [h.run_id for h in q.assign(ONE, now=1.5)] == ["rt"]
 
-    q, _ = policy()
+    q, _ = policy(strict_holds=True, tiered_holds=True)
     run_first_hop(q, "rt", 0.0, 60_000, tier=TIER_REALTIME)
     submit(q, "batch", 1.5, tier=TIER_BATCH, prompt_tokens=40_000, max_tokens=1_000)
     assert q.assign(ONE, now=1.5) == []
 
 
 def test_without_tiered_holds_realtime_waits_for_the_batch_hold_too() -> None:
-    q, _ = policy(tiered_holds=False)
+    q, _ = policy(strict_holds=True, tiered_holds=False)
     run_first_hop(q, "batch", 0.0, 60_000, tier=TIER_BATCH)
     submit(q, "rt", 1.5, tier=TIER_REALTIME, prompt_tokens=40_000, max_tokens=1_000)
     assert q.assign(ONE, now=1.5) == []
@@ -194,3 +194,18 @@ def test_a_late_hop_does_not_give_way() -> None:
     q = guarded_queue()
     submit(q, "late", 1.0, **{**BIG, "deadline": 20.0, "remaining_critical_path_s": 25.0})
     assert [h.run_id for h in q.assign(ONE, now=1.0)] == ["late"]
+
+
+@pytest.mark.parametrize(("factor", "held"), [(1.0, 0), (3.0, 10_000)])
+def test_the_reprefill_cost_factor_prices_a_re_prefill_higher(factor: float, held: int) -> None:
+    """Gaps of 10 s on a 100k-token worker: re-prefilling at 15k tokens/s breaks even
+    with holding after 6.7 s, so the context is let go; a re-prefill counted 3x (it
+    stalls the batch beside it) breaks even after 20 s, so it is held."""
+    q, chosen = policy(reprefill_cost_factor=factor)
+    for i in range(5):
+        run_first_hop(q, f"c{i}", 100.0 * i, 10_000, prefix_id="agent")
+        submit(q, f"c{i}", 100.0 * i + 11.0, "1", hop_index=1, remaining_hops=0, prefix_id="agent")
+        (hop,) = q.assign(ONE, now=100.0 * i + 11.0)
+        q.finished(hop, 100.0 * i + 12.0)
+    run_first_hop(q, "next", 1_000.0, 10_000, prefix_id="agent")
+    assert chosen.resident("a") == held

@@ -19,10 +19,14 @@ for idle chains.
 Reuse window: affinity lasts `reuse_window_hops` hops on one worker; the next hop is
 then placed by load again (it stays unless another worker has `rebalance_margin` more
 free room), so one long chain cannot pin a hot worker for ever.
-Keeping KV warm: between its hops (a tool call, think time) a chain's context is held
-on its worker -- no other chain is placed there on that room -- for `kv_warm_s`; after
-that it is only a cache the engine may evict. A chain whose last hop finished
-(`remaining_hops == 0`) lets go at once.
+Keeping KV across tool calls: between its hops (a tool call, think time) a chain's
+context is held on its worker -- no other chain is placed there on that room -- for
+as long as holding is expected to cost less than re-prefilling it, priced from the
+gaps this program's chains have shown so far (`kv_retention="priced"`,
+`inferx.scheduling.retention`), or for `kv_warm_s` (`"fixed"`); after that it is only
+a cache the engine may evict. With `strict_holds` no hop runs over held room at all
+(its own worker's included). A chain whose last hop finished (`remaining_hops == 0`)
+lets go at once.
 Look-ahead (`plan_ahead`): when a chain's next hop will need another pool (a bigger
 model) or a much longer context, room is held for it on the worker it will go to
 until the hop arrives or the hold expires; the scheduler mirrors the hold with a
@@ -35,11 +39,17 @@ worker lacks of its context + reading the others' KV), which moves short chats o
 worker busy with a long prefill but keeps a long context where it is; and next to
 running realtime hops, a heavy prefill of another tier waits (at most `guard_wait_s`)
 and other tiers' running KV stays under `guard_kv_share` of the worker while their
-chains still have slack (at most `guard_max_wait_s`). Tiers with slack give way.
+chains still have slack (at most `guard_max_wait_s` per hop, and at most
+`guard_slack_share` of the chain's slack on arrival over all its hops). Tiers with
+slack give way, but a chain of many hops does not give way on every one of them.
 Admission: new batch chains wait while the pool is loaded past `batch_wait_load`
 (new standard chains past `standard_wait_load`), and are shed (RESOURCE_EXHAUSTED,
 with a retry hint) when the load is past `shed_load` and `shed_queue` batch hops per
 worker already wait. Realtime work is never held back or shed by the policy.
+Overload control (`overload_control`, off by default; `inferx.scheduling.overload`):
+past capacity, while realtime (standard) hops finish stretched, new standard and batch
+(batch) chains wait to start within an AIMD window of chains under way, and are shed
+past `overload_shed_factor` windows' worth waiting.
 """
 
 from __future__ import annotations
@@ -100,13 +110,17 @@ class ChainAwareConfig:
     # "fixed" holds it `kv_warm_s` and only keeps other chains from being placed on it.
     kv_retention: Literal["priced", "fixed"] = "priced"
     max_hold_s: float = 600.0  # "priced": the longest hold
-    reprefill_cost_factor: float = 1.0  # "priced": a re-prefill's GPU time counts this many times
+    # "priced": a re-prefill's GPU time counts this many times (its chunks stall every
+    # sequence decoding beside it). Measured (coding workload, 3 seeds): 3 holds through
+    # think times but not test runs and beat both 1 and the fixed 30 s.
+    reprefill_cost_factor: float = 3.0
     # Holds are real: no hop runs over another chain's held room on any worker (else
-    # they only keep other chains from being *placed* on it).
-    strict_holds: bool = True
+    # they only keep other chains from being *placed* on it). Off by default: on the
+    # coding workload the waiting it causes cost more than the re-prefills it saved.
+    strict_holds: bool = False
     # A hop may run over room held for chains of a less urgent tier (their idle context
     # may then be evicted): under overload, realtime is not kept waiting by batch holds.
-    tiered_holds: bool = True
+    tiered_holds: bool = False  # off by default: measured worse on long contexts (evictions)
     # Tiers protected under overload (`inferx.scheduling.overload`): while hops of a tier
     # finish stretched (queueing + service over `overload_max_stretch` times their time
     # alone), new chains of the tiers below wait to start -- as many run as an AIMD
