@@ -43,6 +43,11 @@ class SchedulerSettings(ServiceSettings):
         "learned from the gaps seen so far (priced), or for --kv-warm-s (fixed)",
     )
     max_hold_s: float = Field(600.0, gt=0, description="chain-aware, priced retention: the longest hold")
+    strict_holds: bool = Field(
+        False,
+        description="chain-aware: no hop runs over room held for another chain, on any worker (off: a "
+        "hold only keeps other chains from being placed there; strict measured worse on long contexts)",
+    )
     overload_control: bool = Field(
         False,
         description="chain-aware: protect tiers under overload -- while realtime (standard) hops run "
@@ -77,6 +82,7 @@ class SchedulerSettings(ServiceSettings):
             "reuse_window_hops": self.reuse_window_hops,
             "kv_retention": self.kv_retention,
             "max_hold_s": self.max_hold_s,
+            "strict_holds": self.strict_holds,
             "kv_warm_s": self.kv_warm_s,
             "overload_control": self.overload_control,
         }

@@ -52,13 +52,19 @@ def test_scheduler_flag_accepts_registered_policies_only() -> None:
 
 def test_scheduler_flags_reach_the_policy() -> None:
     settings = SchedulerSettings(
-        reuse_window_hops=2, kv_retention="priced", max_hold_s=42.0, kv_warm_s=7.0, overload_control=True
+        reuse_window_hops=2,
+        kv_retention="priced",
+        max_hold_s=42.0,
+        kv_warm_s=7.0,
+        overload_control=True,
+        strict_holds=True,
     )
     policy = registry.make_policy("chain-aware", time_scale=2.0, **settings.policy_options())
     assert isinstance(policy, ChainAwarePolicy)
     config = policy.config
     assert (config.reuse_window_hops, config.kv_retention, config.overload_control) == (2, "priced", True)
     assert (config.max_hold_s, config.kv_warm_s) == (21.0, 3.5)  # time constants scaled
+    assert config.strict_holds
     # A peer ignores the chain-aware options.
     assert registry.make_policy("session-affinity", **settings.policy_options()).name == "session-affinity"
 
