@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 
@@ -49,6 +50,7 @@ class ServiceLocator:
         self.mirror = etcd.PrefixMirror(client, etcd.SERVICES, self._update)
         self._by_kind: dict[str, list[common_pb2.ServiceInfo]] = {}
         self._round_robin = itertools.count()
+        self._updated = asyncio.Event()  # set on every change, for `wait_pick`
 
     def start(self) -> None:
         self.mirror.start()
@@ -68,12 +70,30 @@ class ServiceLocator:
         for infos in by_kind.values():
             infos.sort(key=lambda i: i.instance_id)
         self._by_kind = by_kind
+        self._updated.set()
+        self._updated = asyncio.Event()
 
     def instances(self, kind: str) -> list[common_pb2.ServiceInfo]:
         return list(self._by_kind.get(kind, ()))
 
     def all(self) -> list[common_pb2.ServiceInfo]:
         return [info for infos in self._by_kind.values() for info in infos]
+
+    async def wait_pick(self, kind: str, timeout_s: float) -> str | None:
+        """Like `pick`, but when no instance of `kind` is registered, wait up to
+        `timeout_s` for one (a service whose lease lapsed under load re-registers;
+        the caller's deadline, not a race, decides)."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + timeout_s
+        while (address := self.pick(kind)) is None:
+            left = until - loop.time()
+            if left <= 0:
+                return None
+            try:
+                await asyncio.wait_for(self._updated.wait(), left)
+            except TimeoutError:
+                return None
+        return address
 
     def pick(self, kind: str) -> str | None:
         """Address of one live instance of `kind` (round-robin), or None."""

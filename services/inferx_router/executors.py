@@ -4,6 +4,7 @@ The protobuf conversion of a hop happens here and nowhere else in the router."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import grpc
@@ -62,9 +63,13 @@ class SchedulerExecutor:
         self._channels = channels
 
     async def run_hop(self, hop: ModelHop, timeout_s: float, on_dispatched: Callable[[str], None]) -> HopDone:
-        address = self._services.pick("scheduler")
+        # No scheduler registered (one restarting, or a lease lapsed under load): wait
+        # for one within the hop's time rather than failing the hop at once.
+        started = time.monotonic()
+        address = await self._services.wait_pick("scheduler", timeout_s)
         if address is None:
-            raise Unavailable("no scheduler is registered in etcd")
+            raise Unavailable(f"no scheduler registered in etcd within the hop's {timeout_s:.1f} s")
+        timeout_s -= time.monotonic() - started
         stub = scheduler_pb2_grpc.SchedulerStub(self._channels.get(address))
         spans = telemetry.HopSpans()  # queue wait / dispatch / engine spans from the reported timings
         tier = hop.tier.label
