@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 MODEL_DIR := .inferx/models/tiny-llama
 PYTEST_ARGS ?=
 
-.PHONY: setup proto model etcd promtool nodejs check-deploy run test test-unit test-integration test-e2e lint bench clean
+.PHONY: setup proto model etcd promtool nodejs check-deploy run test test-unit test-integration test-e2e lint bench bench-overload clean
 
 setup: $(STAMP) proto etcd promtool nodejs model
 
@@ -94,6 +94,15 @@ bench: setup
 	    $$( [ $$profile = default ] || echo --profile $$profile ) \
 	    --compare $(BENCH_POLICIES) --plot .inferx/bench-plots/$$workload-$$name.png; \
 	done; done
+
+# Past capacity (issue #13): realtime attainment, shed and preemptions at 2x the strongest
+# peer's capacity at SLO on the Llama-3-8B profile (the rates are docs/benchmarks.md's).
+bench-overload: setup
+	@set -e; for run in "mix 4.86 program-las" "coding 0.040 prefix-aware" "research 0.534 program-las"; do \
+	  set -- $$run; \
+	  $(VENV)/bin/python benchmarks/overload.py --workload $$1 --rate $$2 --seeds 3 \
+	    --compare $$3 chain-aware chain-aware:overload_control=true; \
+	done
 
 clean:
 	rm -rf $(VENV) libs/inferx/v1 .inferx build *.egg-info
