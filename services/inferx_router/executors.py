@@ -21,7 +21,7 @@ Event = scheduler_pb2.HopEvent
 
 
 def hop_request(hop: ModelHop) -> scheduler_pb2.HopRequest:
-    return scheduler_pb2.HopRequest(
+    request = scheduler_pb2.HopRequest(
         context=common_pb2.HopContext(
             run_id=hop.run_id,
             hop_id=hop.hop_id,
@@ -32,7 +32,6 @@ def hop_request(hop: ModelHop) -> scheduler_pb2.HopRequest:
             priority=hop.priority,
             chain_deadline_unix_ms=hop.deadline_unix_ms,
             hop_index=hop.hop_index,
-            remaining_hops=hop.remaining_hops,
             remaining_critical_path_ms=hop.remaining_critical_path_ms,
             next_hops=[
                 common_pb2.NextHop(
@@ -53,6 +52,9 @@ def hop_request(hop: ModelHop) -> scheduler_pb2.HopRequest:
             truncate_context=hop.truncate_context,
         ),
     )
+    if hop.remaining_hops is not None:  # unset = unknown (the scheduler's HopView gets None)
+        request.context.remaining_hops = hop.remaining_hops
+    return request
 
 
 class SchedulerExecutor:
@@ -62,7 +64,14 @@ class SchedulerExecutor:
         self._services = services
         self._channels = channels
 
-    async def run_hop(self, hop: ModelHop, timeout_s: float, on_dispatched: Callable[[str], None]) -> HopDone:
+    async def run_hop(
+        self,
+        hop: ModelHop,
+        timeout_s: float,
+        on_dispatched: Callable[[str], None],
+        on_text: Callable[[str], None] | None = None,
+    ) -> HopDone:
+        """`on_text`, when given, gets each piece of text as it arrives (streaming callers)."""
         # No scheduler registered (one restarting, or a lease lapsed under load): wait
         # for one within the hop's time rather than failing the hop at once.
         started = time.monotonic()
@@ -79,6 +88,8 @@ class SchedulerExecutor:
             async for event in stub.SubmitHop(hop_request(hop), timeout=timeout_s):
                 if event.text:
                     text.append(event.text)  # each piece of text arrives once (TOKENS, then FINISHED's tail)
+                    if on_text is not None:
+                        on_text(event.text)
                 if event.kind == Event.KIND_DISPATCHED:
                     spans.dispatched()
                     on_dispatched(event.worker_id)

@@ -31,7 +31,7 @@ class ModelHop:
     priority: int  # the node's priority rank, 0 (high) .. 3 (low)
     deadline_unix_ms: int  # the chain's end-to-end deadline
     hop_index: int  # model hops of the run finished before this one
-    remaining_hops: int  # model hops of the run after this one
+    remaining_hops: int | None  # model hops of the run after this one; None = unknown (a dynamic program)
     remaining_critical_path_ms: float  # expected time left on the longest path, this hop included
     next_hops: tuple[NextHop, ...]
     model: str
