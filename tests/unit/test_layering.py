@@ -17,6 +17,8 @@ RULES = [
     ("libs/inferx/scheduling", ("inferx.v1", "grpc", "inferx.bench", "inferx.sim")),
     ("libs/inferx/chain", ("inferx.v1", "grpc", "inferx.bench", "inferx.sim", "inferx.scheduling")),
     ("libs/inferx/sim", ("inferx.v1", "grpc", "inferx.bench")),
+    # The OpenAI front's pure parts: the HTTP server is the router's (inferx_router.http_front).
+    ("libs/inferx/openai_compat", ("inferx.v1", "grpc", "starlette", "fastapi", "uvicorn", "httpx")),
 ]
 
 

@@ -1,0 +1,88 @@
+"""InferX's domain errors as OpenAI-shaped HTTP errors, mapped in this one place.
+
+The body is what OpenAI's API sends (and its SDKs parse):
+`{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}`, with the HTTP
+status the SDKs turn into their exception classes (400 BadRequestError, 404
+NotFoundError, 429 RateLimitError, ...). Anything that is not an `InferxError` is a
+bug: a 500 with a generic message, never a traceback.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from inferx.errors import (
+    Aborted,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InferxError,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+
+
+class InvalidField(InvalidArgument):
+    """A bad request naming what was bad: a body field (`messages[0].role`) or a
+    header (`X-InferX-Tier`); OpenAI's `param`."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+class ModelNotFound(NotFound):
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model '{model}' does not exist (GET /v1/models lists the models served)")
+        self.param = "model"
+        self.code_name = "model_not_found"
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    status: int
+    body: dict[str, Any]
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+# (domain error, HTTP status, OpenAI error type, code); the first match wins.
+_TABLE: tuple[tuple[type[InferxError], int, str, str], ...] = (
+    (InvalidArgument, 400, "invalid_request_error", "invalid_argument"),
+    (FailedPrecondition, 400, "invalid_request_error", "failed_precondition"),
+    (NotFound, 404, "invalid_request_error", "not_found"),
+    (Aborted, 409, "conflict_error", "aborted"),
+    (ResourceExhausted, 429, "rate_limit_error", "rate_limit_exceeded"),
+    (Unavailable, 503, "service_unavailable_error", "unavailable"),
+    (DeadlineExceeded, 504, "timeout_error", "deadline_exceeded"),
+)
+
+
+def error_body(message: str, type_: str, *, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_reply(exc: BaseException) -> ErrorReply:
+    """The HTTP status, body and headers for an error raised while serving a call.
+    A `TimeoutError` (the call's deadline passed) is a 504, like DEADLINE_EXCEEDED."""
+    if isinstance(exc, TimeoutError):
+        exc = DeadlineExceeded("the call's deadline passed before the model finished")
+    if not isinstance(exc, InferxError):
+        return ErrorReply(500, error_body("internal error in the InferX router", "server_error"))
+    # Internal, or a status with no better match: a 500.
+    status, type_, code = next(
+        (row[1:] for row in _TABLE if isinstance(exc, row[0])), (500, "server_error", "internal")
+    )
+    headers = {}
+    if status in (429, 503) and (status == 429 or exc.retry_after_s is not None):
+        retry_after = exc.retry_after_s if exc.retry_after_s is not None else 1.0
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
+    body = error_body(
+        exc.message,
+        type_,
+        param=getattr(exc, "param", None),
+        code=getattr(exc, "code_name", code),
+    )
+    return ErrorReply(status, body, headers)

@@ -1,0 +1,238 @@
+"""Request bodies of the OpenAI-compatible front (validated), and the response bodies
+and stream chunks it sends, in OpenAI's shapes. Pure: dicts and pydantic models."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from inferx.openai_compat.errors import InvalidField
+from inferx.tokens import DEFAULT_MAX_TOKENS
+
+# Fields OpenAI defines that InferX accepts and ignores (documented in the README):
+# stop, top_p, seed, presence_penalty, frequency_penalty, logit_bias, user, metadata,
+# response_format, parallel_tool_calls, store, ... Unknown keys are ignored as well.
+_LENIENT = ConfigDict(extra="ignore")
+
+
+class ContentPart(BaseModel):
+    model_config = _LENIENT
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = _LENIENT
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError("expected a string or a list of text parts")
+        for index, part in enumerate(value):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"part {index} ({kind!r}): only text parts are supported")
+        return value
+
+
+class StreamOptions(BaseModel):
+    model_config = _LENIENT
+    include_usage: bool = False
+
+
+class CallRequest(BaseModel):
+    model_config = _LENIENT
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1, description="one choice per call (n > 1 is not supported)")
+
+    def output_tokens(self) -> int:
+        return self.max_tokens or DEFAULT_MAX_TOKENS
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(CallRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    def output_tokens(self) -> int:
+        return self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
+
+
+class CompletionRequest(CallRequest):
+    prompt: str | list[str]
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        if isinstance(value, str) or (
+            isinstance(value, list) and len(value) == 1 and isinstance(value[0], str)
+        ):
+            return value
+        raise ValueError(
+            "expected a string, or a list of one string (several prompts and token ids are not supported)"
+        )
+
+    @property
+    def prompt_text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _param(loc: tuple[int | str, ...]) -> str:
+    """('messages', 0, 'role') -> 'messages[0].role'."""
+    out = ""
+    for part in loc:
+        if isinstance(part, str) and (part in _UNION_TAGS or "[" in part):
+            continue  # which member of a union pydantic tried: not a field
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "body"
+
+
+M = TypeVar("M", bound=CallRequest)
+
+
+def parse_body(model: type[M], raw: bytes) -> M:
+    """The validated request, or InvalidField naming the first bad field."""
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise InvalidField("body", f"not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise InvalidField("body", f"expected a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        message = str(first["msg"]).removeprefix("Value error, ")
+        raise InvalidField(_param(tuple(first["loc"])), message) from None
+
+
+# ----- responses --------------------------------------------------------------------
+
+
+def finish_reason(engine_reason: str) -> str:
+    """An engine's finish reason as OpenAI's: 'length' (max_tokens reached) or 'stop'."""
+    return "length" if engine_reason == "length" else "stop"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def chat_completion(
+    call_id: str, created: int, model: str, text: str, reason: str, usage_: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "id": call_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish_reason(reason),
+                "logprobs": None,
+            }
+        ],
+        "usage": usage_,
+    }
+
+
+def chat_chunk(
+    call_id: str, created: int, model: str, delta: dict[str, Any], reason: str | None = None
+) -> dict[str, Any]:
+    return {
+        "id": call_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "delta": delta,
+                "finish_reason": None if reason is None else finish_reason(reason),
+                "logprobs": None,
+            }
+        ],
+    }
+
+
+def text_completion(
+    call_id: str, created: int, model: str, text: str, reason: str | None, usage_: dict[str, Any] | None
+) -> dict[str, Any]:
+    """A text completion, or (usage None) one chunk of a streamed one."""
+    body: dict[str, Any] = {
+        "id": call_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "text": text,
+                "finish_reason": None if reason is None else finish_reason(reason),
+                "logprobs": None,
+            }
+        ],
+    }
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body
+
+
+def usage_chunk(call_id: str, created: int, model: str, object_: str, usage_: dict[str, Any]) -> dict:
+    """The last chunk of a stream asked for with stream_options.include_usage."""
+    return {
+        "id": call_id,
+        "object": object_,
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage_,
+    }
+
+
+def model_list(names: list[str], created: int) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [{"id": name, "object": "model", "created": created, "owned_by": "inferx"} for name in names],
+    }
+
+
+def sse(payload: dict[str, Any]) -> str:
+    """One server-sent event carrying a JSON payload."""
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

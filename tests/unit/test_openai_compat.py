@@ -1,0 +1,280 @@
+"""The OpenAI-compatible front's pure parts: body validation, the chat rendering,
+program identity from headers, program hops, response shapes and error mapping."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from inferx.errors import (
+    Aborted,
+    DeadlineExceeded,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from inferx.openai_compat import schema
+from inferx.openai_compat.errors import InvalidField, ModelNotFound, error_reply
+from inferx.openai_compat.identity import ProgramIdentity, parse_identity
+from inferx.openai_compat.render import GENERATION_MARK, render_chat
+from inferx.scheduling.views import Tier
+from inferx.tokens import DEFAULT_MAX_TOKENS
+from inferx_router.programs import Call, ProgramBook, program_hop
+
+
+def chat(**fields) -> schema.ChatCompletionRequest:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    return schema.parse_body(schema.ChatCompletionRequest, json.dumps(body).encode())
+
+
+def bad(cls: type[schema.CallRequest], body: object) -> InvalidField:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    with pytest.raises(InvalidField) as caught:
+        schema.parse_body(cls, raw)
+    return caught.value
+
+
+# ----- bodies -------------------------------------------------------------------------
+
+
+def test_a_chat_body_takes_openai_fields_and_ignores_unsupported_ones() -> None:
+    body = chat(max_completion_tokens=7, temperature=0.2, stop=["x"], seed=3, user="u")
+    assert body.output_tokens() == 7 and body.temperature == 0.2
+    assert chat().output_tokens() == DEFAULT_MAX_TOKENS
+    assert chat(max_tokens=9).output_tokens() == 9
+    assert chat(stream=True, stream_options={"include_usage": True}).include_usage
+    assert not chat(stream=True).include_usage
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        (b"{not json", "body", "not valid JSON"),
+        (b"[1]", "body", "JSON object"),
+        ({"messages": [{"role": "user", "content": "x"}]}, "model", "required"),
+        ({"model": "m", "messages": []}, "messages", "at least 1"),
+        ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "'user'"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content",
+            "only text parts",
+        ),
+        ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content", "string"),
+        ({"model": "m", "messages": [{"role": "user"}], "max_tokens": 0}, "max_tokens", "greater"),
+        ({"model": "m", "messages": [{"role": "user"}], "n": 2}, "n", "less"),
+        ({"model": "m", "messages": [{"role": "user"}], "tool_choice": 5}, "tool_choice", "string"),
+    ],
+)
+def test_a_bad_chat_body_names_the_bad_field(body: object, param: str, words: str) -> None:
+    error = bad(schema.ChatCompletionRequest, body)
+    assert error.param == param
+    assert words in error.message and error.message.startswith(param)
+
+
+def test_a_completion_takes_one_prompt() -> None:
+    body = schema.parse_body(schema.CompletionRequest, b'{"model": "m", "prompt": ["abc"]}')
+    assert body.prompt_text == "abc"
+    for prompt in (["a", "b"], [1, 2, 3], None):
+        assert bad(schema.CompletionRequest, {"model": "m", "prompt": prompt}).param == "prompt"
+
+
+# ----- rendering ----------------------------------------------------------------------
+
+
+def messages(*items: dict) -> list[schema.ChatMessage]:
+    return [schema.ChatMessage.model_validate(item) for item in items]
+
+
+def test_chat_rendering_marks_roles_and_ends_with_the_generation_mark() -> None:
+    prompt = render_chat(
+        messages(
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+        )
+    )
+    assert prompt == "<|system|>\nBe brief.\n<|user|>\nHi there\n" + GENERATION_MARK
+
+
+def test_tools_tool_calls_and_tool_results_are_rendered_into_the_prompt() -> None:
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+    call = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    prompt = render_chat(
+        messages(
+            {"role": "user", "content": "Where is order 7?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"status": "shipped"}'},
+        ),
+        tools=[tool],
+        tool_choice="auto",
+    )
+    lines = prompt.splitlines()
+    assert lines[0] == "<|tools|>" and json.loads(lines[1]) == tool
+    assert "<|tool_calls|>" in lines and json.loads(lines[lines.index("<|tool_calls|>") + 1]) == call
+    assert '<|tool|> call_1\n{"status": "shipped"}' in prompt
+    assert prompt.endswith("<|tool_choice|>\nauto\n" + GENERATION_MARK)
+
+
+def test_an_agent_loops_next_prompt_extends_its_previous_one() -> None:
+    """What prefix caching and affinity need: the next call's rendering starts with the
+    previous call's, tool choice and all changes at the end."""
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    first = messages({"role": "system", "content": "S"}, {"role": "user", "content": "U"})
+    second = first + messages({"role": "assistant", "content": "A"}, {"role": "user", "content": "V"})
+    one = render_chat(first, tools, "auto")
+    two = render_chat(second, tools, {"type": "function", "function": {"name": "f"}})
+    head = one.split("<|tool_choice|>")[0]
+    assert two.startswith(head + GENERATION_MARK + "A\n")
+
+
+# ----- identity -----------------------------------------------------------------------
+
+
+def test_identity_headers_are_read_case_insensitively() -> None:
+    identity = parse_identity(
+        {
+            "x-inferx-program": "agent-run.42",
+            "X-INFERX-TIER": "Realtime",
+            "x-inferx-deadline-ms": "1500",
+            "X-InferX-Program-End": "true",
+        }
+    )
+    assert identity == ProgramIdentity("agent-run.42", Tier.REALTIME, 1500, True)
+    assert parse_identity({}) == ProgramIdentity()
+    assert parse_identity({"x-inferx-program-end": "0"}).program_end is False
+
+
+@pytest.mark.parametrize(
+    ("headers", "param"),
+    [
+        ({"X-InferX-Program": "has space"}, "X-InferX-Program"),
+        ({"X-InferX-Program": "x" * 129}, "X-InferX-Program"),
+        ({"X-InferX-Tier": "urgent"}, "X-InferX-Tier"),
+        ({"X-InferX-Deadline-Ms": "-5"}, "X-InferX-Deadline-Ms"),
+        ({"X-InferX-Deadline-Ms": "0"}, "X-InferX-Deadline-Ms"),
+        ({"X-InferX-Deadline-Ms": "1.5"}, "X-InferX-Deadline-Ms"),
+        ({"X-InferX-Deadline-Ms": "86400001"}, "X-InferX-Deadline-Ms"),
+        ({"X-InferX-Program": "p", "X-InferX-Program-End": "maybe"}, "X-InferX-Program-End"),
+        ({"X-InferX-Program-End": "true"}, "X-InferX-Program-End"),
+    ],
+)
+def test_a_bad_identity_header_is_an_error_naming_it(headers: dict[str, str], param: str) -> None:
+    with pytest.raises(InvalidField) as caught:
+        parse_identity(headers)
+    assert caught.value.param == param and param in caught.value.message
+
+
+# ----- calls as program hops ----------------------------------------------------------
+
+CALL = Call(call_id="chatcmpl-abc", model="m", prompt="p", max_tokens=5, temperature=0.0)
+
+
+def test_calls_of_one_program_share_its_chain_key_and_count_up() -> None:
+    book = ProgramBook()
+    identity = ProgramIdentity("run-1", Tier.BATCH, None, False)
+    hops = [
+        program_hop(CALL, identity, book, now_unix_ms=1000, default_timeout_ms=60_000)[0] for _ in range(3)
+    ]
+    assert {h.run_id for h in hops} == {"run-1"} and {h.session_id for h in hops} == {""}
+    assert [h.hop_index for h in hops] == [0, 1, 2]
+    assert len({h.hop_id for h in hops}) == 3  # unique per call, the index in it
+    assert all(h.remaining_hops is None and h.tier == Tier.BATCH for h in hops)
+    end, timeout_s = program_hop(
+        CALL,
+        ProgramIdentity("run-1", Tier.BATCH, 2500, True),
+        book,
+        now_unix_ms=1000,
+        default_timeout_ms=60_000,
+    )
+    assert end.hop_index == 3 and end.remaining_hops == 0
+    assert end.deadline_unix_ms == 3500 and timeout_s == 2.5
+    assert len(book) == 0  # the program ended: forgotten
+
+
+def test_a_call_without_identity_is_a_one_hop_program() -> None:
+    book = ProgramBook()
+    hop, timeout_s = program_hop(CALL, ProgramIdentity(), book, now_unix_ms=0, default_timeout_ms=60_000)
+    assert hop.run_id == "chatcmpl-abc" and hop.hop_index == 0 and hop.remaining_hops == 0
+    assert hop.tier == Tier.STANDARD and timeout_s == 60 and hop.deadline_unix_ms == 60_000
+    assert len(book) == 0
+
+
+def test_the_program_book_keeps_the_most_recent_programs() -> None:
+    book = ProgramBook(capacity=2)
+    for program in ("a", "b", "a", "c"):
+        book.next_index(program)
+    assert len(book) == 2
+    assert book.next_index("a") == 2  # kept (recently used)
+    assert book.next_index("b") == 0  # evicted: starts again
+
+
+# ----- responses and errors -----------------------------------------------------------
+
+
+def test_usage_reports_cached_prompt_tokens() -> None:
+    assert schema.usage(10, 3, 8) == {
+        "prompt_tokens": 10,
+        "completion_tokens": 3,
+        "total_tokens": 13,
+        "prompt_tokens_details": {"cached_tokens": 8},
+    }
+    body = schema.chat_completion("id", 1, "m", "text", "length", schema.usage(1, 1, 0))
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "text"}
+    assert schema.chat_chunk("id", 1, "m", {}, "")["choices"][0]["finish_reason"] == "stop"
+    assert schema.sse({"a": 1}) == 'data: {"a":1}\n\n'
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "type_"),
+    [
+        (InvalidArgument("bad"), 400, "invalid_request_error"),
+        (FailedPrecondition("bad"), 400, "invalid_request_error"),
+        (NotFound("gone"), 404, "invalid_request_error"),
+        (Aborted("clash"), 409, "conflict_error"),
+        (ResourceExhausted("full"), 429, "rate_limit_error"),
+        (Unavailable("down"), 503, "service_unavailable_error"),
+        (DeadlineExceeded("late"), 504, "timeout_error"),
+        (TimeoutError(), 504, "timeout_error"),
+        (Internal("oops"), 500, "server_error"),
+        (KeyError("secret internals"), 500, "server_error"),
+    ],
+)
+def test_domain_errors_map_to_openai_errors(error: BaseException, status: int, type_: str) -> None:
+    reply = error_reply(error)
+    assert reply.status == status
+    assert set(reply.body["error"]) == {"message", "type", "param", "code"}
+    assert reply.body["error"]["type"] == type_
+    assert "secret" not in reply.body["error"]["message"]
+
+
+def test_retry_after_and_params_come_through() -> None:
+    assert error_reply(ResourceExhausted("full", retry_after_s=2.2)).headers == {"Retry-After": "3"}
+    assert error_reply(ResourceExhausted("full")).headers == {"Retry-After": "1"}
+    assert error_reply(Unavailable("down")).headers == {}
+    assert error_reply(Unavailable("down", retry_after_s=0.1)).headers == {"Retry-After": "1"}
+    missing = error_reply(ModelNotFound("gpt-9")).body["error"]
+    assert (
+        missing["param"] == "model" and missing["code"] == "model_not_found" and "gpt-9" in missing["message"]
+    )
+    header = error_reply(InvalidField("X-InferX-Tier", "nope")).body["error"]
+    assert header["param"] == "X-InferX-Tier" and header["message"] == "X-InferX-Tier: nope"
+
+
+def test_a_programs_unknown_remaining_hops_stay_unset_on_the_wire() -> None:
+    """The scheduler reads an unset remaining_hops as unknown (None) and 0 as the last
+    hop (the program's KV is let go): the request must tell them apart."""
+    from inferx_router.executors import hop_request
+
+    book = ProgramBook()
+    going, _ = program_hop(CALL, ProgramIdentity("p"), book, now_unix_ms=0, default_timeout_ms=1)
+    ending, _ = program_hop(
+        CALL, ProgramIdentity("p", program_end=True), book, now_unix_ms=0, default_timeout_ms=1
+    )
+    assert not hop_request(going).context.HasField("remaining_hops")
+    last = hop_request(ending).context
+    assert last.HasField("remaining_hops") and last.remaining_hops == 0
+    assert last.run_id == "p" and last.session_id == "" and last.hop_index == 1
