@@ -143,6 +143,7 @@ class StackPorts:
     cache: int = 50054
     worker_base: int = 50061
     metrics_base: int = 9100
+    router_http: int = 8000  # the router's OpenAI-compatible HTTP front; 0 = off
 
     @classmethod
     def free(cls) -> StackPorts:
@@ -155,6 +156,7 @@ class StackPorts:
             cache=free_port(),
             worker_base=0,
             metrics_base=0,
+            router_http=free_port(),
         )
 
     def service_port(self, kind: str) -> int:
@@ -195,6 +197,11 @@ class LocalStack:
     @property
     def router_address(self) -> str:
         return f"127.0.0.1:{self.ports.router}"
+
+    @property
+    def router_http_url(self) -> str:
+        """The base URL of the router's OpenAI-compatible front ('' when it is off)."""
+        return f"http://127.0.0.1:{self.ports.router_http}/v1" if self.ports.router_http else ""
 
     def _metrics_port(self) -> int:
         if not self.ports.metrics_base:
@@ -277,6 +284,8 @@ class LocalStack:
         extra = list(extra)
         if kind == "router" and self.knowledge_base is not None:
             extra += ["--knowledge-base", str(self.knowledge_base)]
+        if kind == "router" and replica == 0 and self.ports.router_http:
+            extra += ["--http-port", str(self.ports.router_http)]
         proc = ManagedProcess(
             name,
             self._service_argv(kind, port, metrics_port, extra),
@@ -385,7 +394,7 @@ def read_models_file(path: Path) -> dict[str, str]:
     return mapping
 
 
-def run_foreground(engine: str = "vllm", workers: int = 1) -> int:
+def run_foreground(engine: str = "vllm", workers: int = 1, http_port: int = 8000) -> int:
     """`inferx up`: start everything, load the examples, wait for Ctrl-C, stop everything."""
     root = Path.cwd()
     examples = root / "examples"
@@ -395,7 +404,9 @@ def run_foreground(engine: str = "vllm", workers: int = 1) -> int:
             file=sys.stderr,
         )
         return 2
-    stack = LocalStack(root / ".inferx", knowledge_base=examples / "knowledge_base.jsonl")
+    stack = LocalStack(
+        root / ".inferx", StackPorts(router_http=http_port), knowledge_base=examples / "knowledge_base.jsonl"
+    )
     stop_requested = False
 
     def on_signal(signum, frame):  # noqa: ARG001
@@ -467,5 +478,7 @@ def print_addresses(stack: LocalStack, mapping: dict[str, str], loaded: list[str
             else proc.log_path
         )
         print(f"  {name:<12} grpc {proc.address:<16} metrics {metrics:<34} log {log}")
+    if stack.router_http_url:
+        print(f"  OpenAI-compatible HTTP (router): {stack.router_http_url}")
     print("  models: " + ", ".join(f"{m} -> pool {p}" for m, p in sorted(mapping.items())))
     print("  chains: " + ", ".join(loaded))

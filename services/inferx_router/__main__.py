@@ -15,6 +15,8 @@ from inferx.settings import ServiceSettings
 from inferx.v1 import router_pb2, router_pb2_grpc
 from inferx_router import metrics, records
 from inferx_router.chain_store import ChainStore
+from inferx_router.executors import SchedulerExecutor
+from inferx_router.http_front import HttpServer, OpenAIFront
 from inferx_router.knowledge import KnowledgeBase
 from inferx_router.load import LoadMonitor
 from inferx_router.servicer import RouterServicer
@@ -39,6 +41,16 @@ class RouterSettings(ServiceSettings):
     )
     recent_runs: int = Field(
         1000, ge=0, description="finished runs kept for `inferx trace` and `inferx stats`"
+    )
+    http_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="port of the OpenAI-compatible HTTP front (/v1/chat/completions, /v1/completions, "
+        "/v1/models) on --host; 0 = off",
+    )
+    http_timeout_s: float = Field(
+        300.0, gt=0, description="time limit of an HTTP call that sets no X-InferX-Deadline-Ms"
     )
 
 
@@ -69,6 +81,16 @@ class RouterComponent(ServiceComponent):
             etcd.PrefixMirror(runtime.etcd, etcd.MODELS, self.directory.update_models),
         ]
         self.load = LoadMonitor(self.directory, self.services, self.channels, settings.degrade_load_threshold)
+        self.http: HttpServer | None = None
+        if settings.http_port:
+            front = OpenAIFront(
+                self.directory,
+                SchedulerExecutor(self.services, self.channels),
+                default_timeout_s=settings.http_timeout_s,
+            )
+            self.http = HttpServer(
+                front.app(), settings.host, settings.http_port, drain_timeout_s=settings.drain_timeout_s
+            )
         router_pb2_grpc.add_RouterServicer_to_server(
             RouterServicer(
                 self.store,
@@ -88,8 +110,16 @@ class RouterComponent(ServiceComponent):
         for mirror in self.mirrors:
             await mirror.wait_synced(timeout_s=30)
         self.load.start()
+        if self.http is not None:  # after the mirrors: the models are known from the first call
+            try:
+                address = await self.http.start()
+            except OSError as exc:
+                raise RuntimeError(f"cannot serve HTTP on --http-port: {exc}") from None
+            print(f"inferx-router OpenAI-compatible HTTP on http://{address}/v1", flush=True)
 
     async def stop(self) -> None:
+        if self.http is not None:  # in-flight HTTP calls finish (up to the drain timeout)
+            await self.http.stop()
         await self.load.close()
         for mirror in self.mirrors:
             await mirror.close()

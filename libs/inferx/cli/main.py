@@ -368,7 +368,7 @@ async def cmd_cache_stats(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from inferx.devstack import run_foreground
 
-    return run_foreground(engine=args.engine, workers=args.workers)
+    return run_foreground(engine=args.engine, workers=args.workers, http_port=args.http_port)
 
 
 # ----- parser ---------------------------------------------------------------------------
@@ -457,6 +457,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="one of %(choices)s (default vllm; sim is a SIMULATED latency model)",
     )
     up.add_argument("--workers", type=int, default=1, help="model-workers to start")
+    up.add_argument(
+        "--http-port",
+        type=int,
+        default=8000,
+        help="port of the router's OpenAI-compatible HTTP front (default 8000; 0 = off)",
+    )
     up.set_defaults(handler=cmd_up)
     engines = sub.add_parser("engines", help="the model-worker engines this install has")
     engines.set_defaults(handler=cmd_engines)

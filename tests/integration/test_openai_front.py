@@ -1,0 +1,181 @@
+"""The router's OpenAI-compatible HTTP front, called with the official `openai` SDK
+(sync, async, streaming) against SIMULATED sim workers: completions, an agent loop as
+one program (one worker, cached tokens growing), and OpenAI-shaped errors."""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import openai
+import pytest
+from openai.types.chat import ChatCompletionFunctionToolParam
+
+from inferx.devstack import LocalStack
+from inferx_router.http_front import WORKER_HEADER
+
+pytestmark = pytest.mark.integration
+
+MODEL = "qwen-7b"  # examples/models.yaml: served by the sim workers' pool
+
+
+def sync_client(stack: LocalStack, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.router_http_url, api_key="unused", max_retries=0, **kw)
+
+
+def async_client(stack: LocalStack, **kw) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=stack.router_http_url, api_key="unused", max_retries=0, **kw)
+
+
+def test_models_lists_the_models_from_etcd(sim_stack: LocalStack) -> None:
+    names = {model.id for model in sync_client(sim_stack).models.list()}
+    assert {"qwen-7b", "qwen-72b"} <= names
+
+
+def test_sync_chat_completion_reports_text_and_usage(sim_stack: LocalStack) -> None:
+    reply = sync_client(sim_stack).chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Where is my order?"},
+        ],
+        max_tokens=12,
+    )
+    assert reply.object == "chat.completion" and reply.model == MODEL
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in {"stop", "length"}
+    usage = reply.usage
+    assert usage is not None and usage.prompt_tokens > 0 and usage.completion_tokens == 12
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens is not None
+
+
+def test_tools_are_accepted_and_rendered_into_the_prompt(sim_stack: LocalStack) -> None:
+    tool: ChatCompletionFunctionToolParam = {
+        "type": "function",
+        "function": {
+            "name": "track",
+            "parameters": {"type": "object", "properties": {"id": {"type": "string"}}},
+        },
+    }
+    plain = sync_client(sim_stack).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Track order 7"}], max_tokens=4
+    )
+    with_tools = sync_client(sim_stack).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Track order 7"}],
+        tools=[tool],
+        tool_choice="auto",
+        max_tokens=4,
+    )
+    assert plain.usage is not None and with_tools.usage is not None
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens  # the specs are in the prompt
+
+
+async def test_async_chat_and_text_completions(sim_stack: LocalStack) -> None:
+    async with async_client(sim_stack) as client:
+        chat = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=5
+        )
+        text = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6)
+    assert chat.choices[0].message.content and chat.usage is not None and chat.usage.completion_tokens == 5
+    assert text.object == "text_completion" and text.choices[0].text
+    assert text.usage is not None and text.usage.completion_tokens == 6
+
+
+def test_streamed_chat_sends_chunks_then_usage(sim_stack: LocalStack) -> None:
+    stream = sync_client(sim_stack).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell me a story"}],
+        max_tokens=40,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(pieces) >= 2  # 40 tokens arrive in several pieces, not in one at the end
+    finishing = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishing == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 40
+
+
+async def test_async_streamed_completion(sim_stack: LocalStack) -> None:
+    async with async_client(sim_stack) as client:
+        stream = await client.completions.create(model=MODEL, prompt="Count:", max_tokens=20, stream=True)
+        text = "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+    assert len(text) > 0
+
+
+def test_an_agent_loop_is_one_program_on_one_worker_with_growing_cached_tokens(sim_stack: LocalStack) -> None:
+    program = f"agent-{uuid.uuid4().hex[:8]}"
+    client = sync_client(
+        sim_stack, default_headers={"X-InferX-Program": program, "X-InferX-Tier": "realtime"}
+    )
+    messages: list = [
+        {"role": "system", "content": f"[{program}] You are a support agent. " + "Policy text. " * 60},
+        {"role": "user", "content": "Where is order 7?"},
+    ]
+    cached, workers = [], set()
+    for step in range(3):
+        last = step == 2
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=16,
+            extra_headers={"X-InferX-Program-End": "true"} if last else None,
+        )
+        reply = raw.parse()
+        workers.add(raw.headers[WORKER_HEADER])
+        assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+        cached.append(reply.usage.prompt_tokens_details.cached_tokens or 0)
+        messages += [
+            {"role": "assistant", "content": reply.choices[0].message.content},
+            {"role": "tool", "tool_call_id": f"call_{step}", "content": '{"status": "shipped"}' * 4},
+        ]
+    assert len(workers) == 1, workers
+    assert cached[0] < cached[1] < cached[2], cached
+
+
+def test_unknown_model_is_a_404_through_the_sdk(sim_stack: LocalStack) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        sync_client(sim_stack).chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "hi"}]
+        )
+    assert caught.value.status_code == 404
+    assert caught.value.code == "model_not_found" and "no-such-model" in caught.value.message
+
+
+async def test_a_streamed_call_to_an_unknown_model_is_a_404_too(sim_stack: LocalStack) -> None:
+    async with async_client(sim_stack) as client:
+        with pytest.raises(openai.NotFoundError):
+            await client.chat.completions.create(
+                model="no-such-model", messages=[{"role": "user", "content": "hi"}], stream=True
+            )
+
+
+def test_a_bad_identity_header_is_a_400_naming_it(sim_stack: LocalStack) -> None:
+    client = sync_client(sim_stack, default_headers={"X-InferX-Tier": "urgent"})
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert caught.value.param == "X-InferX-Tier" and "urgent" in caught.value.message
+
+
+def test_malformed_bodies_and_unknown_paths_get_openai_shaped_errors(sim_stack: LocalStack) -> None:
+    base = sim_stack.router_http_url
+    with httpx.Client() as http:
+        cases = [
+            (http.post(f"{base}/chat/completions", content=b"{oops"), 400, "body"),
+            (http.post(f"{base}/chat/completions", json={"model": MODEL, "messages": "hi"}), 400, "messages"),
+            (http.post(f"{base}/completions", json={"model": MODEL, "prompt": [1, 2]}), 400, "prompt"),
+            (http.get(f"{base}/nowhere"), 404, None),
+            (http.get(f"{base}/chat/completions"), 405, None),
+        ]
+    for reply, status, param in cases:
+        assert reply.status_code == status, reply.text
+        assert reply.headers["content-type"].startswith("application/json")
+        error = reply.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+        assert error["param"] == param
