@@ -1,6 +1,7 @@
 """Render `inferx sim --capacity --json` outputs as the markdown tables of
 docs/benchmarks.md: python benchmarks/capacity_markdown.py OUT.json [OUT.json ...]
-(an `abl-` prefixed file is read as the chain-aware ablation of the same name)."""
+(a file of the same name with a prefix of ABLATIONS is read as that chain-aware
+ablation: `abl-` = realtime guard off, `fixed-` = the fixed 30 s KV hold)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 CANDIDATE = "chain-aware"
+ABLATIONS = {"abl-": "chain-aware, guard off", "fixed-": "chain-aware, fixed 30 s hold"}
 
 
 def load(path: Path) -> dict:
@@ -23,7 +25,7 @@ def main(paths: list[str]) -> None:
     rows = []
     for raw in paths:
         path = Path(raw)
-        if path.name.startswith("abl-"):
+        if path.name.startswith(tuple(ABLATIONS)):
             continue
         data = load(path)
         capacity = data["capacity"]
@@ -34,8 +36,11 @@ def main(paths: list[str]) -> None:
             for a, b in zip(ours["per_seed"], capacity[peer]["per_seed"], strict=True)
             if b["rate_per_s"] > 0
         ]
-        ablation = path.with_name("abl-" + path.name)
-        guard_off = load(ablation)["capacity"][CANDIDATE] if ablation.exists() else None
+        ablated = []
+        for prefix in ABLATIONS:
+            ablation = path.with_name(prefix + path.name)
+            measured = ablation.exists() and ablation.stat().st_size > 0  # empty: a run still going
+            ablated.append(fmt(load(ablation)["capacity"][CANDIDATE]) if measured else "-")
         context = data["context"]
         rows.append(
             (
@@ -45,7 +50,7 @@ def main(paths: list[str]) -> None:
                 f"{peer} {fmt(capacity[peer])}",
                 f"**{ours['rate_per_s'] / capacity[peer]['rate_per_s']:.2f}x** "
                 f"({min(per_seed):.2f}-{max(per_seed):.2f})",
-                fmt(guard_off) if guard_off else "-",
+                *ablated,
                 ", ".join(
                     f"{name} {capacity[name]['rate_per_s']:.3f}"
                     for name in sorted(capacity, key=lambda n: -capacity[n]["rate_per_s"])
@@ -54,9 +59,9 @@ def main(paths: list[str]) -> None:
             )
         )
     columns = ("workload", "engine profile", "chain-aware", "strongest peer", "ratio (per seed)")
-    columns += ("chain-aware, guard off", "other peers")
+    columns += (*ABLATIONS.values(), "other peers")
     print("| " + " | ".join(columns) + " |")
-    print("|---|---|---|---|---|---|---|")
+    print("|" + "---|" * len(columns))
     for row in rows:
         print("| " + " | ".join(row) + " |")
 
