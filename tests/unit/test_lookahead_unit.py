@@ -239,12 +239,6 @@ async def test_no_room_or_no_memory_pool_reserves_nothing(clock) -> None:
     assert (no_workers._held, no_pool._held, no_pool._pending) == ({}, {}, set())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: start() runs while the current hop is in flight in its pool, and chain-aware "
-    "plan_ahead refuses any pool where the chain has a hop in flight, so a same-pool "
-    "grown-context look-ahead (which wanted() selects) is never reserved",
-)
 async def test_same_pool_grown_context_is_reserved_after_dispatch(clock) -> None:
     """As the scheduler calls it (after dispatching the hop), a grown same-pool next hop is reserved."""
     queue = DispatchQueue(policy=make_policy("chain-aware"))

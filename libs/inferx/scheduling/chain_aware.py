@@ -625,11 +625,10 @@ class ChainAwarePolicy:
         """Hold room for a chain's coming hop (`hop` describes it: its pool, size) on the
         worker it will run on -- the chain's worker in that pool if it has room, else
         the one with the most -- until `until`; None when no worker has room. The hop
-        then finds its room held there (affinity)."""
+        then finds its room held there (affinity). While a hop of the chain runs in the
+        pool (a grown next hop of the same model), only its worker is a candidate."""
         key = self._key(hop)
         state = self._touch(key, now)
-        if state.in_flight:
-            return None  # a hop of the chain already runs in that pool
         self._set_tier(key, state, hop.tier_rank)
         tokens = hop.kv_tokens
 
@@ -641,6 +640,10 @@ class ChainAwarePolicy:
 
         home = next((w for w in workers if w.worker_id == state.worker_id), None)
         target = home if home is not None and room(home) else None
+        if state.in_flight and target is None:
+            # A hop of the chain runs in this pool now: its next one follows it on the
+            # same worker (its context is there), so that is the only place to hold.
+            return None
         if target is None:
             fitting = [w for w in workers if room(w)]
             if not fitting:
@@ -655,7 +658,7 @@ class ChainAwarePolicy:
     def drop_ahead(self, hop: HopView) -> None:
         """The look-ahead could not be backed (memory-pool refused): let the room go."""
         state = self._chains.get(self._key(hop))
-        if state is not None and not state.in_flight:
+        if state is not None:  # while a hop runs, the only hold is a look-ahead
             self._hold(self._key(hop), state, 0, 0.0)
 
     def _starved(self, queued: QueuedHop, now: float) -> bool:
@@ -715,10 +718,18 @@ class ChainAwarePolicy:
             self._forget(key)  # the run's last hop: nothing of it will be reused
             return
         state.idle_since = now
+        # A look-ahead made while the hop ran (room for a grown next hop) stays as long
+        # as it was meant to; the context hold below only adds to it.
+        ahead = state.held_tokens if state.held_until > now else 0
+        tokens, until = max(state.context_tokens, ahead), state.held_until if ahead else now
         hold_s = self._hold_s(hop, queued.worker_id)
         if hold_s > 0:
             # A little past the learned gap, so a chain back right on time finds it held.
-            self._hold(key, state, state.context_tokens, now + hold_s * 1.05)
+            until = max(until, now + hold_s * 1.05)
+        if until > now:
+            self._hold(key, state, tokens, until)
+        elif state.held_tokens:
+            self._hold(key, state, 0, 0.0)
 
     def on_chain_end(self, chain_key: str, now: float) -> None:
         for key in [k for k in self._chains if k[1] == chain_key]:
