@@ -103,11 +103,10 @@ class ChainAwareConfig:
     chain_ttl_s: float = 300.0  # forget a chain (and its affinity) after this long idle
     reuse_window_hops: int = 4  # hops on one worker before placement is decided again; 0 = no limit
     rebalance_margin: float = 0.2  # after the window, move only for this much more free room
-    # Between its hops (tool calls, think time) a chain's context is held on its worker:
-    # "priced" holds it for as long as that is expected to cost less than re-prefilling
-    # it, from the gaps learned so far (`inferx.scheduling.retention`), and the hold is
-    # real -- no hop is admitted over held room, the chain's own worker included;
-    # "fixed" holds it `kv_warm_s` and only keeps other chains from being placed on it.
+    # Between its hops (tool calls, think time) a chain's context is held on its worker,
+    # so no other chain is placed on that room: "priced" holds it for as long as that is
+    # expected to cost less than re-prefilling it, from the gaps learned so far
+    # (`inferx.scheduling.retention`); "fixed" holds it `kv_warm_s`.
     kv_retention: Literal["priced", "fixed"] = "priced"
     max_hold_s: float = 600.0  # "priced": the longest hold
     # "priced": a re-prefill's GPU time counts this many times (its chunks stall every
@@ -184,7 +183,6 @@ class ChainState:
     held_until: float = 0.0
     queued_s: float = 0.0  # how long its hops waited in the queue, in all
     initial_slack_s: float | None = None  # deadline - arrival - expected path; None: no deadline
-    wait_budget_s: float | None = None  # guard_slack_share of that
     tier: int = TIER_STANDARD  # the tier of its latest hop (what its held room is ranked by)
     idle_since: float | None = None  # when its last hop ended (none of its hops is queued or running)
 
@@ -380,22 +378,10 @@ class ChainAwarePolicy:
         state = self._touch(self._key(hop), now)
         if state.initial_slack_s is None and hop.deadline is not None:
             state.initial_slack_s = hop.deadline - now - hop.remaining_critical_path_s
-            state.wait_budget_s = self.config.guard_slack_share * max(state.initial_slack_s, 0.0)
-        if self.config.overload_control:
-            if not self._under_way(hop) and self._overloaded(hop):
-                # Past `overload_shed_factor` windows' worth waiting, the last in line
-                # would wait about that many chain lifetimes: better refused now.
-                tier = hop.tier_rank
-                window = self._window(hop.pool, tier)
-                waiting = sum(1 for q in queued if q.view.tier_rank == tier and not self._under_way(q.view))
-                if waiting >= window.limit * self.config.overload_shed_factor:
-                    self._forget(self._key(hop))
-                    return Admission(
-                        False,
-                        f"pool '{hop.pool}' is overloaded: {waiting} new {tier.label} chains wait to "
-                        f"start and at most {window.limit:.0f} may run beside the more urgent tiers",
-                        self.config.retry_after_s,
-                    )
+        refusal = self._overload_refusal(hop, queued)
+        if refusal is not None:
+            self._forget(self._key(hop))
+            return refusal
         if hop.tier_rank != TIER_BATCH or self._under_way(hop) or not workers:
             return ACCEPT
         load = self.load(workers)
@@ -408,6 +394,24 @@ class ChainAwarePolicy:
                     self.config.retry_after_s,
                 )
         return ACCEPT
+
+    def _overload_refusal(self, hop: HopView, queued: Sequence[QueuedHop]) -> Admission | None:
+        """A new chain whose tier's window is full is refused once more than
+        `overload_shed_factor` windows' worth of new chains of its tier already wait:
+        the last in line would wait about that many chain lifetimes."""
+        if not self.config.overload_control or self._under_way(hop) or not self._overloaded(hop):
+            return None
+        tier = hop.tier_rank
+        window = self._window(hop.pool, tier)
+        waiting = sum(1 for q in queued if q.view.tier_rank == tier and not self._under_way(q.view))
+        if waiting < window.limit * self.config.overload_shed_factor:
+            return None
+        return Admission(
+            False,
+            f"pool '{hop.pool}' is overloaded: {waiting} new {tier.label} chains wait to "
+            f"start and at most {window.limit:.0f} may run beside the more urgent tiers",
+            self.config.retry_after_s,
+        )
 
     def _window(self, pool: str, tier: int) -> ChainWindow:
         """The window of chains of `tier` (standard or batch) that may be under way."""
@@ -566,9 +570,10 @@ class ChainAwarePolicy:
         if hop.deadline is not None and hop.deadline - now - hop.remaining_critical_path_s <= 0:
             return False
         state = self._chains.get(self._key(hop))
-        if state is None or state.wait_budget_s is None:
+        if state is None or state.initial_slack_s is None:
             return True
-        return state.queued_s + (now - queued.enqueued_at) < state.wait_budget_s
+        budget = self.config.guard_slack_share * max(state.initial_slack_s, 0.0)
+        return state.queued_s + (now - queued.enqueued_at) < budget
 
     def _prefill_wait_s(self, worker_id: str, now: float) -> float:
         return max(self._prefill_until.get(worker_id, 0.0) - now, 0.0)
