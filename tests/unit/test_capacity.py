@@ -188,6 +188,9 @@ def test_policy_options_are_typed_and_must_be_taken_by_a_compared_policy() -> No
         policy_options(["realtime_guard=false"], ["session-affinity"])
     with pytest.raises(InvalidArgument, match="expected KEY=VALUE"):
         policy_options(["realtime_guard"], ["chain-aware"])
+    # A value of the wrong type is refused before any run, naming the option.
+    with pytest.raises(InvalidArgument, match="guard_slack_share"):
+        policy_options(["guard_slack_share=abc"], ["chain-aware"])
 
 
 def test_an_option_reaches_the_policy_in_the_search(monkeypatch) -> None:

@@ -497,3 +497,30 @@ async def test_live_replay_of_a_sequence_is_unchanged() -> None:
             assert fake.started[k] >= fake.ended[k - 1]
     outputs = [f"<out {k}>".ljust(h.output_tokens * CHARS_PER_TOKEN, "x") for k, h in enumerate(chain.hops)]
     assert fake.requests[len(chain.hops) - 1].prompt == build_prompt(chain, len(chain.hops) - 1, outputs)
+
+
+def test_a_chain_learns_its_remaining_path_from_chains_of_its_own_tier_only() -> None:
+    """What a live router learns per chain config (one tier): a batch chain's finished
+    calls (its queueing included) say nothing about a realtime chain of the same kind."""
+
+    def chain(chain_id: str, tier: str, arrival_s: float) -> TraceChain:
+        hops = [
+            TraceHop(new_tokens=50, output_tokens=20, delay_after_s=1.0),
+            TraceHop(new_tokens=9, output_tokens=7),
+        ]
+        return TraceChain(
+            chain_id=chain_id,
+            kind="chat",
+            tier=tier,
+            arrival_s=arrival_s,
+            slo_s=60.0,
+            shared_prefix="chat-system",
+            shared_tokens=400,
+            hops=hops,
+        )
+
+    spy = Spy()
+    trace = as_trace(chain("b", "batch", 0.0), chain("r", "realtime", 30.0), chain("r2", "realtime", 60.0))
+    ClusterSim(trace, spy.policy, EngineProfile(), workers=1).run()
+    assert spy.views[("r", 0)].remaining_critical_path_s == 0.0  # only a batch chain finished
+    assert spy.views[("r2", 0)].remaining_critical_path_s > 0.0  # a realtime one has
