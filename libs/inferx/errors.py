@@ -53,6 +53,18 @@ class Internal(InferxError):
     code = grpc.StatusCode.INTERNAL
 
 
+class AlreadyExists(InferxError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class Unauthenticated(InferxError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(InferxError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 _BY_CODE: dict[grpc.StatusCode, type[InferxError]] = {
     cls.code: cls
     for cls in (
@@ -64,6 +76,9 @@ _BY_CODE: dict[grpc.StatusCode, type[InferxError]] = {
         DeadlineExceeded,
         Unavailable,
         Internal,
+        AlreadyExists,
+        Unauthenticated,
+        PermissionDenied,
     )
 }
 

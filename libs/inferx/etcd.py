@@ -24,6 +24,8 @@ WORKERS = f"{ROOT}/workers/"
 TOOLS = f"{ROOT}/tools/"
 CHAINS = f"{ROOT}/chains/"
 MODELS = f"{ROOT}/models/"
+AUTH_TENANTS = f"{ROOT}/auth/tenants/"
+AUTH_TOKENS = f"{ROOT}/auth/tokens/"
 
 
 def service_key(kind: str, instance_id: str) -> str:
