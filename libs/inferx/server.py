@@ -46,12 +46,23 @@ S = TypeVar("S", bound=ServiceSettings)
 OUR_METHOD_PREFIX = "/inferx.v1."
 
 
+# Checks a call before its handler runs (the router's token check): raises an
+# InferxError to refuse it. Runs in the handler's own task, so what it sets in a
+# ContextVar (who is calling) is what the handler sees.
+CallGuard = Callable[[str, grpc.aio.ServicerContext], None]
+
+
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     """Turns domain errors raised by our handlers into gRPC status codes.
 
     Handlers raise `InferxError`; anything else is a bug, logged with its traceback
-    and reported as INTERNAL without leaking internals to the caller.
+    and reported as INTERNAL without leaking internals to the caller. A component may
+    install a `CallGuard` (`ServiceRuntime.guard_calls`), checked before every handler
+    of ours, whose refusals map the same way.
     """
+
+    def __init__(self) -> None:
+        self.guard: CallGuard | None = None
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -63,6 +74,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
             async def unary_unary(request, context):
                 try:
+                    if self.guard is not None:
+                        self.guard(method, context)
                     return await inner_uu(request, context)
                 except InferxError as exc:
                     await abort_with(context, exc)
@@ -82,6 +95,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
             async def unary_stream(request, context):
                 try:
+                    if self.guard is not None:
+                        self.guard(method, context)
                     async for item in inner_us(request, context):
                         yield item
                 except InferxError as exc:
@@ -125,7 +140,12 @@ class ServiceRuntime:
     instance_id: str
     address: str
     metrics_address: str
+    errors: ErrorMappingInterceptor = field(default_factory=ErrorMappingInterceptor)
     started_unix_ms: int = field(default_factory=lambda: int(time.time() * 1000))
+
+    def guard_calls(self, guard: CallGuard) -> None:
+        """Check every call to this service's own methods with `guard` first."""
+        self.errors.guard = guard
 
 
 BuildComponent = Callable[[ServiceRuntime], Awaitable[ServiceComponent]]
@@ -187,9 +207,10 @@ async def _serve(
     except telemetry.TelemetryError as exc:
         raise StartupError(str(exc)) from None
 
+    errors = ErrorMappingInterceptor()
     server = grpc.aio.server(
         # Tracing outermost: its span also covers the status the error mapping sets.
-        interceptors=[*telemetry.server_interceptors(), ErrorMappingInterceptor()],
+        interceptors=[*telemetry.server_interceptors(), errors],
         options=[("grpc.so_reuseport", 0)],
     )
     health_servicer = health.aio.HealthServicer()
@@ -215,6 +236,7 @@ async def _serve(
         instance_id=instance_id,
         address=address,
         metrics_address=metrics_address,
+        errors=errors,
     )
     component = await build(runtime, settings)
     names = list(component.service_names)

@@ -8,12 +8,15 @@ from pathlib import Path
 from pydantic import Field
 
 from inferx import etcd
+from inferx.auth.limits import TenantQuotas
+from inferx.auth.store import AuthDirectory
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.pools import PoolDirectory
 from inferx.server import ServiceComponent, ServiceRuntime, run_service
 from inferx.settings import ServiceSettings
 from inferx.v1 import router_pb2, router_pb2_grpc
 from inferx_router import metrics, records
+from inferx_router.access import AccessControl
 from inferx_router.chain_store import ChainStore
 from inferx_router.executors import SchedulerExecutor
 from inferx_router.http_front import HttpServer, OpenAIFront
@@ -52,6 +55,7 @@ class RouterSettings(ServiceSettings):
     http_timeout_s: float = Field(
         300.0, gt=0, description="time limit of an HTTP call that sets no X-InferX-Deadline-Ms"
     )
+    insecure: bool = Field(False, description="accept calls without tokens (development only)")
 
 
 class RouterComponent(ServiceComponent):
@@ -81,12 +85,21 @@ class RouterComponent(ServiceComponent):
             etcd.PrefixMirror(runtime.etcd, etcd.MODELS, self.directory.update_models),
         ]
         self.load = LoadMonitor(self.directory, self.services, self.channels, settings.degrade_load_threshold)
+        # Tokens and tenants (docs/security.md); none of it with --insecure.
+        auth = None if settings.insecure else AuthDirectory(runtime.etcd)
+        if auth is not None:
+            self.mirrors.extend(auth.mirrors)
+        access = AccessControl(auth)
+        runtime.guard_calls(access.guard)
+        quotas = TenantQuotas()  # one per router: gRPC runs and HTTP calls count alike
         self.http: HttpServer | None = None
         if settings.http_port:
             front = OpenAIFront(
                 self.directory,
                 SchedulerExecutor(self.services, self.channels),
                 default_timeout_s=settings.http_timeout_s,
+                access=access,
+                quotas=quotas,
             )
             self.http = HttpServer(
                 front.app(), settings.host, settings.http_port, drain_timeout_s=settings.drain_timeout_s
@@ -100,6 +113,9 @@ class RouterComponent(ServiceComponent):
                 self.tools,
                 self.load,
                 settings.max_active_runs,
+                access=access,
+                quotas=quotas,
+                etcd_client=runtime.etcd,
             ),
             runtime.server,
         )

@@ -1,10 +1,13 @@
 """Chain configs as immutable, numbered versions in etcd.
 
-  /inferx/v1/chains/<name>/versions/<n>  -> {"config": <normalised document>,
-                                           "author", "message", "created_unix_ms"}
-  /inferx/v1/chains/<name>/latest        -> n   (only moved by a compare-and-swap txn)
-  /inferx/v1/chains/<name>/active        -> n
-  /inferx/v1/chains/<name>/labels/<l>    -> n
+  /inferx/v1/chains/<tenant>/<name>/versions/<n>  -> {"config": <normalised document>,
+                                                    "author", "message", "created_unix_ms"}
+  /inferx/v1/chains/<tenant>/<name>/latest        -> n   (only moved by a compare-and-swap txn)
+  /inferx/v1/chains/<tenant>/<name>/active        -> n
+  /inferx/v1/chains/<tenant>/<name>/labels/<l>    -> n
+
+Every chain belongs to a tenant (`default` when the router runs without tokens): two
+tenants may use the same chain name, and neither can see the other's.
 
 Reads come from a watched local mirror, so a new active version reaches new runs
 as soon as etcd reports it, and the router keeps serving the versions it holds
@@ -25,6 +28,7 @@ import aetcd
 from inferx import etcd
 from inferx.chain.plan import ChainPlan
 from inferx.chain.schema import ChainConfig
+from inferx.chain.template import NODE_ID_RE
 from inferx.chain.validate import ValidatedChain, load_chain_text
 from inferx.chain.yamlio import dump_config_yaml
 from inferx.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
@@ -32,15 +36,20 @@ from inferx.errors import FailedPrecondition, InvalidArgument, NotFound, Unavail
 log = logging.getLogger("inferx.router.chains")
 
 MAX_PUT_ATTEMPTS = 20
+CHAIN_NAME = re.compile(NODE_ID_RE)
 LABEL = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,62}$")
 
 
-def _key(name: str, *parts: str) -> str:
-    return "/".join([f"{etcd.CHAINS}{name}", *parts])
+def _key(tenant: str, name: str, *parts: str) -> str:
+    # A name that no chain can have (e.g. one with '/') must never reach into other keys.
+    if not CHAIN_NAME.fullmatch(name):
+        raise NotFound(f"unknown chain {name!r} (see `inferx chain list`)")
+    return "/".join([f"{etcd.CHAINS}{tenant}/{name}", *parts])
 
 
 @dataclass(frozen=True)
 class StoredVersion:
+    tenant: str
     name: str
     version: int
     config: ChainConfig
@@ -57,12 +66,13 @@ class ChainStore:
     def __init__(self, client: aetcd.Client) -> None:
         self._client = client
         self.mirror = etcd.PrefixMirror(client, etcd.CHAINS)
-        self._parsed: dict[tuple[str, int], StoredVersion] = {}
+        self._parsed: dict[tuple[str, str, int], StoredVersion] = {}
 
     # ----- writes -------------------------------------------------------------------
 
     async def put(
         self,
+        tenant: str,
         text: str,
         *,
         message: str = "",
@@ -80,7 +90,7 @@ class ChainStore:
             "message": message,
             "created_unix_ms": created_unix_ms,
         }
-        latest_key = _key(config.name, "latest")
+        latest_key = _key(tenant, config.name, "latest")
         tx = self._client.transactions
         for _ in range(MAX_PUT_ATTEMPTS):
             current = await self._etcd(self._client.get(latest_key.encode()))
@@ -97,18 +107,19 @@ class ChainStore:
             )
             ops = [
                 tx.put(
-                    _key(config.name, "versions", str(version)).encode(),
+                    _key(tenant, config.name, "versions", str(version)).encode(),
                     json.dumps(record).encode(),
                 ),
                 tx.put(latest_key.encode(), str(version).encode()),
             ]
             if activate:
-                ops.append(tx.put(_key(config.name, "active").encode(), str(version).encode()))
+                ops.append(tx.put(_key(tenant, config.name, "active").encode(), str(version).encode()))
             succeeded, _ = await self._etcd(
                 self._client.transaction(compare=[guard], success=ops, failure=[])
             )
             if succeeded:
                 stored = StoredVersion(
+                    tenant,
                     config.name,
                     version,
                     config,
@@ -117,38 +128,39 @@ class ChainStore:
                     created_unix_ms,
                     ChainPlan.build(config),
                 )
-                self._parsed[(config.name, version)] = stored
+                self._parsed[(tenant, config.name, version)] = stored
                 return stored, activate
             # Someone else stored a version between our read and our write: try n+2.
         raise FailedPrecondition(f"chain '{config.name}': too many concurrent writers, try again")
 
     # ----- reads --------------------------------------------------------------------
 
-    async def resolve(self, name: str, version: int = 0, label: str = "") -> StoredVersion:
+    async def resolve(self, tenant: str, name: str, version: int = 0, label: str = "") -> StoredVersion:
         """The version asked for: explicit number, else a label, else the active one."""
         if not name:
             raise InvalidArgument("chain: must not be empty")
         if version and label:
             raise InvalidArgument("give either version or label, not both")
         if not version:
-            pointer = _key(name, "labels", label) if label else _key(name, "active")
+            pointer = _key(tenant, name, "labels", label) if label else _key(tenant, name, "active")
             raw = await self._read(pointer)
             if raw is None:
                 if label:
                     raise NotFound(f"chain '{name}' has no label '{label}'")
                 raise NotFound(f"unknown chain '{name}' (see `inferx chain list`)")
             version = int(raw)
-        cached = self._parsed.get((name, version))
+        cached = self._parsed.get((tenant, name, version))
         if cached is not None:
             return cached
-        raw = await self._read(_key(name, "versions", str(version)))
+        raw = await self._read(_key(tenant, name, "versions", str(version)))
         if raw is None:
-            if await self._read(_key(name, "latest")) is None:
+            if await self._read(_key(tenant, name, "latest")) is None:
                 raise NotFound(f"unknown chain '{name}' (see `inferx chain list`)")
             raise NotFound(f"chain '{name}' has no version {version}")
         record = json.loads(raw)
         validated: ValidatedChain = load_chain_text(json.dumps(record["config"]), source=f"{name} v{version}")
         stored = StoredVersion(
+            tenant,
             name,
             version,
             validated.config,
@@ -157,32 +169,32 @@ class ChainStore:
             int(record.get("created_unix_ms", 0)),
             validated.plan,
         )
-        self._parsed[(name, version)] = stored
+        self._parsed[(tenant, name, version)] = stored
         return stored
 
     # ----- history, labels, rollback (read etcd itself: these must be exact) ------------
 
-    async def history(self, name: str) -> list[StoredVersion]:
+    async def history(self, tenant: str, name: str) -> list[StoredVersion]:
         """Every version, newest first."""
-        prefix = _key(name, "versions", "")
+        prefix = _key(tenant, name, "versions", "")
         listing = await self._etcd(self._client.get_prefix(prefix.encode()))
         versions = sorted((int(kv.key.decode().rsplit("/", 1)[1]) for kv in listing), reverse=True)
         if not versions:
             raise NotFound(f"unknown chain '{name}' (see `inferx chain list`)")
-        return [await self.resolve(name, v) for v in versions]
+        return [await self.resolve(tenant, name, v) for v in versions]
 
-    async def labels(self, name: str) -> dict[str, int]:
-        prefix = _key(name, "labels", "")
+    async def labels(self, tenant: str, name: str) -> dict[str, int]:
+        prefix = _key(tenant, name, "labels", "")
         listing = await self._etcd(self._client.get_prefix(prefix.encode()))
         return {kv.key.decode().removeprefix(prefix): int(kv.value) for kv in listing}
 
-    async def active_version(self, name: str) -> int:
-        got = await self._etcd(self._client.get(_key(name, "active").encode()))
+    async def active_version(self, tenant: str, name: str) -> int:
+        got = await self._etcd(self._client.get(_key(tenant, name, "active").encode()))
         return int(got.value) if got is not None else 0
 
-    async def diff(self, name: str, from_version: int, to_version: int) -> str:
-        old = await self.resolve(name, from_version)
-        new = await self.resolve(name, to_version)
+    async def diff(self, tenant: str, name: str, from_version: int, to_version: int) -> str:
+        old = await self.resolve(tenant, name, from_version)
+        new = await self.resolve(tenant, name, to_version)
         return "".join(
             difflib.unified_diff(
                 old.to_yaml().splitlines(keepends=True),
@@ -192,7 +204,7 @@ class ChainStore:
             )
         )
 
-    async def label(self, name: str, label: str, version: int) -> int:
+    async def label(self, tenant: str, name: str, label: str, version: int) -> int:
         """Point `label` at `version` (which must exist); returns the previous target."""
         if not LABEL.match(label):
             raise InvalidArgument(f"label: {label!r} must be letters, digits, '_', '.', '-'")
@@ -200,10 +212,10 @@ class ChainStore:
             raise InvalidArgument(f"label: '{label}' is reserved")
         if version <= 0:
             raise InvalidArgument("version: must be a positive version number")
-        await self.resolve(name, version)  # NOT_FOUND for an unknown chain or version
-        key = _key(name, "labels", label).encode()
+        await self.resolve(tenant, name, version)  # NOT_FOUND for an unknown chain or version
+        key = _key(tenant, name, "labels", label).encode()
         tx = self._client.transactions
-        version_key = _key(name, "versions", str(version)).encode()
+        version_key = _key(tenant, name, "versions", str(version)).encode()
         previous = await self._etcd(self._client.get(key))
         ok, _ = await self._etcd(
             self._client.transaction(
@@ -216,9 +228,9 @@ class ChainStore:
             raise NotFound(f"chain '{name}' has no version {version}")
         return int(previous.value) if previous is not None else 0
 
-    async def rollback(self, name: str, to_version: int = 0) -> tuple[int, int]:
+    async def rollback(self, tenant: str, name: str, to_version: int = 0) -> tuple[int, int]:
         """Move the active pointer (compare-and-swap on it); history stays as it is."""
-        key = _key(name, "active").encode()
+        key = _key(tenant, name, "active").encode()
         current = await self._etcd(self._client.get(key))
         if current is None:
             raise NotFound(f"unknown chain '{name}' (see `inferx chain list`)")
@@ -228,7 +240,7 @@ class ChainStore:
             raise FailedPrecondition(f"chain '{name}' is at version {active}: nothing to roll back to")
         if target == active:
             raise FailedPrecondition(f"chain '{name}' is already at version {active}")
-        await self.resolve(name, target)  # NOT_FOUND for a version that does not exist
+        await self.resolve(tenant, name, target)  # NOT_FOUND for a version that does not exist
         tx = self._client.transactions
         ok, _ = await self._etcd(
             self._client.transaction(
@@ -241,15 +253,14 @@ class ChainStore:
             raise FailedPrecondition(f"chain '{name}': the active version changed meanwhile; retry")
         return active, target
 
-    def names(self) -> list[str]:
-        names = set()
-        for key in self.mirror.items:
-            rest = key.removeprefix(etcd.CHAINS)
-            names.add(rest.split("/", 1)[0])
-        return sorted(names)
+    def names(self, tenant: str) -> list[str]:
+        """The tenant's chain names."""
+        prefix = f"{etcd.CHAINS}{tenant}/"
+        keys = (key.removeprefix(prefix) for key in self.mirror.items if key.startswith(prefix))
+        return sorted({key.split("/", 1)[0] for key in keys})
 
-    def pointer(self, name: str, which: str) -> int:
-        raw = self.mirror.items.get(_key(name, which))
+    def pointer(self, tenant: str, name: str, which: str) -> int:
+        raw = self.mirror.items.get(_key(tenant, name, which))
         return int(raw) if raw else 0
 
     async def _read(self, key: str) -> bytes | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import socket
 import time
@@ -26,12 +27,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from inferx.auth.limits import QuotaExceeded, TenantQuotas, TierNotAllowed
+from inferx.auth.model import Principal, TenantLimits
 from inferx.errors import InferxError
 from inferx.openai_compat import schema
 from inferx.openai_compat.errors import InvalidField, ModelNotFound, error_body, error_reply
 from inferx.openai_compat.identity import ProgramIdentity, parse_identity
 from inferx.openai_compat.render import render_chat
 from inferx.pools import PoolDirectory
+from inferx_router import metrics
+from inferx_router.access import AccessControl
 from inferx_router.executors import SchedulerExecutor
 from inferx_router.hops import HopDone, ModelHop
 from inferx_router.programs import Call, ProgramBook, program_hop
@@ -81,8 +86,12 @@ class OpenAIFront:
         executor: SchedulerExecutor,
         *,
         default_timeout_s: float,
+        access: AccessControl,
+        quotas: TenantQuotas,
         programs: ProgramBook | None = None,
     ) -> None:
+        self._access = access
+        self._quotas = quotas
         self._directory = directory
         self._executor = executor
         self._default_timeout_ms = int(default_timeout_s * 1000)
@@ -106,24 +115,69 @@ class OpenAIFront:
         pools = {pool for pool, workers in self._directory.workers_by_pool.items() if workers}
         return sorted(set(self._directory.model_to_pool) | pools)
 
+    def _caller(self, request: Request) -> Principal:
+        """The same bearer tokens as the gRPC API (every role may call a model)."""
+        return self._access.authenticate(request.headers.get("authorization"))
+
     async def models(self, request: Request) -> Response:
+        self._caller(request)
         return JSONResponse(schema.model_list(self.model_names(), self._created))
 
     async def chat_completions(self, request: Request) -> Response:
+        who = self._caller(request)
         identity = parse_identity(request.headers)
         body = schema.parse_body(schema.ChatCompletionRequest, await request.body())
         prompt = render_chat(body.messages, body.tools, body.tool_choice)
-        return await self._serve(identity, body, prompt, chat=True)
+        return await self._admitted(who, identity, body, prompt, chat=True)
 
     async def completions(self, request: Request) -> Response:
+        who = self._caller(request)
         identity = parse_identity(request.headers)
         body = schema.parse_body(schema.CompletionRequest, await request.body())
-        return await self._serve(identity, body, body.prompt_text, chat=False)
+        return await self._admitted(who, identity, body, body.prompt_text, chat=False)
+
+    async def _admitted(
+        self, who: Principal, identity: ProgramIdentity, body: schema.CallRequest, prompt: str, *, chat: bool
+    ) -> Response:
+        """One call counted against its tenant's limits, like a one-hop run; programs are
+        the tenant's own (two tenants may use the same program id)."""
+        limits = self._limits(who.tenant)
+        try:
+            self._quotas.admit(who.tenant, limits, int(identity.tier))
+        except (TierNotAllowed, QuotaExceeded) as exc:
+            metrics.TENANT_REFUSALS.labels(who.tenant, exc.limit).inc()
+            raise
+        released = False
+
+        def release(done: HopDone | None = None) -> None:
+            nonlocal released
+            if not released:  # once, whether the call ended well, badly, or mid-stream
+                released = True
+                used = done.prompt_tokens + done.completion_tokens if done is not None else 0
+                self._quotas.finished(who.tenant, limits, used)
+
+        if identity.program_id:
+            identity = dataclasses.replace(identity, program_id=f"{who.tenant}/{identity.program_id}")
+        try:
+            return await self._serve(identity, body, prompt, chat=chat, release=release)
+        except BaseException:
+            release()
+            raise
+
+    def _limits(self, tenant: str) -> TenantLimits:
+        record = self._access.directory.tenant(tenant) if self._access.directory is not None else None
+        return record.limits if record is not None else TenantLimits()
 
     # ----- one call -----------------------------------------------------------------
 
     async def _serve(
-        self, identity: ProgramIdentity, body: schema.CallRequest, prompt: str, *, chat: bool
+        self,
+        identity: ProgramIdentity,
+        body: schema.CallRequest,
+        prompt: str,
+        *,
+        chat: bool,
+        release: Callable[[HopDone | None], None],
     ) -> Response:
         if body.model not in self.model_names():
             raise ModelNotFound(body.model)
@@ -145,8 +199,9 @@ class OpenAIFront:
         )
         created = int(time.time())
         if body.stream:
-            return await self._stream(call, body, hop, timeout_s, created, chat=chat)
+            return await self._stream(call, body, hop, timeout_s, created, chat=chat, release=release)
         done = await self._executor.run_hop(hop, timeout_s, lambda _worker: None)
+        release(done)
         usage = _usage(done)
         if chat:
             reply = schema.chat_completion(
@@ -167,6 +222,7 @@ class OpenAIFront:
         created: int,
         *,
         chat: bool,
+        release: Callable[[HopDone | None], None],
     ) -> Response:
         """Server-sent events in OpenAI's chunk format. The response starts with the
         first text (or the hop's end), so a hop refused or failed before producing
@@ -208,11 +264,13 @@ class OpenAIFront:
                 except Exception as exc:
                     yield schema.sse(_error_response_body(exc))
                     return
+                release(done)
                 yield schema.sse(chunk(None, done.finish_reason))
                 if body.include_usage:
                     yield schema.sse(schema.usage_chunk(call_id, created, model, object_, _usage(done)))
                 yield schema.SSE_DONE
             finally:
+                release(None)  # no-op when the call's tokens were counted above
                 if not task.done():
                     task.cancel()  # the client went away: abandon the hop (its engine call is aborted)
 

@@ -64,6 +64,18 @@ TOOL_CACHE = Counter(
 )
 RETRIES = Counter("inferx_retries_total", "Retried attempts of chain nodes", ["chain", "node", "reason"])
 DEGRADATIONS = Counter("inferx_degradations_total", "Degraded chain nodes", ["chain", "node", "kind"])
+# Per tenant (issue #17): a bounded label, since tenants are created by admins.
+TENANT_RUNS = Counter("inferx_tenant_runs_total", "Finished chain runs per tenant", ["tenant", "status"])
+TENANT_TOKENS = Counter(
+    "inferx_tenant_model_tokens_total",
+    "Model tokens used by a tenant's runs (kind=prompt|completion)",
+    ["tenant", "kind"],
+)
+TENANT_REFUSALS = Counter(
+    "inferx_tenant_refusals_total",
+    "Calls refused by a tenant limit (limit=max_tier|concurrent_runs|tokens)",
+    ["tenant", "limit"],
+)
 
 
 def tier_name(tier: int) -> str:
@@ -84,6 +96,16 @@ def observe_chain(
     SLO_LATENCY.labels(chain).set(finished.slo_ms / 1000)
     if slo_target is not None:
         SLO_TARGET.labels(chain).set(slo_target)
+
+
+def observe_tenant_run(tenant: str, finished: router_pb2.ChainFinished) -> int:
+    """Count a finished run against its tenant; returns the model tokens it used."""
+    TENANT_RUNS.labels(tenant, finished.status).inc()
+    prompt = sum(hop.usage.prompt_tokens for hop in finished.hops)
+    completion = sum(hop.usage.completion_tokens for hop in finished.hops)
+    TENANT_TOKENS.labels(tenant, "prompt").inc(prompt)
+    TENANT_TOKENS.labels(tenant, "completion").inc(completion)
+    return prompt + completion
 
 
 def observe_node(chain: str, node: str, result: router_pb2.NodeFinished) -> None:

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from inferx.auth.model import DEFAULT_TENANT
 from inferx.chain.schema import ChainConfig
 from inferx.errors import InvalidArgument, NotFound
 from inferx.stats import percentile
@@ -34,6 +35,7 @@ class RunRecord:
     trace_id: str
     depends_on: Mapping[str, tuple[str, ...]]
     finished: router_pb2.ChainFinished
+    tenant: str = DEFAULT_TENANT  # whose run it is: other tenants are told it does not exist
 
 
 @dataclass(frozen=True)
@@ -239,19 +241,21 @@ class RunStore:
         while len(self._runs) > self._capacity:
             self._runs.popitem(last=False)
 
-    def find(self, run_id: str = "", chain: str = "") -> RunRecord:
-        """By full id or unique prefix; with no id, the latest run (of `chain`, if given)."""
+    def find(self, run_id: str = "", chain: str = "", *, tenant: str = DEFAULT_TENANT) -> RunRecord:
+        """By full id or unique prefix; with no id, the latest run (of `chain`, if given).
+        Only the tenant's runs: another tenant's run is "not found", never "forbidden"."""
         if not run_id:
             for record in reversed(self._runs.values()):
-                if not chain or record.chain == chain:
+                if record.tenant == tenant and (not chain or record.chain == chain):
                     return record
             where = f" of chain '{chain}'" if chain else ""
             raise NotFound(f"no recent run{where} is kept by this router")
-        if run_id in self._runs:
-            return self._runs[run_id]
+        exact = self._runs.get(run_id)
+        if exact is not None and exact.tenant == tenant:
+            return exact
         if len(run_id) < MIN_PREFIX:
             raise InvalidArgument(f"run id '{run_id}': give at least {MIN_PREFIX} characters")
-        matches = [r for key, r in self._runs.items() if key.startswith(run_id)]
+        matches = [r for key, r in self._runs.items() if key.startswith(run_id) and r.tenant == tenant]
         if len(matches) > 1:
             raise InvalidArgument(f"run id '{run_id}' matches {len(matches)} runs; give more characters")
         if not matches:
@@ -261,9 +265,9 @@ class RunStore:
             )
         return matches[0]
 
-    def of_chain(self, chain: str, last: int = 0) -> list[RunRecord]:
-        """The chain's kept runs, oldest first; `last` > 0 keeps only the newest `last`."""
-        runs = [r for r in self._runs.values() if r.chain == chain]
+    def of_chain(self, chain: str, last: int = 0, *, tenant: str = DEFAULT_TENANT) -> list[RunRecord]:
+        """The tenant's kept runs of the chain, oldest first; `last` > 0 keeps only the newest `last`."""
+        runs = [r for r in self._runs.values() if r.chain == chain and r.tenant == tenant]
         return runs[-last:] if last > 0 else runs
 
 
@@ -277,6 +281,7 @@ def record_run(
     *,
     tier: str,
     trace_id: str = "",
+    tenant: str = DEFAULT_TENANT,
     store: RunStore = RECENT,
 ) -> RunRecord:
     """Keep a finished run (outputs shortened: the store is for timings, not answers)."""
@@ -292,6 +297,7 @@ def record_run(
         trace_id=trace_id,
         depends_on={node.id: tuple(node.depends_on) for node in config.nodes},
         finished=kept,
+        tenant=tenant,
     )
     store.add(record)
     return record

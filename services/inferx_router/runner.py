@@ -138,6 +138,7 @@ class ChainRun:
             "inferx.run_id": self.run_id,
             "inferx.chain": self.config.name,
             "inferx.chain.version": self.chain.version,
+            "inferx.tenant": self.chain.tenant,
             "inferx.tier": self.tier.label,
         }
         with telemetry.span(f"chain {self.config.name}", attributes) as span:
@@ -150,7 +151,7 @@ class ChainRun:
                 self.events.put_nowait(None)
             if finished.status == "ok" and self.session_id:
                 turn = {"inputs": self.inputs, "output": finished.output}
-                await self._tools.remember(self.session_id, turn)
+                await self._tools.remember(self.session_id, turn, tenant=self.chain.tenant)
         return finished
 
     def _finish(self) -> router_pb2.ChainFinished:
@@ -179,7 +180,9 @@ class ChainRun:
         )
         tier = self.tier.label
         metrics.observe_chain(self.config.name, tier, finished, slo_target=self.config.slo.availability)
-        records.record_run(self.config, finished, tier=tier, trace_id=telemetry.trace_id_of())
+        records.record_run(
+            self.config, finished, tier=tier, trace_id=telemetry.trace_id_of(), tenant=self.chain.tenant
+        )
         return finished
 
     # ----- one node ------------------------------------------------------------------
@@ -313,7 +316,7 @@ class ChainRun:
         stale_found, stale = False, None
         if not node.kind.is_model and node.cacheable:
             stale_found, stale = await self._tools.stale_result(
-                node.tool or SESSION_MEMORY, self._arguments(node)
+                node.tool or SESSION_MEMORY, self._arguments(node), tenant=self.chain.tenant
             )
         options = NodeFallbacks(
             fallback_model=node.fallback_model if node.kind.is_model else None,
@@ -424,6 +427,7 @@ class ChainRun:
             # Stable across retries of this node in this run: a tool that honours it
             # performs the side effect once however often it is called.
             idempotency_key=f"{self.run_id}:{node.id}",
+            tenant=self.chain.tenant,
         )
         outcome = await self._tools.call(call, cacheable=node.cacheable, cache_ttl_s=node.cache_ttl_ms / 1000)
         result.output = tool_output_text(outcome.value)

@@ -7,8 +7,12 @@ import contextlib
 import json
 import logging
 
+import aetcd
 import grpc
 
+from inferx.auth import store as auth_store
+from inferx.auth.limits import QuotaExceeded, TenantQuotas, TierNotAllowed
+from inferx.auth.model import Role, TenantLimits, TenantRecord, TokenRecord
 from inferx.chain.plan import LearnedLatency
 from inferx.chain.validate import load_chain_text, required_inputs
 from inferx.discovery import ChannelPool, ServiceLocator
@@ -22,7 +26,8 @@ from inferx.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from inferx_router import records
+from inferx_router import metrics, records
+from inferx_router.access import AccessControl, audit, caller
 from inferx_router.chain_store import ChainStore, StoredVersion
 from inferx_router.executors import SchedulerExecutor
 from inferx_router.load import LoadMonitor
@@ -42,6 +47,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         tools: ToolRouter,
         load: LoadMonitor | None = None,
         max_active_runs: int = 256,
+        *,
+        access: AccessControl,
+        quotas: TenantQuotas,
+        etcd_client: aetcd.Client,
     ) -> None:
         self._store = store
         self._directory = directory
@@ -52,6 +61,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._max_active_runs = max_active_runs
         self._active_runs = 0
         self._executor = SchedulerExecutor(services, channels)
+        self._access = access
+        self._etcd = etcd_client  # tenants and tokens are written straight to etcd
+        self._quotas = quotas
         # Expected node latencies, learned from this router's finished nodes.
         self._latency = LearnedLatency()
 
@@ -93,7 +105,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 f"the router is running {self._active_runs} chains (its limit); retry shortly",
                 retry_after_s=1.0,
             )
-        chain = await self._store.resolve(request.chain, request.version, request.label)
+        tenant = caller().tenant
+        chain = await self._store.resolve(tenant, request.chain, request.version, request.label)
         inputs = self._check_inputs(chain, dict(request.inputs))
         self._check_workers(chain)
         if request.tier not in (0, 1, 2, 3):
@@ -108,9 +121,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             load=self._load,
             latency=self._latency,
         )
+        limits = self._limits(tenant)
+        try:
+            self._quotas.admit(tenant, limits, int(run.tier))
+        except (TierNotAllowed, QuotaExceeded) as exc:
+            metrics.TENANT_REFUSALS.labels(tenant, exc.limit).inc()
+            raise
         self._active_runs += 1
         task = asyncio.create_task(run.run(), name=f"run:{run.run_id}")
-        task.add_done_callback(lambda _: self._release_run())
+        task.add_done_callback(lambda done: self._release_run(tenant, limits, done))
         try:
             while (event := await run.events.get()) is not None:
                 yield event
@@ -121,8 +140,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
 
-    def _release_run(self) -> None:
+    def _release_run(self, tenant: str, limits: TenantLimits, done: asyncio.Task) -> None:
         self._active_runs -= 1
+        finished = done.result() if not done.cancelled() and done.exception() is None else None
+        tokens = metrics.observe_tenant_run(tenant, finished) if finished is not None else 0
+        self._quotas.finished(tenant, limits, tokens)
+
+    def _limits(self, tenant: str) -> TenantLimits:
+        record = self._access.directory.tenant(tenant) if self._access.directory is not None else None
+        return record.limits if record is not None else TenantLimits()
 
     # ----- chain configs ------------------------------------------------------------
 
@@ -133,25 +159,32 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def PutChain(self, request, context):
         if not request.config.strip():
             raise InvalidArgument("config: must not be empty")
+        who = caller()
         stored, active = await self._store.put(
+            who.tenant,
             request.config,
             message=request.message,
-            author=request.author,
+            # The history's "who" is the authenticated caller; a self-declared author
+            # is kept only when nobody is authenticated (--insecure).
+            author=request.author if self._access.insecure and request.author else who.label,
             expect_version=request.expect_version,
             activate=not request.no_activate,
         )
+        audit("chain.put", stored.name, version=stored.version, active=active)
         return router_pb2.PutChainResponse(name=stored.name, version=stored.version, active=active)
 
     async def GetChain(self, request, context):
-        stored = await self._store.resolve(request.name, request.version, request.label)
-        labels = await self._store.labels(stored.name)
-        active = await self._store.active_version(stored.name)
+        tenant = caller().tenant
+        stored = await self._store.resolve(tenant, request.name, request.version, request.label)
+        labels = await self._store.labels(tenant, stored.name)
+        active = await self._store.active_version(tenant, stored.name)
         return _version_message(stored, active, labels, with_config=True)
 
     async def GetChainHistory(self, request, context):
-        versions = await self._store.history(request.name)
-        labels = await self._store.labels(request.name)
-        active = await self._store.active_version(request.name)
+        tenant = caller().tenant
+        versions = await self._store.history(tenant, request.name)
+        labels = await self._store.labels(tenant, request.name)
+        active = await self._store.active_version(tenant, request.name)
         return router_pb2.ChainHistory(
             name=request.name,
             active_version=active,
@@ -161,26 +194,29 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def DiffChain(self, request, context):
         if not request.from_version or not request.to_version:
             raise InvalidArgument("from_version and to_version: both are required")
-        diff = await self._store.diff(request.name, request.from_version, request.to_version)
+        diff = await self._store.diff(caller().tenant, request.name, request.from_version, request.to_version)
         return router_pb2.DiffChainResponse(diff=diff)
 
     async def LabelChain(self, request, context):
-        previous = await self._store.label(request.name, request.label, request.version)
+        previous = await self._store.label(caller().tenant, request.name, request.label, request.version)
+        audit("chain.label", request.name, label=request.label, version=request.version, previous=previous)
         return router_pb2.LabelChainResponse(previous_version=previous)
 
     async def RollbackChain(self, request, context):
-        before, after = await self._store.rollback(request.name, request.to_version)
+        before, after = await self._store.rollback(caller().tenant, request.name, request.to_version)
+        audit("chain.rollback", request.name, from_version=before, to_version=after)
         return router_pb2.RollbackChainResponse(from_version=before, to_version=after)
 
     async def ListChains(self, request, context):
         reply = router_pb2.ListChainsResponse()
-        for name in self._store.names():
-            active = self._store.pointer(name, "active")
+        tenant = caller().tenant
+        for name in self._store.names(tenant):
+            active = self._store.pointer(tenant, name, "active")
             summary = reply.chains.add(
-                name=name, active_version=active, latest_version=self._store.pointer(name, "latest")
+                name=name, active_version=active, latest_version=self._store.pointer(tenant, name, "latest")
             )
             if active:
-                stored = await self._store.resolve(name, active)
+                stored = await self._store.resolve(tenant, name, active)
                 summary.nodes = len(stored.config.nodes)
                 summary.slo_ms = stored.config.slo.latency_p99_ms
         return reply
@@ -198,12 +234,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if not isinstance(arguments, dict):
                 raise InvalidArgument("arguments_json: must be a JSON object")
             version = self._tools.resolve(request.tool).version
-            key = cache_key(request.tool, version, arguments)
+            key = cache_key(request.tool, version, arguments, tenant=request.tenant or caller().tenant)
             removed, replicas = await self._tools.cache.invalidate(key=key)
             await self._tools.cache.invalidate(key=stale_key(key))
         else:
             removed, replicas = await self._tools.cache.invalidate(prefix=f"tool:{request.tool}:")
             await self._tools.cache.invalidate(prefix=f"stale:tool:{request.tool}:")
+        audit("tool_cache.invalidate", request.tool, arguments=bool(request.arguments_json), removed=removed)
         return router_pb2.InvalidateToolCacheResponse(removed=removed, replicas=replicas)
 
     async def GetToolCacheStats(self, request, context):
@@ -262,20 +299,107 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             reply.circuit_breakers[target] = state.name.lower()
         if not self._services.instances("cache"):
             reply.problems.append("no cache registered (tool results are not cached)")
+        if caller().role < Role.ADMIN:  # the system's layout (addresses, workers) is for admins
+            for name in ("services", "workers", "memory", "circuit_breakers", "tools"):
+                reply.ClearField(name)
         return reply
 
     # ----- recent runs (observability) ----------------------------------------------
 
     async def GetRun(self, request, context):
-        return records.run_trace_message(records.RECENT.find(request.run_id, request.chain))
+        return records.run_trace_message(
+            records.RECENT.find(request.run_id, request.chain, tenant=caller().tenant)
+        )
 
     async def GetChainStats(self, request, context):
         if not request.chain:
             raise InvalidArgument("chain: required")
-        kept = records.RECENT.of_chain(request.chain, request.last)
+        kept = records.RECENT.of_chain(request.chain, request.last, tenant=caller().tenant)
         if not kept:
             raise NotFound(f"no recent runs of chain '{request.chain}' are kept by this router")
         return records.chain_stats_message(records.chain_stats(request.chain, kept))
+
+    # ----- access: tenants and tokens (admin) ----------------------------------------
+
+    async def WhoAmI(self, request, context):
+        who = caller()
+        return router_pb2.WhoAmIResponse(
+            tenant=who.tenant,
+            role=who.role.label,
+            token_id=who.token_id,
+            token_name=who.name,
+            insecure=self._access.insecure,
+        )
+
+    async def CreateTenant(self, request, context):
+        limits = TenantLimits(
+            max_concurrent_runs=request.limits.max_concurrent_runs,
+            tokens_per_minute=request.limits.tokens_per_minute,
+            max_tier=int(request.limits.max_tier),
+        )
+        if limits.max_tier > 3:
+            raise InvalidArgument(f"limits.max_tier: unknown tier {limits.max_tier}")
+        record = await auth_store.create_tenant(self._etcd, request.name, limits, created_by=caller().label)
+        audit("tenant.create", record.name, limits=limits.model_dump_json())
+        return _tenant_message(record)
+
+    async def ListTenants(self, request, context):
+        tenants = await auth_store.list_tenants(self._etcd)
+        return router_pb2.ListTenantsResponse(tenants=[_tenant_message(t) for t in tenants])
+
+    async def CreateToken(self, request, context):
+        try:
+            role = Role.parse(request.role)
+        except ValueError as exc:
+            raise InvalidArgument(f"role: {exc}") from None
+        if request.ttl_s < 0 or request.ttl_s != request.ttl_s:
+            raise InvalidArgument("ttl_s: must be a number of seconds >= 0")
+        text, record = await auth_store.create_token(
+            self._etcd,
+            tenant=request.tenant or caller().tenant,
+            role=role,
+            ttl_s=request.ttl_s,
+            name=request.name,
+            created_by=caller().label,
+        )
+        audit("token.create", record.token_id, tenant=record.tenant, role=role.label, ttl_s=request.ttl_s)
+        return router_pb2.CreateTokenResponse(token=text, info=_token_message(record))
+
+    async def RevokeToken(self, request, context):
+        if not request.token_id:
+            raise InvalidArgument("token_id: required")
+        record = await auth_store.revoke_token(self._etcd, request.token_id)
+        audit("token.revoke", record.token_id, tenant=record.tenant)
+        return _token_message(record)
+
+    async def ListTokens(self, request, context):
+        tokens = await auth_store.list_tokens(self._etcd, request.tenant)
+        return router_pb2.ListTokensResponse(tokens=[_token_message(t) for t in tokens])
+
+
+def _tenant_message(record: TenantRecord) -> router_pb2.Tenant:
+    return router_pb2.Tenant(
+        name=record.name,
+        limits=router_pb2.TenantLimits(
+            max_concurrent_runs=record.limits.max_concurrent_runs,
+            tokens_per_minute=record.limits.tokens_per_minute,
+            max_tier=record.limits.max_tier,  # type: ignore[arg-type]
+        ),
+        created_by=record.created_by,
+        created_unix_ms=record.created_unix_ms,
+    )
+
+
+def _token_message(record: TokenRecord) -> router_pb2.TokenInfo:
+    return router_pb2.TokenInfo(
+        token_id=record.token_id,
+        tenant=record.tenant,
+        role=record.role.label,
+        name=record.name,
+        created_by=record.created_by,
+        created_unix_ms=record.created_unix_ms,
+        expires_unix_ms=record.expires_unix_ms,
+    )
 
 
 def _version_message(

@@ -16,6 +16,7 @@ import aetcd
 import grpc
 
 from inferx import etcd
+from inferx.auth.model import DEFAULT_TENANT
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.errors import InferxError, InvalidArgument, NotFound, Unavailable, from_rpc_error
 from inferx.resilience import BreakerBoard, BreakerState
@@ -39,6 +40,7 @@ class ToolCall:
     session_id: str
     timeout_s: float
     idempotency_key: str = ""
+    tenant: str = DEFAULT_TENANT  # cached results and session memory are the tenant's own
 
 
 @dataclass(frozen=True)
@@ -67,19 +69,20 @@ class CircuitOpen(Unavailable):
 BuiltinTool = Callable[[ToolCall], Awaitable[Any]]
 
 
-def cache_key(tool: str, version: str, arguments: dict[str, Any]) -> str:
-    """tool + version + canonical JSON of the arguments (key order never matters)."""
+def cache_key(tool: str, version: str, arguments: dict[str, Any], *, tenant: str = DEFAULT_TENANT) -> str:
+    """tool + version + tenant + canonical JSON of the arguments (key order never matters).
+    The tool comes first so that one prefix drops a tool's results of every tenant."""
     canonical = json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     digest = hashlib.sha256(canonical.encode()).hexdigest()
-    return f"tool:{tool}:{version}:{digest}"
+    return f"tool:{tool}:{version}:{tenant}:{digest}"
 
 
 def stale_key(key: str) -> str:
     return f"stale:{key}"
 
 
-def memory_key(session_id: str) -> str:
-    return f"memory:{session_id}"
+def memory_key(session_id: str, tenant: str = DEFAULT_TENANT) -> str:
+    return f"memory:{tenant}:{session_id}"
 
 
 class ToolRouter:
@@ -176,7 +179,11 @@ class ToolRouter:
     async def call(self, call: ToolCall, *, cacheable: bool, cache_ttl_s: float) -> ToolResult:
         """One attempt: cache look-up, then the tool behind its circuit breaker."""
         tool = self.resolve(call.tool)
-        key = cache_key(call.tool, tool.version, call.arguments) if cacheable and self.caching else ""
+        key = (
+            cache_key(call.tool, tool.version, call.arguments, tenant=call.tenant)
+            if cacheable and self.caching
+            else ""
+        )
         cache_down = False
         if key:
             cached, cache_down = await self.cache.get(key)
@@ -225,21 +232,25 @@ class ToolRouter:
         breaker.record(True, time.monotonic())
         return value
 
-    async def stale_result(self, tool_name: str, arguments: dict[str, Any]) -> tuple[bool, Any]:
+    async def stale_result(
+        self, tool_name: str, arguments: dict[str, Any], *, tenant: str = DEFAULT_TENANT
+    ) -> tuple[bool, Any]:
         """The last good result of this call, however old (a degraded answer)."""
         try:
             tool = self.resolve(tool_name)
         except NotFound:
             return False, None
         found, _ = await self.cache.get(
-            stale_key(cache_key(tool_name, tool.version, arguments)), use_l1=False
+            stale_key(cache_key(tool_name, tool.version, arguments, tenant=tenant)), use_l1=False
         )
         return (True, json.loads(found)) if found is not None else (False, None)
 
-    async def remember(self, session_id: str, turn: dict[str, Any], ttl_s: float = 86_400.0) -> None:
+    async def remember(
+        self, session_id: str, turn: dict[str, Any], ttl_s: float = 86_400.0, *, tenant: str = DEFAULT_TENANT
+    ) -> None:
         """Append a finished turn to the session's memory (kept in the cache service)."""
         if session_id:
-            await self.cache.append(memory_key(session_id), json.dumps(turn).encode(), ttl_s)
+            await self.cache.append(memory_key(session_id, tenant), json.dumps(turn).encode(), ttl_s)
 
     # ----- built-in tools -----------------------------------------------------------
 
@@ -258,7 +269,7 @@ class ToolRouter:
         if not call.session_id:
             return []
         limit = call.arguments.get("limit", 5)
-        values = await self.cache.get_list(memory_key(call.session_id))
+        values = await self.cache.get_list(memory_key(call.session_id, call.tenant))
         if values is None:
             raise Unavailable("session memory needs the cache service, which cannot be reached")
         turns = [json.loads(v) for v in values]

@@ -79,10 +79,10 @@ class FakeTools:
             raise value
         return ToolResult(value)
 
-    async def stale_result(self, tool, arguments):
+    async def stale_result(self, tool, arguments, *, tenant="default"):
         return False, None
 
-    async def remember(self, session_id, turn) -> None:
+    async def remember(self, session_id, turn, *, tenant="default") -> None:
         self.remembered.append((session_id, turn))
 
 
@@ -106,7 +106,7 @@ def chain(*nodes: dict, slo: str = "60s", tier: str = "standard", budget: int = 
     """A stored version (v7) of a chain config written as YAML and loaded as the router does."""
     document = {"name": "c", "tier": tier, "retry_budget": budget, "slo": {"end_to_end_latency_p99": slo}}
     validated = load_chain_text(yaml.safe_dump({"agent_chain": {**document, "nodes": list(nodes)}}))
-    return StoredVersion("c", 7, validated.config, "tester", "", 0, validated.plan)
+    return StoredVersion("default", "c", 7, validated.config, "tester", "", 0, validated.plan)
 
 
 def make_run(stored, executor, tools=None, **kwargs) -> ChainRun:

@@ -127,3 +127,35 @@ def check_tenant_name(name: str) -> str:
             f"got {name!r}"
         )
     return name
+
+
+# The least role each inferx.v1.Router method needs. A method missing here is refused
+# (deny by default), so a new RPC cannot ship open by accident; a unit test checks
+# that every method of the service is listed.
+ROUTER_METHOD_ROLES: dict[str, Role] = {
+    "RunChain": Role.RUN,
+    "GetRun": Role.RUN,
+    "GetChainStats": Role.RUN,
+    "GetChain": Role.RUN,
+    "ListChains": Role.RUN,
+    "ValidateChain": Role.RUN,
+    "GetChainHistory": Role.RUN,
+    "DiffChain": Role.RUN,
+    "GetStatus": Role.RUN,  # without addresses and per-worker detail below admin
+    "WhoAmI": Role.RUN,
+    "PutChain": Role.MANAGE,
+    "LabelChain": Role.MANAGE,
+    "RollbackChain": Role.MANAGE,
+    "InvalidateToolCache": Role.ADMIN,
+    "GetToolCacheStats": Role.ADMIN,
+    "CreateTenant": Role.ADMIN,
+    "ListTenants": Role.ADMIN,
+    "CreateToken": Role.ADMIN,
+    "RevokeToken": Role.ADMIN,
+    "ListTokens": Role.ADMIN,
+}
+
+
+def required_role(method: str) -> Role | None:
+    """The role `/inferx.v1.Router/<Name>` needs, None for a method nobody may call."""
+    return ROUTER_METHOD_ROLES.get(method.rsplit("/", 1)[-1])

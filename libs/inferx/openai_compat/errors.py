@@ -20,7 +20,9 @@ from inferx.errors import (
     InferxError,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
+    Unauthenticated,
     Unavailable,
 )
 
@@ -52,6 +54,8 @@ class ErrorReply:
 _TABLE: tuple[tuple[type[InferxError], int, str, str], ...] = (
     (InvalidArgument, 400, "invalid_request_error", "invalid_argument"),
     (FailedPrecondition, 400, "invalid_request_error", "failed_precondition"),
+    (Unauthenticated, 401, "authentication_error", "invalid_api_key"),
+    (PermissionDenied, 403, "permission_error", "permission_denied"),
     (NotFound, 404, "invalid_request_error", "not_found"),
     (Aborted, 409, "conflict_error", "aborted"),
     (ResourceExhausted, 429, "rate_limit_error", "rate_limit_exceeded"),
