@@ -142,3 +142,40 @@ class InferxClient:
 
     async def status(self) -> router_pb2.SystemStatus:
         return await self._unary(self._stub.GetStatus, router_pb2.GetStatusRequest(), timeout_s=10.0)
+
+    # ----- access (admin) -------------------------------------------------------------
+
+    async def whoami(self) -> router_pb2.WhoAmIResponse:
+        return await self._unary(self._stub.WhoAmI, router_pb2.WhoAmIRequest())
+
+    async def create_tenant(
+        self,
+        name: str,
+        *,
+        max_concurrent_runs: int = 0,
+        tokens_per_minute: int = 0,
+        max_tier: common_pb2.Tier = common_pb2.TIER_UNSPECIFIED,
+    ) -> router_pb2.Tenant:
+        limits = router_pb2.TenantLimits(
+            max_concurrent_runs=max_concurrent_runs, tokens_per_minute=tokens_per_minute, max_tier=max_tier
+        )
+        return await self._unary(
+            self._stub.CreateTenant, router_pb2.CreateTenantRequest(name=name, limits=limits)
+        )
+
+    async def list_tenants(self) -> router_pb2.ListTenantsResponse:
+        return await self._unary(self._stub.ListTenants, router_pb2.ListTenantsRequest())
+
+    async def create_token(
+        self, tenant: str, role: str, *, ttl_s: float = 0, name: str = ""
+    ) -> router_pb2.CreateTokenResponse:
+        return await self._unary(
+            self._stub.CreateToken,
+            router_pb2.CreateTokenRequest(tenant=tenant, role=role, ttl_s=ttl_s, name=name),
+        )
+
+    async def revoke_token(self, token_id: str) -> router_pb2.TokenInfo:
+        return await self._unary(self._stub.RevokeToken, router_pb2.RevokeTokenRequest(token_id=token_id))
+
+    async def list_tokens(self, tenant: str = "") -> router_pb2.ListTokensResponse:
+        return await self._unary(self._stub.ListTokens, router_pb2.ListTokensRequest(tenant=tenant))

@@ -1,0 +1,252 @@
+"""Tokens, roles and tenants on a real router (real etcd, real processes, SIMULATED
+workers): every public method refuses a missing, expired or revoked token; a `run`
+token cannot change chains; tenant B cannot see, run, change or trace tenant A's
+chains or runs; tenant limits refuse with the right status; the HTTP front takes the
+same tokens; the audit log names who did what."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from inferx.auth.store import bootstrap_admin_token
+from inferx.devstack import LocalStack, read_models_file, wait_serving
+from inferx.etcd import make_client
+from inferx.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tests.conftest import EXAMPLES, dump_logs, make_stack
+from tests.polling import poll_until
+
+pytestmark = pytest.mark.integration
+
+CHAIN = (EXAMPLES / "chains" / "customer_service_agent.yaml").read_text()
+ROUTER = router_pb2.DESCRIPTOR.services_by_name["Router"]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    """A router that checks tokens (--no-insecure), the other services, one sim worker."""
+    stack = make_stack(tmp_path_factory.mktemp("access"))
+    try:
+        stack.start_etcd()
+        stack.start_service("router", ["--no-insecure"])
+        stack.start_core()
+        stack.load_models(read_models_file(EXAMPLES / "models.yaml"))
+        wait_serving(stack.start_worker("tiny-llama", "sim", ["--sim-speed", "20"]), 60)
+    except BaseException:
+        dump_logs(stack)
+        stack.stop()
+        raise
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(scope="module")
+def admin_token(stack: LocalStack) -> str:
+    async def bootstrap() -> str:
+        async with make_client(stack.etcd_endpoint) as client:
+            return await bootstrap_admin_token(client)
+
+    return asyncio.run(bootstrap())
+
+
+@contextlib.asynccontextmanager
+async def router(stack: LocalStack) -> AsyncIterator[router_pb2_grpc.RouterStub]:
+    async with grpc.aio.insecure_channel(stack.router_address) as channel:
+        yield router_pb2_grpc.RouterStub(channel)
+
+
+def auth(token: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),)
+
+
+async def call(stub, method: str, request, token: str | None):
+    """A unary call, or a streaming one drained; returns the reply (or the events)."""
+    metadata = auth(token) if token is not None else None
+    rpc = getattr(stub, method)
+    if ROUTER.methods_by_name[method].server_streaming:
+        return [event async for event in rpc(request, metadata=metadata, timeout=20)]
+    return await rpc(request, metadata=metadata, timeout=20)
+
+
+async def status_of(stub, method: str, request, token: str | None) -> grpc.StatusCode:
+    try:
+        await call(stub, method, request, token)
+    except grpc.aio.AioRpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+def empty_request(method: str):
+    return getattr(router_pb2, ROUTER.methods_by_name[method].input_type.name)()
+
+
+async def make_token(stub, admin: str, tenant: str, role: str, **kw) -> str:
+    reply = await stub.CreateToken(
+        router_pb2.CreateTokenRequest(tenant=tenant, role=role, **kw), metadata=auth(admin), timeout=10
+    )
+    return reply.token
+
+
+async def make_tenant(stub, admin: str, name: str, **limits) -> None:
+    await stub.CreateTenant(
+        router_pb2.CreateTenantRequest(name=name, limits=router_pb2.TenantLimits(**limits)),
+        metadata=auth(admin),
+        timeout=10,
+    )
+
+
+async def run_chain(
+    stub, token: str, chain: str = "customer_service_agent", **kw
+) -> router_pb2.ChainFinished:
+    request = router_pb2.RunChainRequest(chain=chain, inputs={"query": "where is my order?"}, **kw)
+    events = await call(stub, "RunChain", request, token)
+    return events[-1].chain_finished
+
+
+async def test_every_method_refuses_missing_expired_and_revoked_tokens(
+    stack: LocalStack, admin_token: str
+) -> None:
+    async with router(stack) as stub:
+        await make_tenant(stub, admin_token, "refusals")
+        expired = await make_token(stub, admin_token, "refusals", "admin", ttl_s=0.5)
+        revoked = await make_token(stub, admin_token, "refusals", "admin")
+        await stub.RevokeToken(
+            router_pb2.RevokeTokenRequest(token_id=revoked), metadata=auth(admin_token), timeout=10
+        )
+        await asyncio.sleep(0.6)
+        tampered = admin_token[:-4] + ("AAAA" if not admin_token.endswith("AAAA") else "BBBB")
+        for method in ROUTER.methods_by_name:
+            for token in (None, expired, revoked, tampered, "not-a-token"):
+                code = await status_of(stub, method, empty_request(method), token)
+                assert code == grpc.StatusCode.UNAUTHENTICATED, (method, token and token[:12], code)
+
+
+async def test_revocation_reaches_the_router_within_a_second(stack: LocalStack, admin_token: str) -> None:
+    async with router(stack) as stub:
+        token = await make_token(stub, admin_token, "default", "run")
+        assert await status_of(stub, "WhoAmI", router_pb2.WhoAmIRequest(), token) == grpc.StatusCode.OK
+        revoked_at = time.monotonic()
+        await stub.RevokeToken(
+            router_pb2.RevokeTokenRequest(token_id=token), metadata=auth(admin_token), timeout=10
+        )
+
+        async def refused() -> bool:
+            code = await status_of(stub, "WhoAmI", router_pb2.WhoAmIRequest(), token)
+            return code == grpc.StatusCode.UNAUTHENTICATED
+
+        await poll_until(refused, timeout_s=1.0, interval_s=0.02, what="the revoked token to be refused")
+        assert time.monotonic() - revoked_at < 1.0
+
+
+async def test_roles_and_tenant_isolation(stack: LocalStack, admin_token: str) -> None:
+    async with router(stack) as stub:
+        await make_tenant(stub, admin_token, "tenant-a")
+        await make_tenant(stub, admin_token, "tenant-b")
+        a_run = await make_token(stub, admin_token, "tenant-a", "run", name="a-runner")
+        a_manage = await make_token(stub, admin_token, "tenant-a", "manage", name="a-ops")
+        b_manage = await make_token(stub, admin_token, "tenant-b", "manage")
+
+        # A run token cannot change chains, nor do admin work.
+        put = router_pb2.PutChainRequest(config=CHAIN)
+        assert await status_of(stub, "PutChain", put, a_run) == grpc.StatusCode.PERMISSION_DENIED
+        for method in ("CreateToken", "ListTokens", "CreateTenant", "InvalidateToolCache"):
+            assert (
+                await status_of(stub, method, empty_request(method), a_manage)
+                == grpc.StatusCode.PERMISSION_DENIED
+            )
+
+        stored = await stub.PutChain(put, metadata=auth(a_manage), timeout=10)
+        assert stored.version == 1
+        history = await stub.GetChainHistory(
+            router_pb2.ChainHistoryRequest(name=stored.name), metadata=auth(a_manage), timeout=10
+        )
+        assert history.versions[0].author == "tenant-a/a-ops"  # the authenticated caller, not a claim
+
+        finished = await run_chain(stub, a_run)
+        assert finished.status == "ok", finished.error
+
+        # Tenant B: A's chain and run do not exist for it.
+        name = stored.name
+        for method, request in (
+            ("GetChain", router_pb2.GetChainRequest(name=name)),
+            ("GetChainHistory", router_pb2.ChainHistoryRequest(name=name)),
+            ("RunChain", router_pb2.RunChainRequest(chain=name, inputs={"query": "x"})),
+            ("LabelChain", router_pb2.LabelChainRequest(name=name, label="prod", version=1)),
+            ("RollbackChain", router_pb2.RollbackChainRequest(name=name, to_version=1)),
+            ("DiffChain", router_pb2.DiffChainRequest(name=name, from_version=1, to_version=1)),
+            ("GetRun", router_pb2.GetRunRequest(run_id=finished.run_id)),
+            ("GetChainStats", router_pb2.GetChainStatsRequest(chain=name)),
+        ):
+            assert await status_of(stub, method, request, b_manage) == grpc.StatusCode.NOT_FOUND, method
+        listed = await stub.ListChains(router_pb2.ListChainsRequest(), metadata=auth(b_manage), timeout=10)
+        assert name not in [c.name for c in listed.chains]
+        # Nor is A's run B's "latest run".
+        latest = router_pb2.GetRunRequest()
+        assert await status_of(stub, "GetRun", latest, b_manage) == grpc.StatusCode.NOT_FOUND
+        # B's chain of the same name is B's own, version 1; A's is untouched.
+        assert (await stub.PutChain(put, metadata=auth(b_manage), timeout=10)).version == 1
+        a_chain = await stub.GetChain(router_pb2.GetChainRequest(name=name), metadata=auth(a_run), timeout=10)
+        assert a_chain.version == 1 and a_chain.author == "tenant-a/a-ops"
+        # A sees its own run.
+        trace = await stub.GetRun(
+            router_pb2.GetRunRequest(run_id=finished.run_id), metadata=auth(a_run), timeout=10
+        )
+        assert trace.chain == name
+
+
+async def test_tenant_limits(stack: LocalStack, admin_token: str) -> None:
+    async with router(stack) as stub:
+        await make_tenant(
+            stub, admin_token, "limited", max_concurrent_runs=1, max_tier=common_pb2.TIER_STANDARD
+        )
+        manage = await make_token(stub, admin_token, "limited", "manage")
+        await stub.PutChain(router_pb2.PutChainRequest(config=CHAIN), metadata=auth(manage), timeout=10)
+        # The chain asks for realtime; the tenant may use standard at most.
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await run_chain(stub, manage)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "max_tier" in (refused.value.details() or "")
+        # One run at a time: a second concurrent one is RESOURCE_EXHAUSTED with a retry hint.
+        request = router_pb2.RunChainRequest(
+            chain="customer_service_agent", inputs={"query": "hi"}, tier=common_pb2.TIER_STANDARD
+        )
+        first = stub.RunChain(request, metadata=auth(manage), timeout=20)
+        await first.read()  # its first event: the run is under way
+        with pytest.raises(grpc.aio.AioRpcError) as busy:
+            await run_chain(stub, manage, tier=common_pb2.TIER_STANDARD)
+        assert busy.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_concurrent_runs" in (busy.value.details() or "")
+        assert ("inferx-retry-after-s", "1") in tuple(busy.value.trailing_metadata() or ())
+        last = await first.read()
+        while (event := await first.read()) is not grpc.aio.EOF:
+            last = event
+        assert last.chain_finished.status == "ok"
+
+
+async def test_http_front_takes_the_same_tokens(stack: LocalStack, admin_token: str) -> None:
+    url = stack.router_http_url
+    async with httpx.AsyncClient(timeout=20) as http:
+        assert (await http.get(f"{url}/models")).status_code == 401
+        bad = await http.get(f"{url}/models", headers={"authorization": "Bearer ixt_nope"})
+        assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
+        good = await http.get(f"{url}/models", headers={"authorization": f"Bearer {admin_token}"})
+        assert good.status_code == 200 and good.json()["data"]
+
+
+def test_admin_actions_are_audited(stack: LocalStack, admin_token: str) -> None:
+    async def act() -> None:
+        async with router(stack) as stub:
+            await make_tenant(stub, admin_token, "audited")
+
+    asyncio.run(act())
+    log = Path(stack.services["router"].log_path).read_text()
+    assert "principal=default/bootstrap action=tenant.create target=audited" in log
