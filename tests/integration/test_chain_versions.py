@@ -113,7 +113,7 @@ async def test_router_keeps_following_after_etcd_compaction(sim_stack: LocalStac
     async with InferxClient(sim_stack.router_address) as client:
         await client.put_chain(config("compacted", 2))
         async with make_client(sim_stack.etcd_endpoint) as etcd_client:
-            latest = await etcd_client.get(f"{etcd.CHAINS}compacted/latest".encode())
+            latest = await etcd_client.get(f"{etcd.CHAINS}default/compacted/latest".encode())
             await etcd_client.compact(latest.mod_revision, physical=True)
         await client.put_chain(config("compacted", 5))
         deadline = time.monotonic() + 2
