@@ -189,11 +189,11 @@ async def _serve(
     instance_id = (
         settings.instance_id or f"{kind}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     )
-    log.info("starting %s %s with %s", kind, instance_id, settings.model_dump_json())
-    try:
+    try:  # first: a service that cannot be secured says so and nothing else
         security = settings.security()
     except TlsError as exc:
         raise StartupError(str(exc)) from None
+    log.info("starting %s %s with %s", kind, instance_id, settings.model_dump_json())
     if security.insecure:
         print(insecure_warning(f"inferx-{kind}"), file=sys.stderr, flush=True)
     if security.etcd is None and not security.insecure:
