@@ -66,6 +66,7 @@ class TlsClient(aetcd.Client):
     def __init__(self, *, credentials: grpc.ChannelCredentials, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._credentials = credentials
+        self._is_connecting: bool = False  # aetcd's own, typed here for the checker
 
     async def connect(self) -> None:
         try:

@@ -101,9 +101,7 @@ def test_secure_stack_writes_its_ca_token_and_stack_file(secure: LocalStack) -> 
 
 
 async def test_chain_runs_through_the_router_over_tls(secure: LocalStack) -> None:
-    async with InferxClient(
-        secure.router_address, tls_ca=secure.tls_ca, token=secure.admin_token
-    ) as client:
+    async with InferxClient(secure.router_address, tls_ca=secure.tls_ca, token=secure.admin_token) as client:
         finished = await finish(client, "customer_service_agent", {"query": "Where is my order?"})
     assert finished.status == "ok", finished.error
     assert [h.status for h in finished.hops] == ["ok", "ok", "ok"]
@@ -294,9 +292,7 @@ async def test_router_does_not_call_a_plaintext_tool_endpoint(secure: LocalStack
     leave in the clear, so the router refuses, naming why."""
     async with secure.etcd_client() as client:
         lease = await client.lease(30)
-        await client.put(
-            etcd.tool_key("legacy", "x").encode(), b'{"address": "127.0.0.1:9"}', lease=lease.id
-        )
+        await client.put(etcd.tool_key("legacy", "x").encode(), b'{"address": "127.0.0.1:9"}', lease=lease.id)
     async with secure.client() as client:
         await client.put_chain(CHAIN.replace("NAME", "legacy_tool").replace("TOOL", "legacy"))
 
@@ -320,3 +316,22 @@ async def test_tool_server_without_an_etcd_certificate_never_registers(secure: L
         assert "refuses or cannot be reached" in tool.log_path.read_text()
     finally:
         tool.stop()
+
+
+def test_bench_against_the_secure_stack_calls_its_scheduler_with_the_stacks_certificate(
+    secure: LocalStack, tmp_path: Path
+) -> None:
+    """`inferx bench --router` run next to the stack: the router over TLS with its CA and
+    token, the scheduler with mutual TLS with the certificate stack.json names."""
+    from inferx.sim.profile import EngineProfile
+    from inferx.sim.trace import TraceConfig, generate, write_trace
+
+    trace_file = tmp_path / "trace.jsonl"
+    config = TraceConfig(seed=5, duration_s=2.0, rate_per_s=1.0, mix={"bfcl": 1.0})
+    write_trace(generate(config, EngineProfile()), trace_file)
+    argv = ["bench", "--router", secure.router_address, "--trace", str(trace_file), "--rate", "1"]
+    argv += ["--speed", "20", "--timeout", "120", "--results", str(tmp_path / "r.json"), "--json"]
+    done = _cli(secure.state_dir.parent, *argv)
+    assert done.returncode == 0, done.stderr
+    (summary,) = json.loads(done.stdout)["summaries"]
+    assert summary["overall"]["completed"] == summary["overall"]["chains"] >= 1

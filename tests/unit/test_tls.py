@@ -128,7 +128,9 @@ def test_not_pem_empty_and_directory_are_named(pki: TlsFiles, tmp_path: Path) ->
 def test_key_of_another_certificate_is_a_mismatch(pki: TlsFiles, other: TlsFiles) -> None:
     with pytest.raises(TlsError) as exc:
         load_tls(TlsFiles(pki.ca, pki.cert, other.key))
-    assert one_line(exc).startswith(f"--tls-key {other.key} does not match the certificate --tls-cert {pki.cert}")
+    assert one_line(exc).startswith(
+        f"--tls-key {other.key} does not match the certificate --tls-cert {pki.cert}"
+    )
 
 
 def test_certificate_of_another_ca_is_refused_at_start(pki: TlsFiles, other: TlsFiles) -> None:
@@ -186,9 +188,11 @@ def test_a_service_needs_its_own_certificate(pki: TlsFiles) -> None:
 
 def test_settings_decide_the_transport(pki: TlsFiles) -> None:
     insecure = load_settings(ServiceSettings, "x", ["--insecure"]).security()
-    assert insecure.insecure and insecure.transport.insecure and insecure.server_credentials(
-        require_client_auth=True
-    ) is None
+    assert (
+        insecure.insecure
+        and insecure.transport.insecure
+        and insecure.server_credentials(require_client_auth=True) is None
+    )
     flags = ["--tls-ca", str(pki.ca), "--tls-cert", str(pki.cert), "--tls-key", str(pki.key)]
     secure = load_settings(ServiceSettings, "x", [*flags, "--etcd-ca", str(pki.ca)]).security()
     assert not secure.insecure and secure.transport.description == "mutual TLS"
@@ -250,7 +254,9 @@ def test_cli_uses_the_local_stacks_ca_and_token_for_its_router(
     assert connect.resolve(_args(router="localhost:50051")).tls_ca == "/s/ca.pem"
     assert connect.resolve(_args(router="10.0.0.7:50051")) == connect.Connection("10.0.0.7:50051")
     # Given flags win, whole: the stack's token is not sent to another CA's router.
-    assert connect.resolve(_args(tls_ca="/mine.pem")) == connect.Connection("127.0.0.1:50051", None, "/mine.pem")
+    assert connect.resolve(_args(tls_ca="/mine.pem")) == connect.Connection(
+        "127.0.0.1:50051", None, "/mine.pem"
+    )
     assert connect.resolve(_args(token="t")) == connect.Connection("127.0.0.1:50051", "t", None)
 
 
