@@ -460,3 +460,28 @@ def insecure_warning(program: str) -> str:
         "unauthenticated (no TLS, any peer accepted) and the router accepts calls WITHOUT tokens; "
         "for a development machine only"
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m inferx.tls DIR [--host H ...]`: write a CA and a service certificate
+    for those hosts (what `inferx up` does under .inferx/tls/), e.g. for docker-compose."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m inferx.tls", description=main.__doc__)
+    parser.add_argument("directory")
+    parser.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        help="a name or IP address peers use to reach the services (repeat; default 127.0.0.1 and localhost)",
+    )
+    args = parser.parse_args(argv)
+    hosts = args.host or ["127.0.0.1", "localhost"]
+    files = generate_local_pki(args.directory, hosts, reuse=False)
+    print(f"CA {files.ca}")
+    print(f"certificate {files.cert} (server and client; {', '.join(hosts)})")
+    print(f"key {files.key} (0600)")
+
+
+if __name__ == "__main__":
+    main()
