@@ -33,6 +33,8 @@ from inferx.errors import Unavailable
 from inferx.etcd import make_client
 from inferx.tls import TlsFiles, TlsMaterial, Transport, generate_local_pki, load_tls
 from tests.conftest import ROOT, running_sim_stack
+from tests.integration.test_other_languages import CLIENT as NODE_CLIENT
+from tests.integration.test_other_languages import node_client  # noqa: F401 (its fixture, used here)
 from tests.polling import poll_until
 
 pytestmark = pytest.mark.integration
@@ -335,3 +337,17 @@ def test_bench_against_the_secure_stack_calls_its_scheduler_with_the_stacks_cert
     assert done.returncode == 0, done.stderr
     (summary,) = json.loads(done.stdout)["summaries"]
     assert summary["overall"]["completed"] == summary["overall"]["chains"] >= 1
+
+
+def test_node_client_runs_a_chain_over_tls_with_the_token(
+    secure: LocalStack, request: pytest.FixtureRequest
+) -> None:
+    """Another language against the secure stack: grpc-js with the stack's CA."""
+    node = request.getfixturevalue("node_client")
+    env = {**os.environ, "INFERX_TLS_CA": str(secure.tls_ca), "INFERX_TOKEN": secure.admin_token or ""}
+    argv = [node, "run_chain.js", secure.router_address, "customer_service_agent", "query=hi"]
+    done = subprocess.run(argv, cwd=NODE_CLIENT, capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1])["chain_finished"]["status"] == "ok"
+    plain = subprocess.run(argv, cwd=NODE_CLIENT, capture_output=True, text=True, timeout=60)
+    assert plain.returncode == 1 and plain.stderr.startswith("UNAVAILABLE")
