@@ -274,3 +274,34 @@ def test_cli_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (args.token, args.tls_ca) == ("from-env", "/env/ca.pem")
     args = parser.parse_args(["--token", "flag", "--tls-ca", "/flag.pem"])
     assert (args.token, args.tls_ca) == ("flag", "/flag.pem")
+
+
+# ----- tool endpoints: a router calls only its own kind --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("router_insecure", "registered_tls", "expected"),
+    [
+        (False, True, None),
+        (True, False, None),
+        (False, False, "registered only as a plaintext endpoint"),
+        (True, True, "registered only as a TLS endpoint"),
+    ],
+)
+def test_router_resolves_only_tool_endpoints_of_its_own_transport(
+    pki: TlsFiles, router_insecure: bool, registered_tls: bool, expected: str | None
+) -> None:
+    from inferx import etcd
+    from inferx.discovery import ChannelPool, ServiceLocator
+    from inferx.errors import FailedPrecondition
+    from inferx_router.tools import ToolRouter
+
+    transport = Transport.plaintext() if router_insecure else Transport.mutual(load_tls(pki))
+    tools = ToolRouter(None, ServiceLocator(None), ChannelPool(transport), None)
+    registration = {"address": "10.0.0.1:7000", "tls": registered_tls}
+    tools.remote.items = {etcd.tool_key("weather", "a"): json.dumps(registration).encode()}
+    if expected is None:
+        assert tools.resolve("weather").target == "tool:weather@10.0.0.1:7000"
+    else:
+        with pytest.raises(FailedPrecondition, match=expected):
+            tools.resolve("weather")
