@@ -305,3 +305,21 @@ def test_router_resolves_only_tool_endpoints_of_its_own_transport(
     else:
         with pytest.raises(FailedPrecondition, match=expected):
             tools.resolve("weather")
+
+
+def test_inferx_up_says_where_the_ca_and_the_admin_token_are(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from inferx.devstack import LocalStack, StackPorts, print_addresses
+
+    monkeypatch.chdir(tmp_path)
+    stack = LocalStack(tmp_path / ".inferx", StackPorts())
+    stack.admin_token = "ixt_x"
+    print_addresses(stack, {"qwen-7b": "tiny-llama"}, [])
+    printed = capsys.readouterr().out
+    assert "CA .inferx/tls/ca.pem" in printed and "admin token: .inferx/admin.token (0600)" in printed
+    assert "https://127.0.0.1:8000/v1" in printed
+    insecure = LocalStack(tmp_path / "plain", StackPorts(), insecure=True)
+    print_addresses(insecure, {}, [])
+    assert "INSECURE: plaintext everywhere, no tokens" in capsys.readouterr().out
+    assert not (tmp_path / "plain" / "tls").exists()
