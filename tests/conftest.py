@@ -37,7 +37,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         )
 
 
-def make_stack(tmp: Path, *, lease_ttl_s: int = TEST_LEASE_TTL_S) -> LocalStack:
+def make_stack(tmp: Path, *, lease_ttl_s: int = TEST_LEASE_TTL_S, insecure: bool = True) -> LocalStack:
+    """A stack on free ports. Plaintext (`insecure=True`) unless asked: the tests of
+    scheduling, configs and faults call services directly; tests/integration/test_tls.py
+    runs the secure stack `inferx up` runs by default."""
     return LocalStack(
         tmp,
         StackPorts.free(),
@@ -45,6 +48,7 @@ def make_stack(tmp: Path, *, lease_ttl_s: int = TEST_LEASE_TTL_S) -> LocalStack:
         fresh_etcd=True,
         python=sys.executable,
         knowledge_base=EXAMPLES / "knowledge_base.jsonl",
+        insecure=insecure,
     )
 
 
@@ -56,11 +60,16 @@ def dump_logs(stack: LocalStack) -> None:
 
 @contextlib.contextmanager
 def running_sim_stack(
-    tmp: Path, *, workers: int = 2, sim_speed: float = 5, lease_ttl_s: int = TEST_LEASE_TTL_S
+    tmp: Path,
+    *,
+    workers: int = 2,
+    sim_speed: float = 5,
+    lease_ttl_s: int = TEST_LEASE_TTL_S,
+    insecure: bool = True,
 ) -> Iterator[LocalStack]:
     """etcd + all services + `workers` sim workers, example models and chains loaded;
     the logs are printed when start-up fails, and everything is stopped at the end."""
-    stack = make_stack(tmp, lease_ttl_s=lease_ttl_s)
+    stack = make_stack(tmp, lease_ttl_s=lease_ttl_s, insecure=insecure)
     try:
         stack.start_core()
         stack.load_models(read_models_file(EXAMPLES / "models.yaml"))

@@ -1,7 +1,11 @@
 """Load the example model -> pool mappings and chains into a running InferX (what
 `inferx up` does for the local stack); docker-compose runs it once as `seed`.
 
-    python deploy/scripts/seed.py --etcd etcd:2379 --router router:50051
+    python deploy/scripts/seed.py --etcd etcd:2379 --router router:50051 --insecure
+
+or, against a stack with TLS: --etcd-ca/--etcd-cert/--etcd-key (a client certificate
+etcd accepts), --tls-ca (the CA of the router's certificate) and --token (a `manage`
+or `admin` token; INFERX_TOKEN).
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -18,18 +23,23 @@ from inferx.chain.yamlio import dump_config_yaml
 from inferx.client import InferxClient
 from inferx.devstack import read_models_file
 from inferx.errors import InferxError, NotFound
+from inferx.tls import ETCD_FLAGS, TlsFiles
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-async def seed(etcd_endpoint: str, router: str, examples: Path, wait_s: float) -> None:
-    client = etcd.make_client(etcd_endpoint)
+async def seed(args: argparse.Namespace) -> None:
+    etcd_endpoint, router, examples, wait_s = args.etcd, args.router, args.examples, args.wait_s
+    etcd_tls = TlsFiles.from_options(
+        args.etcd_ca or "", args.etcd_cert or "", args.etcd_key or "", ETCD_FLAGS
+    )
+    client = etcd.make_client(etcd_endpoint, tls=etcd_tls)
     async with client:
         for model, pool in read_models_file(examples / "models.yaml").items():
             await client.put(etcd.model_key(model).encode(), json.dumps({"pool": pool}).encode())
             print(f"model {model} -> pool {pool}")
     deadline = asyncio.get_running_loop().time() + wait_s
-    async with InferxClient(router) as inferx:
+    async with InferxClient(router, tls_ca=args.tls_ca, token=args.token) as inferx:
         for path in sorted((examples / "chains").glob("*.yaml")):
             text = path.read_text()
             config = load_chain_text(text, source=str(path)).config
@@ -57,8 +67,16 @@ def main() -> None:
     parser.add_argument("--router", default="127.0.0.1:50051")
     parser.add_argument("--examples", type=Path, default=ROOT / "examples")
     parser.add_argument("--wait-s", type=float, default=120.0)
+    parser.add_argument("--insecure", action="store_true", help="plaintext etcd and router (say so)")
+    parser.add_argument("--tls-ca", help="CA of the router's certificate")
+    parser.add_argument("--token", default=os.environ.get("INFERX_TOKEN"), help="API token (INFERX_TOKEN)")
+    parser.add_argument("--etcd-ca")
+    parser.add_argument("--etcd-cert")
+    parser.add_argument("--etcd-key")
     args = parser.parse_args()
-    asyncio.run(seed(args.etcd, args.router, args.examples, args.wait_s))
+    if not args.insecure and not (args.tls_ca and args.etcd_ca):
+        parser.error("give --tls-ca and --etcd-ca (with --etcd-cert/--etcd-key), or --insecure")
+    asyncio.run(seed(args))
 
 
 if __name__ == "__main__":

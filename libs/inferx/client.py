@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 
 from inferx import DEFAULT_ROUTER
 from inferx.errors import from_rpc_error
+from inferx.tls import Transport
 from inferx.v1 import common_pb2, router_pb2, router_pb2_grpc
 from inferx.wire import CHANNEL_OPTIONS
 
@@ -29,13 +31,34 @@ def _interceptors() -> list[grpc.aio.ClientInterceptor]:
 
 
 class InferxClient:
-    def __init__(self, address: str = DEFAULT_ROUTER, *, timeout_s: float | None = None) -> None:
+    """A client of the router at `address`.
+
+    `tls_ca`: the CA (PEM file) that issued the router's certificate: the channel is TLS,
+    verifying the router (no client certificate: the public port does not ask for one).
+    Without it the channel is plaintext (a stack run with --insecure). `token`: sent as
+    `authorization: Bearer <token>` with every call. `transport` replaces `tls_ca` where
+    the caller has its own (a service's mutual TLS). A bad CA file raises TlsError."""
+
+    def __init__(
+        self,
+        address: str = DEFAULT_ROUTER,
+        *,
+        token: str | None = None,
+        tls_ca: str | Path | None = None,
+        timeout_s: float | None = None,
+        transport: Transport | None = None,
+    ) -> None:
         self.address = address
         self._timeout_s = timeout_s
-        # An agent that set up OpenTelemetry gets its trace continued by ours.
-        self._channel = grpc.aio.insecure_channel(
-            address, options=CHANNEL_OPTIONS, interceptors=_interceptors()
+        if transport is None:
+            transport = Transport.server_auth(tls_ca) if tls_ca else Transport.plaintext()
+        self.transport = transport
+        token = (token or "").strip()
+        self._metadata: tuple[tuple[str, str], ...] | None = (
+            (("authorization", f"Bearer {token}"),) if token else None
         )
+        # An agent that set up OpenTelemetry gets its trace continued by ours.
+        self._channel = transport.aio_channel(address, options=CHANNEL_OPTIONS, interceptors=_interceptors())
         self._stub = router_pb2_grpc.RouterStub(self._channel)
 
     async def __aenter__(self) -> InferxClient:
@@ -49,7 +72,7 @@ class InferxClient:
 
     async def _unary(self, method, request, timeout_s: float | None = 30.0):
         try:
-            return await method(request, timeout=timeout_s)
+            return await method(request, timeout=timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, target=f"the router at {self.address}") from None
 
@@ -72,7 +95,7 @@ class InferxClient:
             tier=tier,
         )
         try:
-            async for event in self._stub.RunChain(request, timeout=self._timeout_s):
+            async for event in self._stub.RunChain(request, timeout=self._timeout_s, metadata=self._metadata):
                 yield event
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, target=f"the router at {self.address}") from None

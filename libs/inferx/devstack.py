@@ -4,11 +4,18 @@
 code with free ports and a temporary directory, so what the tests start is what
 users start. Every child gets its own process group, so stopping it stops anything
 it spawned too (vLLM's engine-core subprocess included).
+
+Secure by default: a local CA and one service certificate under `<state>/tls/`, etcd
+serving TLS and accepting only clients with a certificate from that CA, every service
+started with mutual TLS, the first admin token in `<state>/admin.token` (0600), and
+`<state>/stack.json` telling clients (the CLI) where the router, the CA and the token
+are. `insecure=True` (`inferx up --insecure`) is the plaintext development mode.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -19,10 +26,18 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from inferx.tls import Security, TlsFiles, Transport, generate_local_pki
+
+if TYPE_CHECKING:
+    import aetcd
+
+    from inferx.client import InferxClient
 
 SERVICE_KINDS = ("router", "scheduler", "memory-pool", "cache")
 
@@ -51,6 +66,8 @@ class ManagedProcess:
     address: str = ""
     metrics_port: int = 0
     popen: subprocess.Popen[bytes] | None = None
+    #: how to reach its gRPC port (health polling): the stack's mutual TLS, or plaintext
+    transport: Transport = field(default_factory=Transport.plaintext)
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -111,7 +128,7 @@ def wait_serving(proc: ManagedProcess, timeout_s: float, service: str = "") -> f
     """Poll gRPC health until SERVING; fail early (with the log) if the process exits."""
     started = time.monotonic()
     deadline = started + timeout_s
-    with grpc.insecure_channel(proc.address) as channel:
+    with proc.transport.channel(proc.address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if not proc.alive():
@@ -178,6 +195,7 @@ class LocalStack:
         fresh_etcd: bool = False,
         python: str = sys.executable,
         knowledge_base: Path | None = None,
+        insecure: bool = False,
     ) -> None:
         self.state_dir = state_dir
         self.ports = ports or StackPorts()
@@ -185,10 +203,22 @@ class LocalStack:
         self.fresh_etcd = fresh_etcd
         self.python = python
         self.knowledge_base = knowledge_base
+        self.insecure = insecure
         self.etcd: ManagedProcess | None = None
         self.services: dict[str, ManagedProcess] = {}
         self.workers: list[ManagedProcess] = []
         self._metrics_next = self.ports.metrics_base
+        #: the local CA and the one certificate every process of the stack uses (server
+        #: and client); None when insecure
+        self.tls: TlsFiles | None = None
+        #: how this process reaches the stack's services: mutual TLS with that certificate
+        self.transport = Transport.plaintext()
+        self.admin_token: str | None = None
+        if not insecure:
+            self.tls = generate_local_pki(state_dir / "tls", reuse=not fresh_etcd)
+            from inferx.tls import load_tls
+
+            self.transport = Transport.mutual(load_tls(self.tls))
 
     @property
     def etcd_endpoint(self) -> str:
@@ -200,8 +230,63 @@ class LocalStack:
 
     @property
     def router_http_url(self) -> str:
-        """The base URL of the router's OpenAI-compatible front ('' when it is off)."""
-        return f"http://127.0.0.1:{self.ports.router_http}/v1" if self.ports.router_http else ""
+        """The base URL of the router's OpenAI-compatible front ('' when it is off);
+        https (the router's certificate, issued by `tls_ca`) unless insecure."""
+        if not self.ports.router_http:
+            return ""
+        scheme = "http" if self.insecure else "https"
+        return f"{scheme}://127.0.0.1:{self.ports.router_http}/v1"
+
+    @property
+    def tls_ca(self) -> Path | None:
+        """The CA file clients verify the router (and every service) against."""
+        return self.tls.ca if self.tls is not None else None
+
+    @property
+    def token_file(self) -> Path:
+        return self.state_dir / "admin.token"
+
+    @property
+    def stack_file(self) -> Path:
+        return self.state_dir / "stack.json"
+
+    def transport_flags(self) -> list[str]:
+        """What every process of the stack is started with: its TLS and etcd TLS files,
+        or --insecure."""
+        if self.tls is None:
+            return ["--insecure"]
+        ca, cert, key = str(self.tls.ca), str(self.tls.cert), str(self.tls.key)
+        return ["--tls-ca", ca, "--tls-cert", cert, "--tls-key", key] + [
+            "--etcd-ca",
+            ca,
+            "--etcd-cert",
+            cert,
+            "--etcd-key",
+            key,
+        ]
+
+    def security(self) -> Security:
+        """What an in-process server of this stack (a tool server, say) runs with: the
+        stack's certificate for its port and for etcd, or insecure."""
+        return Security.resolve(self.tls, self.tls, insecure=self.insecure)
+
+    def client(self, *, token: str | None = None, timeout_s: float | None = None) -> InferxClient:
+        """An SDK client of the router as an outside caller: TLS verifying the router
+        against the stack's CA, with the admin token (or `token`)."""
+        from inferx.client import InferxClient
+
+        return InferxClient(
+            self.router_address,
+            token=token if token is not None else self.admin_token,
+            tls_ca=self.tls_ca,
+            timeout_s=timeout_s,
+        )
+
+    def etcd_client(self, *, timeout_s: int = 5) -> aetcd.Client:
+        """A client of the stack's etcd, with the stack's client certificate."""
+        from inferx import etcd
+
+        return etcd.make_client(self.etcd_endpoint, timeout_s=timeout_s, tls=self.tls)
 
     def _metrics_port(self) -> int:
         if not self.ports.metrics_base:
@@ -215,32 +300,39 @@ class LocalStack:
         for port in (self.ports.etcd, self.ports.etcd_peer):
             if port_in_use(port):
                 raise StackError(f"port {port} is in use: is another etcd or `make run` running?")
-        data_dir = self.state_dir / "etcd"
+        # Its own data per mode: a member's URLs (http or https) are kept in its data.
+        data_dir = self.state_dir / ("etcd" if self.insecure else "etcd-tls")
         if self.fresh_etcd and data_dir.exists():
             shutil.rmtree(data_dir)
-        client = f"http://127.0.0.1:{self.ports.etcd}"
-        peer = f"http://127.0.0.1:{self.ports.etcd_peer}"
+        scheme = "http" if self.tls is None else "https"
+        client = f"{scheme}://127.0.0.1:{self.ports.etcd}"
+        peer = f"{scheme}://127.0.0.1:{self.ports.etcd_peer}"
+        argv = [
+            find_etcd(),
+            "--name",
+            "inferx",
+            "--data-dir",
+            str(data_dir),
+            "--listen-client-urls",
+            client,
+            "--advertise-client-urls",
+            client,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            f"inferx={peer}",
+        ]
+        if self.tls is not None:
+            # Clients (every service, tool server, `inferx up` itself) must present a
+            # certificate from the stack's CA: nothing else can register a worker or a tool.
+            ca, cert, key = str(self.tls.ca), str(self.tls.cert), str(self.tls.key)
+            argv += ["--client-cert-auth", "--trusted-ca-file", ca, "--cert-file", cert, "--key-file", key]
+            argv += ["--peer-client-cert-auth", "--peer-trusted-ca-file", ca]
+            argv += ["--peer-cert-file", cert, "--peer-key-file", key]
         proc = ManagedProcess(
-            "etcd",
-            [
-                find_etcd(),
-                "--name",
-                "inferx",
-                "--data-dir",
-                str(data_dir),
-                "--listen-client-urls",
-                client,
-                "--advertise-client-urls",
-                client,
-                "--listen-peer-urls",
-                peer,
-                "--initial-advertise-peer-urls",
-                peer,
-                "--initial-cluster",
-                f"inferx={peer}",
-            ],
-            self.state_dir / "logs" / "etcd.log",
-            address=f"127.0.0.1:{self.ports.etcd}",
+            "etcd", argv, self.state_dir / "logs" / "etcd.log", address=f"127.0.0.1:{self.ports.etcd}"
         )
         proc.start()
         deadline = time.monotonic() + timeout_s
@@ -254,11 +346,73 @@ class LocalStack:
             proc.stop()
             raise StackError(f"etcd did not listen on {self.ports.etcd} within {timeout_s:.0f}s")
         self.etcd = proc
+        if self.tls is not None:
+            try:
+                self.admin_token = self._admin_token(deadline)
+            except BaseException:
+                self.etcd = None
+                proc.stop()
+                raise
         return proc
+
+    def _admin_token(self, deadline: float) -> str:
+        """The admin token of `token_file` when etcd still has it, else a new one written
+        there (0600): the first credential of a fresh stack, written straight to etcd."""
+        from inferx import etcd
+        from inferx.auth.model import TokenRecord, secret_matches, split_token
+        from inferx.auth.store import bootstrap_admin_token, token_key
+
+        async def still_valid(client: aetcd.Client, text: str) -> bool:
+            parts = split_token(text)
+            if parts is None:
+                return False
+            found = await client.get(token_key(parts[0]).encode())
+            if found is None:
+                return False
+            try:
+                record = TokenRecord.model_validate_json(found.value)
+            except ValueError:
+                return False
+            return secret_matches(record, parts[1]) and not record.expired()
+
+        async def token() -> str:
+            client = self.etcd_client()
+            async with client:
+                try:
+                    kept = self.token_file.read_text().strip()
+                except OSError:
+                    kept = ""
+                if kept and await still_valid(client, kept):
+                    return kept
+                return await bootstrap_admin_token(client, name="inferx-up")
+
+        while True:  # etcd listens a moment before it serves (leader election)
+            try:
+                text = asyncio.run(token())
+                break
+            except etcd.ETCD_DOWN_ERRORS as exc:
+                if time.monotonic() > deadline:
+                    raise StackError(f"etcd did not answer over TLS: {exc}\n{self.etcd_tail()}") from None
+                time.sleep(0.2)
+        self.token_file.unlink(missing_ok=True)
+        fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(text + "\n")
+        return text
+
+    def etcd_tail(self) -> str:
+        return self.etcd.log_tail() if self.etcd is not None else ""
 
     # ----- services -----------------------------------------------------------------
 
-    def _service_argv(self, kind: str, port: int, metrics_port: int, extra: Sequence[str]) -> list[str]:
+    def _service_argv(
+        self,
+        kind: str,
+        port: int,
+        metrics_port: int,
+        extra: Sequence[str],
+        transport_flags: Sequence[str] | None = None,
+    ) -> list[str]:
         module = "inferx_" + kind.replace("-", "_")
         return [
             self.python,
@@ -272,6 +426,7 @@ class LocalStack:
             str(metrics_port),
             "--lease-ttl-s",
             str(self.lease_ttl_s),
+            *(self.transport_flags() if transport_flags is None else transport_flags),
             *extra,
         ]
 
@@ -292,25 +447,37 @@ class LocalStack:
             self.state_dir / "logs" / f"{name}.log",
             address=f"127.0.0.1:{port}",
             metrics_port=metrics_port,
+            transport=self.transport,
         )
         proc.start()
         self.services[name] = proc
         return proc
 
     def start_worker(
-        self, pool: str, engine: str, extra: Sequence[str] = (), port: int = 0
+        self,
+        pool: str,
+        engine: str,
+        extra: Sequence[str] = (),
+        port: int = 0,
+        *,
+        transport_flags: Sequence[str] | None = None,
     ) -> ManagedProcess:
+        """`transport_flags` replace the stack's TLS flags (`transport_flags()`): a test
+        starts a worker with another CA's certificate, say."""
         index = len(self.workers)
         if not port:
             port = self.ports.worker_base + index if self.ports.worker_base else free_port()
         metrics_port = self._metrics_port()
-        argv = self._service_argv("worker", port, metrics_port, ["--model", pool, "--engine", engine, *extra])
+        argv = self._service_argv(
+            "worker", port, metrics_port, ["--model", pool, "--engine", engine, *extra], transport_flags
+        )
         proc = ManagedProcess(
             f"worker-{index}",
             argv,
             self.state_dir / "logs" / f"worker-{index}.log",
             address=f"127.0.0.1:{port}",
             metrics_port=metrics_port,
+            transport=self.transport,
         )
         proc.start()
         self.workers.append(proc)
@@ -325,17 +492,35 @@ class LocalStack:
                 self.start_service(kind)
         for kind in SERVICE_KINDS:
             wait_serving(self.services[kind], timeout_s)
+        self.write_stack_file()
+
+    def write_stack_file(self) -> Path:
+        """`<state>/stack.json`: what a client of this stack needs (the CLI reads it when
+        its --router is this router and it is given no --token/--tls-ca)."""
+        info = {
+            "router": self.router_address,
+            "tls_ca": str(self.tls.ca) if self.tls is not None else None,
+            "token_file": str(self.token_file) if self.admin_token else None,
+            "http": self.router_http_url or None,
+            # the service certificate, for tools that call internal services directly
+            # (`inferx bench --router`); the key is readable by its owner only
+            "tls_cert": str(self.tls.cert) if self.tls is not None else None,
+            "tls_key": str(self.tls.key) if self.tls is not None else None,
+            "etcd": self.etcd_endpoint,
+            "insecure": self.insecure,
+        }
+        self.stack_file.parent.mkdir(parents=True, exist_ok=True)
+        self.stack_file.write_text(json.dumps(info, indent=2) + "\n")
+        return self.stack_file
 
     # ----- configuration ------------------------------------------------------------
 
     def load_models(self, mapping: dict[str, str]) -> None:
         """Write model -> pool mappings to etcd (/inferx/v1/models/<model>)."""
-        import json
-
         from inferx import etcd
 
         async def put() -> None:
-            client = etcd.make_client(self.etcd_endpoint)
+            client = self.etcd_client()
             async with client:
                 for model, pool in mapping.items():
                     await client.put(etcd.model_key(model).encode(), json.dumps({"pool": pool}).encode())
@@ -346,12 +531,11 @@ class LocalStack:
         """Store each chain file unless its active version already has that content."""
         from inferx.chain.validate import load_chain_text
         from inferx.chain.yamlio import dump_config_yaml
-        from inferx.client import InferxClient
         from inferx.errors import NotFound
 
         async def put() -> list[str]:
             done = []
-            async with InferxClient(self.router_address) as client:
+            async with self.client() as client:
                 for path in files:
                     text = path.read_text()
                     config = load_chain_text(text, source=str(path)).config
@@ -379,6 +563,7 @@ class LocalStack:
             proc.stop()
         if self.etcd is not None:
             self.etcd.stop()
+        self.stack_file.unlink(missing_ok=True)  # nothing to connect to any more
 
 
 def read_models_file(path: Path) -> dict[str, str]:
@@ -394,7 +579,9 @@ def read_models_file(path: Path) -> dict[str, str]:
     return mapping
 
 
-def run_foreground(engine: str = "vllm", workers: int = 1, http_port: int = 8000) -> int:
+def run_foreground(
+    engine: str = "vllm", workers: int = 1, http_port: int = 8000, insecure: bool = False
+) -> int:
     """`inferx up`: start everything, load the examples, wait for Ctrl-C, stop everything."""
     root = Path.cwd()
     examples = root / "examples"
@@ -404,8 +591,18 @@ def run_foreground(engine: str = "vllm", workers: int = 1, http_port: int = 8000
             file=sys.stderr,
         )
         return 2
+    if insecure:
+        print(
+            "inferx up: WARNING: --insecure: etcd and every service run PLAINTEXT with no certificates, "
+            "and the router accepts calls WITHOUT tokens; for a development machine only",
+            file=sys.stderr,
+            flush=True,
+        )
     stack = LocalStack(
-        root / ".inferx", StackPorts(router_http=http_port), knowledge_base=examples / "knowledge_base.jsonl"
+        root / ".inferx",
+        StackPorts(router_http=http_port),
+        knowledge_base=examples / "knowledge_base.jsonl",
+        insecure=insecure,
     )
     stop_requested = False
 
@@ -457,6 +654,10 @@ def run_foreground(engine: str = "vllm", workers: int = 1, http_port: int = 8000
         print("all InferX processes stopped", flush=True)
 
 
+def _shown(path: Path) -> Path:
+    return path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
+
+
 def step(what: str, action) -> None:
     print(f"starting {what} ...", end="", flush=True)
     started = time.monotonic()
@@ -480,5 +681,16 @@ def print_addresses(stack: LocalStack, mapping: dict[str, str], loaded: list[str
         print(f"  {name:<12} grpc {proc.address:<16} metrics {metrics:<34} log {log}")
     if stack.router_http_url:
         print(f"  OpenAI-compatible HTTP (router): {stack.router_http_url}")
+    if stack.tls is not None:
+        print(
+            f"  TLS: CA {_shown(stack.tls.ca)} (mutual TLS between services; etcd needs a client certificate)"
+        )
+        print(f"  admin token: {_shown(stack.token_file)} (0600)   stack: {_shown(stack.stack_file)}")
+        print(
+            "  the inferx CLI run from this directory uses both; elsewhere: "
+            f"--tls-ca {_shown(stack.tls.ca)} --token $(cat {_shown(stack.token_file)})"
+        )
+    else:
+        print("  INSECURE: plaintext everywhere, no tokens (inferx up --insecure)")
     print("  models: " + ", ".join(f"{m} -> pool {p}" for m, p in sorted(mapping.items())))
     print("  chains: " + ", ".join(loaded))

@@ -11,6 +11,7 @@ import grpc
 from google.protobuf import json_format
 
 from inferx import etcd, telemetry
+from inferx.tls import Transport
 from inferx.v1 import common_pb2
 from inferx.wire import CHANNEL_OPTIONS
 
@@ -20,13 +21,17 @@ __all__ = ["CHANNEL_OPTIONS", "ChannelPool", "ServiceLocator"]
 
 
 class ChannelPool:
-    def __init__(self) -> None:
+    """One channel per address, all opened by `transport` (a service's: mutual TLS with
+    its certificate, or plaintext under --insecure)."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def get(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(
+            channel = self.transport.aio_channel(
                 address, options=CHANNEL_OPTIONS, interceptors=telemetry.client_interceptors()
             )
             self._channels[address] = channel

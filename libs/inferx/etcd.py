@@ -10,9 +10,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import aetcd
 import aetcd.exceptions
+import aetcd.rpc
+import aetcd.watcher
+import grpc
+
+from inferx.tls import ETCD_FLAGS, TlsFiles, TlsMaterial, etcd_credentials, load_tls
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +58,62 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def make_client(endpoint: str, *, timeout_s: int = 5) -> aetcd.Client:
+class TlsClient(aetcd.Client):
+    """`aetcd.Client` over TLS: aetcd opens only plaintext channels, in `connect` and
+    nowhere else, so this is its `connect` (aetcd 1.0) with a secure channel instead;
+    every other method uses the channel and stubs it leaves on the client."""
+
+    def __init__(self, *, credentials: grpc.ChannelCredentials, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._credentials = credentials
+        self._is_connecting: bool = False  # aetcd's own, typed here for the checker
+
+    async def connect(self) -> None:
+        try:
+            await self._connect_tls()
+        except aetcd.rpc.AioRpcError as exc:
+            aetcd.exceptions._handle_exception(exc)
+
+    async def _connect_tls(self) -> None:
+        if self._connected.is_set():
+            return
+        if self._is_connecting:  # another task is connecting: wait for it
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        try:
+            self._is_connecting = True
+            target = f"{self._host}:{self._port}"
+            self.channel = aetcd.rpc.secure_channel(target, self._credentials, options=self._options.items())
+            if self._username is not None and self._password is not None:
+                self.auth_stub = aetcd.rpc.AuthStub(self.channel)
+                request = aetcd.rpc.AuthenticateRequest(name=self._username, password=self._password)
+                reply = await self.auth_stub.Authenticate(request, timeout=self._timeout)
+                self.metadata = (("token", reply.token),)
+            self.kvstub = aetcd.rpc.KVStub(self.channel)
+            self.clusterstub = aetcd.rpc.ClusterStub(self.channel)
+            self.leasestub = aetcd.rpc.LeaseStub(self.channel)
+            self.maintenancestub = aetcd.rpc.MaintenanceStub(self.channel)
+            self._watcher = aetcd.watcher.Watcher(
+                aetcd.rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata
+            )
+            self._connected.set()
+        finally:
+            self._is_connecting = False
+
+
+def make_client(
+    endpoint: str, *, timeout_s: int = 5, tls: TlsFiles | TlsMaterial | None = None
+) -> aetcd.Client:
+    """A client of etcd at `endpoint`; over TLS (verifying etcd against `tls.ca`, and
+    presenting `tls.cert` when given) when `tls` is set. Bad files raise TlsError."""
     host, port = parse_endpoint(endpoint)
     # Per-call timeout so a call made while etcd is down fails instead of hanging.
-    return aetcd.Client(host=host, port=port, timeout=timeout_s)
+    if tls is None:
+        return aetcd.Client(host=host, port=port, timeout=timeout_s)
+    material = load_tls(tls, ETCD_FLAGS) if isinstance(tls, TlsFiles) else tls
+    credentials = etcd_credentials(material)
+    assert credentials is not None
+    return TlsClient(host=host, port=port, timeout=timeout_s, credentials=credentials)
 
 
 # Errors that mean "etcd is not reachable right now" rather than a bug of ours.

@@ -16,12 +16,15 @@ from typing import Any
 import grpc
 
 from inferx.errors import from_rpc_error
+from inferx.tls import Transport
 from inferx.v1 import cache_pb2, cache_pb2_grpc
 
 
 class IdempotencyRecords:
-    def __init__(self, cache_address: str, *, ttl_s: float = 86_400.0) -> None:
-        self._channel = grpc.aio.insecure_channel(cache_address)
+    def __init__(self, cache_address: str, transport: Transport, *, ttl_s: float = 86_400.0) -> None:
+        """`transport`: the tool server's own (mutual TLS with its certificate: the cache
+        service accepts only peers with a certificate from the stack's CA)."""
+        self._channel = transport.aio_channel(cache_address)
         self._stub = cache_pb2_grpc.CacheStub(self._channel)
         self._ttl_s = ttl_s
 

@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -37,6 +38,7 @@ from inferx import __version__, telemetry
 from inferx.errors import InferxError, Internal, abort_with
 from inferx.etcd import LeaseKeeper, make_client, service_key
 from inferx.settings import ServiceSettings, load_settings
+from inferx.tls import Security, TlsError, Transport, insecure_warning
 from inferx.v1 import common_pb2
 
 log = logging.getLogger("inferx.server")
@@ -140,8 +142,20 @@ class ServiceRuntime:
     instance_id: str
     address: str
     metrics_address: str
+    #: TLS or --insecure, decided at start-up: `transport` opens every channel this
+    #: service opens (ChannelPool(runtime.transport)), with its own certificate.
+    security: Security
     errors: ErrorMappingInterceptor = field(default_factory=ErrorMappingInterceptor)
     started_unix_ms: int = field(default_factory=lambda: int(time.time() * 1000))
+
+    @property
+    def transport(self) -> Transport:
+        return self.security.transport
+
+    @property
+    def insecure(self) -> bool:
+        """--insecure: plaintext, no peer certificates and (router) no token checks."""
+        return self.security.insecure
 
     def guard_calls(self, guard: CallGuard) -> None:
         """Check every call to this service's own methods with `guard` first."""
@@ -169,7 +183,7 @@ def run_service(
     try:
         asyncio.run(_serve(kind, settings, build))
     except StartupError as exc:
-        print(f"{prog}: error: {exc}", flush=True)
+        print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     except KeyboardInterrupt:
         pass
@@ -195,7 +209,19 @@ async def _serve(
     instance_id = (
         settings.instance_id or f"{kind}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     )
+    try:  # first: a service that cannot be secured says so and nothing else
+        security = settings.security()
+    except TlsError as exc:
+        raise StartupError(str(exc)) from None
     log.info("starting %s %s with %s", kind, instance_id, settings.model_dump_json())
+    if security.insecure:
+        print(insecure_warning(f"inferx-{kind}"), file=sys.stderr, flush=True)
+    if security.etcd is None and not security.insecure:
+        log.warning(
+            "etcd at %s is reached in PLAINTEXT (no --etcd-ca): anyone who can reach it can "
+            "register workers and tools",
+            settings.etcd,
+        )
     try:
         telemetry.setup_tracing(
             kind,
@@ -216,8 +242,13 @@ async def _serve(
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
 
+    listen = f"{settings.host}:{settings.port}"
+    credentials = security.server_credentials(require_client_auth=settings.tls_client_auth)
     try:
-        port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+        if credentials is None:
+            port = server.add_insecure_port(listen)
+        else:
+            port = server.add_secure_port(listen, credentials)
     except RuntimeError as exc:
         raise StartupError(f"cannot listen on {settings.host}:{settings.port}: {exc}") from None
     if port == 0:
@@ -225,7 +256,7 @@ async def _serve(
     address = f"{settings.public_host}:{port}"
     metrics_address = _start_metrics(settings.host, settings.metrics_port)
 
-    etcd = make_client(settings.etcd)
+    etcd = make_client(settings.etcd, tls=security.etcd)
     leases = LeaseKeeper(etcd, ttl_s=settings.lease_ttl_s)
     runtime = ServiceRuntime(
         kind=kind,
@@ -236,6 +267,7 @@ async def _serve(
         instance_id=instance_id,
         address=address,
         metrics_address=metrics_address,
+        security=security,
         errors=errors,
     )
     component = await build(runtime, settings)
@@ -250,8 +282,12 @@ async def _serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
+    if credentials is None:
+        how = "PLAINTEXT"
+    else:
+        how = "TLS, client certificates required" if settings.tls_client_auth else "TLS"
     print(
-        f"inferx-{kind} listening on {address} (metrics http://{metrics_address}/metrics)",
+        f"inferx-{kind} listening on {address} ({how}; metrics http://{metrics_address}/metrics)",
         flush=True,
     )
     warm_up = asyncio.create_task(component.ready(), name="warm-up")

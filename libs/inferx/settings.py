@@ -10,12 +10,16 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
 from inferx.etcd import parse_endpoint
+from inferx.tls import ETCD_FLAGS, Security, TlsFiles
 
-S = TypeVar("S", bound="ServiceSettings")
+S = TypeVar("S", bound="TransportSettings")
 
 
-class ServiceSettings(BaseSettings):
-    """Options every service takes."""
+class TransportSettings(BaseSettings):
+    """How a process reaches etcd and its peers: what every service and tool server takes.
+
+    Secure by default: without --tls-ca/--tls-cert/--tls-key a process refuses to start
+    unless --insecure says plaintext on purpose (see `security()`)."""
 
     model_config = SettingsConfigDict(
         env_prefix="INFERX_",
@@ -25,6 +29,38 @@ class ServiceSettings(BaseSettings):
     )
 
     etcd: str = Field("127.0.0.1:2379", description="etcd endpoint HOST:PORT")
+    tls_ca: str = Field("", description="CA bundle (PEM) that issued every peer's certificate (mutual TLS)")
+    tls_cert: str = Field("", description="this process's certificate chain (PEM), server and client")
+    tls_key: str = Field("", description="the private key of --tls-cert (PEM, unencrypted)")
+    tls_client_auth: bool = Field(
+        True, description="require callers to present a certificate issued by --tls-ca (mutual TLS)"
+    )
+    insecure: bool = Field(
+        False,
+        description="plaintext everywhere, no certificates, and (router) no tokens: development only; "
+        "without it, the --tls-* files are required",
+    )
+    etcd_ca: str = Field("", description="CA bundle (PEM) of etcd's server certificate: reach etcd over TLS")
+    etcd_cert: str = Field("", description="client certificate (PEM) presented to etcd (--client-cert-auth)")
+    etcd_key: str = Field("", description="the private key of --etcd-cert (PEM)")
+
+    @field_validator("etcd")
+    @classmethod
+    def _etcd_endpoint(cls, value: str) -> str:
+        parse_endpoint(value)
+        return value
+
+    def security(self) -> Security:
+        """Read and check the TLS files (or accept --insecure); TlsError, one line, when
+        they cannot work or when neither TLS files nor --insecure were given."""
+        service = TlsFiles.from_options(self.tls_ca, self.tls_cert, self.tls_key)
+        etcd = TlsFiles.from_options(self.etcd_ca, self.etcd_cert, self.etcd_key, ETCD_FLAGS)
+        return Security.resolve(service, etcd, insecure=self.insecure)
+
+
+class ServiceSettings(TransportSettings):
+    """Options every service takes."""
+
     host: str = Field("127.0.0.1", description="address to bind the gRPC server to")
     advertise_host: str = Field("", description="host other services use to reach this one (default: --host)")
     port: int = Field(0, ge=0, le=65535, description="gRPC port (0 = pick a free port)")
@@ -46,12 +82,6 @@ class ServiceSettings(BaseSettings):
     )
     otlp_endpoint: str = Field("", description="OTLP/gRPC collector for traces, e.g. http://jaeger:4317")
     trace_file: str = Field("", description="with --trace-exporter file: append spans here as JSON lines")
-
-    @field_validator("etcd")
-    @classmethod
-    def _etcd_endpoint(cls, value: str) -> str:
-        parse_endpoint(value)
-        return value
 
     @field_validator("log_level")
     @classmethod

@@ -157,7 +157,7 @@ class MemoryPoolComponent(ServiceComponent):
         self.workers = etcd.PrefixMirror(runtime.etcd, etcd.WORKERS, self._on_workers)
         self.holders = etcd.PrefixMirror(runtime.etcd, HOLDERS, self._on_holders)
         self._holders_seen: set[str] = set()  # registered holders as the mirror last saw them
-        self.channels = ChannelPool()
+        self.channels = ChannelPool(runtime.transport)
         self._poll_s = settings.usage_poll_s
         self._poller: asyncio.Task[None] | None = None
         memory_pool_pb2_grpc.add_MemoryPoolServicer_to_server(self.servicer, runtime.server)

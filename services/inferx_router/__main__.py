@@ -30,6 +30,13 @@ log = logging.getLogger("inferx.router")
 
 class RouterSettings(ServiceSettings):
     port: int = Field(50051, ge=0, le=65535, description="gRPC port of inferx.v1.Router")
+    # The public port: callers are agents and people, who authenticate with tokens, not
+    # certificates (the router calls no one who needs to call it back).
+    tls_client_auth: bool = Field(
+        False,
+        description="require callers to present a certificate issued by --tls-ca (default off: the "
+        "router's callers authenticate with tokens; TLS with the router's certificate still applies)",
+    )
     knowledge_base: str = Field(
         "examples/knowledge_base.jsonl", description="documents for the built-in vector_search tool"
     )
@@ -55,7 +62,6 @@ class RouterSettings(ServiceSettings):
     http_timeout_s: float = Field(
         300.0, gt=0, description="time limit of an HTTP call that sets no X-InferX-Deadline-Ms"
     )
-    insecure: bool = Field(False, description="accept calls without tokens (development only)")
 
 
 class RouterComponent(ServiceComponent):
@@ -65,7 +71,7 @@ class RouterComponent(ServiceComponent):
         self.store = ChainStore(runtime.etcd)
         self.directory = PoolDirectory()
         self.services = ServiceLocator(runtime.etcd)
-        self.channels = ChannelPool()
+        self.channels = ChannelPool(runtime.transport)
         knowledge, error = None, ""
         try:
             knowledge = KnowledgeBase.load(Path(settings.knowledge_base))
@@ -86,7 +92,7 @@ class RouterComponent(ServiceComponent):
         ]
         self.load = LoadMonitor(self.directory, self.services, self.channels, settings.degrade_load_threshold)
         # Tokens and tenants (docs/security.md); none of it with --insecure.
-        auth = None if settings.insecure else AuthDirectory(runtime.etcd)
+        auth = None if runtime.insecure else AuthDirectory(runtime.etcd)
         if auth is not None:
             self.mirrors.extend(auth.mirrors)
         access = AccessControl(auth)
@@ -101,8 +107,15 @@ class RouterComponent(ServiceComponent):
                 access=access,
                 quotas=quotas,
             )
+            tls = runtime.security.service
             self.http = HttpServer(
-                front.app(), settings.host, settings.http_port, drain_timeout_s=settings.drain_timeout_s
+                front.app(),
+                settings.host,
+                settings.http_port,
+                drain_timeout_s=settings.drain_timeout_s,
+                # HTTPS with the router's certificate whenever it has one (no client certificates).
+                certfile=tls.files.cert if tls is not None else None,
+                keyfile=tls.files.key if tls is not None else None,
             )
         router_pb2_grpc.add_RouterServicer_to_server(
             RouterServicer(
@@ -131,7 +144,8 @@ class RouterComponent(ServiceComponent):
                 address = await self.http.start()
             except OSError as exc:
                 raise RuntimeError(f"cannot serve HTTP on --http-port: {exc}") from None
-            print(f"inferx-router OpenAI-compatible HTTP on http://{address}/v1", flush=True)
+            scheme = "https" if self.http.tls else "http"
+            print(f"inferx-router OpenAI-compatible HTTP on {scheme}://{address}/v1", flush=True)
 
     async def stop(self) -> None:
         if self.http is not None:  # in-flight HTTP calls finish (up to the drain timeout)

@@ -18,6 +18,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -301,8 +302,21 @@ class _EmbeddedServer(uvicorn.Server):
 class HttpServer:
     """uvicorn serving `app` as a task of the running event loop."""
 
-    def __init__(self, app: Starlette, host: str, port: int, *, drain_timeout_s: float) -> None:
+    def __init__(
+        self,
+        app: Starlette,
+        host: str,
+        port: int,
+        *,
+        drain_timeout_s: float,
+        certfile: Path | None = None,
+        keyfile: Path | None = None,
+    ) -> None:
+        """With `certfile` and `keyfile`, HTTPS (the router's certificate; clients are
+        not asked for one)."""
         self._app = app
+        self._certfile = certfile
+        self._keyfile = keyfile
         self._host = host
         self._port = port
         self._drain_timeout_s = drain_timeout_s
@@ -321,6 +335,8 @@ class HttpServer:
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=int(self._drain_timeout_s) or None,
+            ssl_certfile=str(self._certfile) if self._certfile else None,
+            ssl_keyfile=str(self._keyfile) if self._keyfile else None,
         )
         self._server = _EmbeddedServer(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="http-front")
@@ -331,6 +347,10 @@ class HttpServer:
             await asyncio.sleep(0.01)
         self.address = f"{self._host}:{sock.getsockname()[1]}"
         return self.address
+
+    @property
+    def tls(self) -> bool:
+        return self._certfile is not None
 
     async def stop(self) -> None:
         if self._server is None or self._task is None:

@@ -18,7 +18,14 @@ import grpc
 from inferx import etcd
 from inferx.auth.model import DEFAULT_TENANT
 from inferx.discovery import ChannelPool, ServiceLocator
-from inferx.errors import InferxError, InvalidArgument, NotFound, Unavailable, from_rpc_error
+from inferx.errors import (
+    FailedPrecondition,
+    InferxError,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+    from_rpc_error,
+)
 from inferx.resilience import BreakerBoard, BreakerState
 from inferx.v1 import tool_pb2, tool_pb2_grpc
 from inferx_router.knowledge import KnowledgeBase
@@ -129,6 +136,8 @@ class ToolRouter:
                             "address": str(row["address"]),
                             "version": str(row.get("version", "1")),
                             "idempotency_keys": bool(row.get("idempotency_keys", False)),
+                            # A TLS endpoint: called with mutual TLS (this router's certificate).
+                            "tls": row.get("tls", False) is True,
                         }
                     )
                 except (ValueError, KeyError, TypeError):
@@ -139,9 +148,24 @@ class ToolRouter:
         if tool in self._builtins:
             version, builtin = self._builtins[tool]
             return ResolvedTool(tool, version, f"tool:{tool}", True, builtin)
-        remotes = self._remote_registrations(tool)
-        if not remotes:
+        registered = self._remote_registrations(tool)
+        if not registered:
             raise NotFound(f"tool '{tool}' is neither built in nor registered under {etcd.TOOLS}{tool}/")
+        # A TLS router calls TLS endpoints only (a plaintext one would see prompts and
+        # answers in the clear); an --insecure router has no certificate to call TLS ones.
+        secure = not self._channels.transport.insecure
+        remotes = [r for r in registered if r["tls"] == secure]
+        if not remotes:
+            where = ", ".join(r["address"] for r in registered)
+            if secure:
+                raise FailedPrecondition(
+                    f"tool '{tool}' is registered only as a plaintext endpoint ({where}); this router "
+                    'calls tools over mutual TLS: serve it with TLS and register it with "tls": true'
+                )
+            raise FailedPrecondition(
+                f"tool '{tool}' is registered only as a TLS endpoint ({where}); this router runs "
+                "--insecure and has no certificate to call it with"
+            )
         # Prefer an endpoint whose breaker is not open: one bad replica must not take
         # the tool down.
         usable = [

@@ -19,7 +19,7 @@ class SchedulerComponent(ServiceComponent):
 
     def __init__(self, runtime: ServiceRuntime, settings: SchedulerSettings) -> None:
         self.directory = PoolDirectory()
-        self.channels = ChannelPool()
+        self.channels = ChannelPool(runtime.transport)
         self.health = WorkerHealth(
             self.directory, self.channels, on_change=lambda: self.dispatcher.dispatch()
         )

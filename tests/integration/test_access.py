@@ -1,13 +1,14 @@
-"""Tokens, roles and tenants on a real router (real etcd, real processes, SIMULATED
-workers): every public method refuses a missing, expired or revoked token; a `run`
-token cannot change chains; tenant B cannot see, run, change or trace tenant A's
-chains or runs; tenant limits refuse with the right status; the HTTP front takes the
-same tokens; the audit log names who did what."""
+"""Tokens, roles and tenants on the secure stack `inferx up` runs (real etcd with TLS,
+real processes with mutual TLS, SIMULATED workers): every public method refuses a
+missing, expired or revoked token; a `run` token cannot change chains; tenant B cannot
+see, run, change or trace tenant A's chains or runs; tenant limits refuse with the
+right status; the HTTP front takes the same tokens; the audit log names who did what."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -16,11 +17,10 @@ import grpc
 import httpx
 import pytest
 
-from inferx.auth.store import bootstrap_admin_token
-from inferx.devstack import LocalStack, read_models_file, wait_serving
-from inferx.etcd import make_client
+from inferx.devstack import LocalStack
+from inferx.tls import Transport
 from inferx.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tests.conftest import EXAMPLES, dump_logs, make_stack
+from tests.conftest import EXAMPLES, running_sim_stack
 from tests.polling import poll_until
 
 pytestmark = pytest.mark.integration
@@ -31,36 +31,25 @@ ROUTER = router_pb2.DESCRIPTOR.services_by_name["Router"]
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    """A router that checks tokens (--no-insecure), the other services, one sim worker."""
-    stack = make_stack(tmp_path_factory.mktemp("access"))
-    try:
-        stack.start_etcd()
-        stack.start_service("router", ["--no-insecure"])
-        stack.start_core()
-        stack.load_models(read_models_file(EXAMPLES / "models.yaml"))
-        wait_serving(stack.start_worker("tiny-llama", "sim", ["--sim-speed", "20"]), 60)
-    except BaseException:
-        dump_logs(stack)
-        stack.stop()
-        raise
-    try:
+    """The secure stack (TLS everywhere, tokens checked), one sim worker, the example chains
+    stored in the default tenant with the stack's admin token."""
+    with running_sim_stack(
+        tmp_path_factory.mktemp("access"), workers=1, sim_speed=20, insecure=False
+    ) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 @pytest.fixture(scope="module")
 def admin_token(stack: LocalStack) -> str:
-    async def bootstrap() -> str:
-        async with make_client(stack.etcd_endpoint) as client:
-            return await bootstrap_admin_token(client)
-
-    return asyncio.run(bootstrap())
+    assert stack.admin_token  # bootstrapped straight into etcd by the stack (inferx up does the same)
+    return stack.admin_token
 
 
 @contextlib.asynccontextmanager
 async def router(stack: LocalStack) -> AsyncIterator[router_pb2_grpc.RouterStub]:
-    async with grpc.aio.insecure_channel(stack.router_address) as channel:
+    """A channel to the router as an outside caller: TLS against the stack's CA, no client certificate."""
+    assert stack.tls_ca is not None
+    async with Transport.server_auth(stack.tls_ca).aio_channel(stack.router_address) as channel:
         yield router_pb2_grpc.RouterStub(channel)
 
 
@@ -234,7 +223,10 @@ async def test_tenant_limits(stack: LocalStack, admin_token: str) -> None:
 
 async def test_http_front_takes_the_same_tokens(stack: LocalStack, admin_token: str) -> None:
     url = stack.router_http_url
-    async with httpx.AsyncClient(timeout=20) as http:
+    assert url.startswith("https://")
+    async with httpx.AsyncClient(
+        timeout=20, verify=ssl.create_default_context(cafile=str(stack.tls_ca))
+    ) as http:
         assert (await http.get(f"{url}/models")).status_code == 401
         bad = await http.get(f"{url}/models", headers={"authorization": "Bearer ixt_nope"})
         assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
@@ -249,4 +241,4 @@ def test_admin_actions_are_audited(stack: LocalStack, admin_token: str) -> None:
 
     asyncio.run(act())
     log = Path(stack.services["router"].log_path).read_text()
-    assert "principal=default/bootstrap action=tenant.create target=audited" in log
+    assert "principal=default/inferx-up action=tenant.create target=audited" in log

@@ -205,7 +205,7 @@ class FlakyPayments(tool_pb2_grpc.ToolServiceServicer):
 
 async def run_payments(stack: LocalStack, *, idempotency_keys: bool):
     """BATCH pay_chain runs against FlakyPayments registered with or without key support."""
-    records = IdempotencyRecords(stack.services["cache"].address)
+    records = IdempotencyRecords(stack.services["cache"].address, stack.transport)
     payments = FlakyPayments(records)
     amounts = [{"amount": str(i)} for i in range(BATCH)]
     try:

@@ -12,6 +12,7 @@ from inferx.discovery import ChannelPool
 from inferx.errors import ResourceExhausted
 from inferx.pools import PoolDirectory
 from inferx.scheduling.views import HopView, Tier
+from inferx.tls import Transport
 from inferx.v1 import memory_pool_pb2, memory_pool_pb2_grpc
 from inferx_scheduler.dispatcher import HopDispatcher
 from inferx_scheduler.servicer import SchedulerServicer
@@ -87,7 +88,7 @@ async def test_a_refused_hop_waits_for_room_beyond_the_old_two_seconds(memory_po
     # 7 refusals with backoff 0.05, 0.1, 0.2, 0.4, 0.5, 0.5, 0.5 s = 2.25 s of waiting:
     # more than the fixed 2 s after which hops used to fail.
     pool, address = await memory_pool(refusals=7)
-    channels = ChannelPool()
+    channels = ChannelPool(Transport.plaintext())
     try:
         reservation = await scheduler(address, channels, 60.0)._reserve("w1", HOP, Deadline(30.0))
     finally:
@@ -100,7 +101,7 @@ async def test_a_refused_hop_waits_for_room_beyond_the_old_two_seconds(memory_po
 
 async def test_the_wait_ends_at_the_hops_deadline(memory_pool) -> None:
     pool, address = await memory_pool(refusals=1000)
-    channels = ChannelPool()
+    channels = ChannelPool(Transport.plaintext())
     try:
         with pytest.raises(ResourceExhausted, match="KV memory"):
             await scheduler(address, channels, 60.0)._reserve("w1", HOP, Deadline(0.5))
@@ -112,7 +113,7 @@ async def test_the_wait_ends_at_the_hops_deadline(memory_pool) -> None:
 
 async def test_without_a_deadline_the_wait_is_bounded_by_max_kv_wait(memory_pool) -> None:
     pool, address = await memory_pool(refusals=1000)
-    channels = ChannelPool()
+    channels = ChannelPool(Transport.plaintext())
     try:
         with pytest.raises(ResourceExhausted):
             await scheduler(address, channels, 0.2)._reserve("w1", HOP, Deadline(None))
@@ -142,7 +143,7 @@ async def test_a_release_is_sent_without_holding_up_the_hop_and_drained_at_shutd
     memory_pool_pb2_grpc.add_MemoryPoolServicer_to_server(pool, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    channels = ChannelPool()
+    channels = ChannelPool(Transport.plaintext())
     try:
         servicer = scheduler(f"127.0.0.1:{port}", channels, max_kv_wait_s=1.0)
         servicer._release_soon("r1")  # returns at once, while the pool holds its answer

@@ -37,6 +37,7 @@ from inferx.sim.trace import (
     workload,
     write_trace,
 )
+from inferx.tls import Transport
 from inferx.v1 import common_pb2, scheduler_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -450,7 +451,7 @@ async def test_live_replay_runs_branches_concurrently_and_joins_after_all() -> N
     chain = dag_chain()
     trace = as_trace(chain)
     fake = FakeScheduler(trace, service_s=0.2)  # long beside scheduling jitter
-    replayer = TraceReplayer("unused", trace, EngineProfile(), speed)
+    replayer = TraceReplayer("unused", trace, EngineProfile(), speed, transport=Transport.plaintext())
     record = ChainRecord.start(chain, alone_s=1.0)
     start = asyncio.get_running_loop().time()
     await replayer._chain(fake, chain, record, start)
@@ -486,7 +487,7 @@ async def test_live_replay_of_a_sequence_is_unchanged() -> None:
     trace = generate(TraceConfig(seed=2, duration_s=5, rate_per_s=1.0, mix={"bfcl": 1.0}))
     chain = trace.chains[0]
     fake = FakeScheduler(trace, service_s=0.001)
-    replayer = TraceReplayer("unused", trace, EngineProfile(), speed=1000.0)
+    replayer = TraceReplayer("unused", trace, EngineProfile(), speed=1000.0, transport=Transport.plaintext())
     record = ChainRecord.start(chain, alone_s=1.0)
     await replayer._chain(fake, chain, record, asyncio.get_running_loop().time() - chain.arrival_s / 1000)
     assert record.status == "ok"

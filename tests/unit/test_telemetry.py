@@ -19,6 +19,7 @@ from inferx.discovery import ChannelPool
 from inferx.errors import NotFound, Unavailable
 from inferx.server import ErrorMappingInterceptor
 from inferx.settings import ServiceSettings, load_settings
+from inferx.tls import Transport
 from inferx.v1 import cache_pb2, cache_pb2_grpc, common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 EXPORTER = InMemorySpanExporter()
@@ -156,7 +157,7 @@ async def _server(add) -> tuple[grpc.aio.Server, str]:
 
 
 async def test_one_trace_crosses_two_servers_and_continues_the_agents_trace(spans) -> None:
-    channels = ChannelPool()
+    channels = ChannelPool(Transport.plaintext())
     down, down_addr = await _server(lambda s: cache_pb2_grpc.add_CacheServicer_to_server(Downstream(), s))
     up, up_addr = await _server(
         lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(Upstream(channels, down_addr), s)
@@ -200,7 +201,7 @@ async def test_domain_errors_are_still_mapped_and_recorded_on_the_spans(
     spans, key, code, server_status
 ) -> None:
     server, address = await _server(lambda s: cache_pb2_grpc.add_CacheServicer_to_server(Downstream(), s))
-    channels = ChannelPool()
+    channels = ChannelPool(Transport.plaintext())
     try:
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await cache_pb2_grpc.CacheStub(channels.get(address)).Get(

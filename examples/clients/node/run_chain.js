@@ -1,5 +1,9 @@
 // Run an InferX chain from Node.js and print each event as one JSON line.
 // Usage: node run_chain.js ROUTER_HOST:PORT CHAIN KEY=VALUE...
+// With INFERX_TLS_CA=ca.pem the call is TLS, verifying the router against that CA (what
+// `make run` serves: .inferx/tls/ca.pem); with INFERX_TOKEN it sends
+// `authorization: Bearer <token>`. Without INFERX_TLS_CA it is plaintext (--insecure stacks).
+const fs = require("fs");
 const path = require("path");
 const grpc = require("@grpc/grpc-js");
 const protoLoader = require("@grpc/proto-loader");
@@ -18,7 +22,12 @@ const definition = protoLoader.loadSync("inferx/v1/router.proto", {
   oneofs: true,
 });
 const inferx = grpc.loadPackageDefinition(definition).inferx.v1;
-const client = new inferx.Router(router, grpc.credentials.createInsecure());
+const credentials = process.env.INFERX_TLS_CA
+  ? grpc.credentials.createSsl(fs.readFileSync(process.env.INFERX_TLS_CA))
+  : grpc.credentials.createInsecure();
+const client = new inferx.Router(router, credentials);
+const metadata = new grpc.Metadata();
+if (process.env.INFERX_TOKEN) metadata.set("authorization", `Bearer ${process.env.INFERX_TOKEN}`);
 
 const inputs = {};
 for (const pair of pairs) {
@@ -30,7 +39,7 @@ for (const pair of pairs) {
   inputs[pair.slice(0, at)] = pair.slice(at + 1);
 }
 
-const call = client.RunChain({ chain, inputs });
+const call = client.RunChain({ chain, inputs }, metadata);
 call.on("data", (event) => console.log(JSON.stringify(event)));
 call.on("error", (err) => {
   console.error(`${grpc.status[err.code]}: ${err.details}`);

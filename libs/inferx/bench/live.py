@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -43,8 +44,12 @@ from inferx.sim.estimates import RemainingPath
 from inferx.sim.profile import EngineProfile
 from inferx.sim.records import ChainRecord, ReplayResult
 from inferx.sim.trace import ChainProgress, Trace, TraceChain
+from inferx.tls import Transport
 from inferx.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from inferx.wire import tier_to_proto
+
+if TYPE_CHECKING:
+    from inferx.client import InferxClient
 
 POOL = "sim"
 CHARS_PER_TOKEN = 4
@@ -120,9 +125,17 @@ class TraceReplayer:
     """Replays chains against one scheduler; pure bookkeeping in ChainRecord."""
 
     def __init__(
-        self, scheduler: str, trace: Trace, profile: EngineProfile, speed: float, model: str = POOL
+        self,
+        scheduler: str,
+        trace: Trace,
+        profile: EngineProfile,
+        speed: float,
+        model: str = POOL,
+        *,
+        transport: Transport,
     ) -> None:
         self.scheduler, self.trace, self.profile, self.speed = scheduler, trace, profile, speed
+        self.transport = transport  # the scheduler accepts mutual TLS only, unless --insecure
         self._learned = RemainingPath()  # as the simulator: learned from finished calls, not read ahead
         self.model = model
         self.errors: dict[str, int] = {}
@@ -134,7 +147,7 @@ class TraceReplayer:
         ]
         done = 0
         options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
-        async with grpc.aio.insecure_channel(self.scheduler, options=options) as channel:
+        async with self.transport.aio_channel(self.scheduler, options=options) as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
             loop = asyncio.get_running_loop()
             start = loop.time()
@@ -261,15 +274,17 @@ def start_sim_stack(state_dir: Path, policy: str, profile: EngineProfile, option
             stack.start_worker(POOL, "sim", extra)
         for worker in stack.workers:
             wait_serving(worker, 60)
-        asyncio.run(_wait_workers_seen(stack.services["scheduler"].address, options.workers))
+        asyncio.run(_wait_workers_seen(stack.services["scheduler"].address, options.workers, stack.transport))
         return stack
     except BaseException:
         stack.stop()
         raise
 
 
-async def _wait_workers_seen(scheduler: str, workers: int, timeout_s: float = 30.0) -> None:
-    async with grpc.aio.insecure_channel(scheduler) as channel:
+async def _wait_workers_seen(
+    scheduler: str, workers: int, transport: Transport, timeout_s: float = 30.0
+) -> None:
+    async with transport.aio_channel(scheduler) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -305,21 +320,23 @@ class RunningStack:
     policy: str
     workers: int
     model: str
+    transport: Transport  # to call its scheduler with
 
 
-async def find_running_stack(router: str, model: str | None) -> RunningStack:
-    """The scheduler, its policy and the model to replay with, from the router's status."""
-    from inferx.client import InferxClient
+async def find_running_stack(router: InferxClient, model: str | None, transport: Transport) -> RunningStack:
+    """The scheduler, its policy and the model to replay with, from the router's status;
+    `transport` is what the replay calls the scheduler with."""
     from inferx.errors import InvalidArgument, Unavailable
 
-    async with InferxClient(router) as client:
+    async with router as client:
         status = await client.status()
+    router_address = router.address
     schedulers = [s.address for s in status.services if s.kind == "scheduler"]
     if not schedulers:
-        raise Unavailable(f"the stack behind {router} has no scheduler registered")
+        raise Unavailable(f"the stack behind {router_address} has no scheduler registered")
     pools = sorted({w.pool for w in status.workers})
     if not pools:
-        raise Unavailable(f"the stack behind {router} has no model worker registered")
+        raise Unavailable(f"the stack behind {router_address} has no model worker registered")
     if model is None:
         if len(pools) > 1:
             raise InvalidArgument(
@@ -327,14 +344,14 @@ async def find_running_stack(router: str, model: str | None) -> RunningStack:
             )
         model = pools[0]
     workers = sum(1 for w in status.workers if w.pool == model) or len(status.workers)
-    return RunningStack(schedulers[0], status.scheduler_policy or "unknown", workers, model)
+    return RunningStack(schedulers[0], status.scheduler_policy or "unknown", workers, model, transport)
 
 
 async def run_against(
     stack: RunningStack, trace: Trace, profile: EngineProfile, speed: float, timeout_s: float, progress
 ) -> tuple[ReplayResult, dict[str, int]]:
     """Replay the trace once against a running stack (whatever policy it runs)."""
-    replayer = TraceReplayer(stack.scheduler, trace, profile, speed, stack.model)
+    replayer = TraceReplayer(stack.scheduler, trace, profile, speed, stack.model, transport=stack.transport)
     started = time.perf_counter()
     with progress(f"{stack.policy} at {stack.scheduler}", len(trace.chains)) as advance:
         records = await replayer.run(timeout_s, advance)
@@ -374,7 +391,13 @@ async def run_live_sim(
             on_note(f"starting a stack: scheduler --policy {policy}, {options.workers} sim workers")
             stack = await asyncio.to_thread(start_sim_stack, state, policy, profile, options)
             try:
-                replayer = TraceReplayer(stack.services["scheduler"].address, trace, profile, options.speed)
+                replayer = TraceReplayer(
+                    stack.services["scheduler"].address,
+                    trace,
+                    profile,
+                    options.speed,
+                    transport=stack.transport,
+                )
                 started = time.perf_counter()
                 with progress(f"live {policy} (x{options.speed:g})", len(trace.chains)) as advance:
                     records = await replayer.run(options.timeout_s, advance)

@@ -96,12 +96,14 @@ def direct_call(stub: worker_pb2_grpc.ModelWorkerStub) -> Call:
     return call
 
 
-def chain_call(stub: router_pb2_grpc.RouterStub, hops: int) -> Call:
+def chain_call(
+    stub: router_pb2_grpc.RouterStub, hops: int, metadata: tuple[tuple[str, str], ...] | None = None
+) -> Call:
     request = router_pb2.RunChainRequest(chain=chain_name(hops))
 
     async def call() -> None:
         finished = None
-        async for event in stub.RunChain(request, timeout=CALL_TIMEOUT_S):
+        async for event in stub.RunChain(request, timeout=CALL_TIMEOUT_S, metadata=metadata):
             if event.HasField("chain_finished"):
                 finished = event.chain_finished
         if finished is None:
@@ -193,15 +195,18 @@ async def measure(
     """direct, 1-hop, N-hop, in that order; `on_path` gets each as soon as it is done."""
     channel_options = [("grpc.max_receive_message_length", 64 << 20)]
     done: list[PathSamples] = []
+    # The stack's own certificate for both (the worker requires one; the router's public
+    # port verifies none but serves TLS), and its admin token for the router.
     async with (
-        grpc.aio.insecure_channel(stack.workers[0].address, options=channel_options) as worker,
-        grpc.aio.insecure_channel(stack.router_address, options=channel_options) as router,
+        stack.transport.aio_channel(stack.workers[0].address, options=channel_options) as worker,
+        stack.transport.aio_channel(stack.router_address, options=channel_options) as router,
     ):
         worker_stub = worker_pb2_grpc.ModelWorkerStub(worker)
         router_stub = router_pb2_grpc.RouterStub(router)
+        metadata = (("authorization", f"Bearer {stack.admin_token}"),) if stack.admin_token else None
         plan: list[tuple[PathSamples, Call]] = [(PathSamples(DIRECT, 1), direct_call(worker_stub))]
         for hops in sorted({1, options.hops}):
-            plan.append((PathSamples(path_name(hops), hops), chain_call(router_stub, hops)))
+            plan.append((PathSamples(path_name(hops), hops), chain_call(router_stub, hops, metadata)))
         for samples, call in plan:
             done.append(await measure_path(samples, call, options, progress))
             on_path(samples)

@@ -27,17 +27,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 from pydantic import BaseModel
 
-from inferx import etcd
 from inferx.bench import seed_agent as sa
 from inferx.bench.metrics import ratio_or_none
-from inferx.client import InferxClient
-from inferx.devstack import LocalStack, StackPorts, free_port, wait_serving
+from inferx.devstack import LocalStack, StackPorts, wait_serving
 from inferx.errors import InferxError
-from inferx.etcd import LeaseKeeper, make_client
 from inferx.stats import percentile
+from inferx.toolserver import ToolServer
 from inferx.v1 import tool_pb2, tool_pb2_grpc
 
 REFERENCE = "reference"
@@ -128,25 +125,16 @@ def _normal(digest: bytes) -> float:
 
 
 async def serve_tool(stack: LocalStack, servicer: KnowledgeTool):
-    """Start the ToolService and register it in the stack's etcd under a lease."""
-    server = grpc.aio.server()
-    tool_pb2_grpc.add_ToolServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
+    """Start the ToolService (TLS unless the stack is insecure) and register it in the
+    stack's etcd under a lease."""
+    server = ToolServer(
+        servicer, sa.TOOL, security=stack.security(), etcd_endpoint=stack.etcd_endpoint, instance_id="bench"
+    )
     await server.start()
-    client = make_client(stack.etcd_endpoint)
-    keeper = LeaseKeeper(client, ttl_s=10)
-    value = json.dumps({"address": f"127.0.0.1:{port}", "idempotency_keys": False}).encode()
-    await keeper.put(etcd.tool_key(sa.TOOL, "bench"), value)
-    keeper.start()
-    if not await keeper.wait_registered(10):
+    if not await server.wait_registered(10):
+        await server.stop()
         raise InferxError("could not register the kb_search tool in etcd")
-
-    async def close() -> None:
-        await keeper.close()
-        await client.close()
-        await server.stop(0)
-
-    return close
+    return server.stop
 
 
 def start_stack(state_dir: Path, config: str, options: SeedOptions, knowledge: Path) -> LocalStack:
@@ -208,11 +196,11 @@ class SeedSummary(BaseModel):
 
 
 async def drive(
-    router: str, plan: list[sa.Arrival], timeout_s: float, progress: Callable[[int], None]
+    stack: LocalStack, plan: list[sa.Arrival], timeout_s: float, progress: Callable[[int], None]
 ) -> list[RunOutcome]:
     outcomes = [RunOutcome() for _ in plan]
     done = 0
-    async with InferxClient(router) as client:
+    async with stack.client() as client:
         loop = asyncio.get_running_loop()
         start = loop.time()
 
@@ -326,12 +314,12 @@ async def run_seed(
         try:
             close_tool = await serve_tool(stack, tool)
             try:
-                async with InferxClient(stack.router_address) as client:
+                async with stack.client() as client:
                     await client.put_chain(sa.chain_yaml(max_tokens=options.max_tokens), message="bench")
                 await asyncio.sleep(1.0)  # the router's etcd watch sees the tool
                 started = time.perf_counter()
                 with progress(f"seed-agent '{config}'", len(plan)) as advance:
-                    outcomes = await drive(stack.router_address, plan, options.timeout_s, advance)
+                    outcomes = await drive(stack, plan, options.timeout_s, advance)
                 wall = time.perf_counter() - started
             finally:
                 await close_tool()

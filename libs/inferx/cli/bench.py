@@ -253,7 +253,10 @@ async def cmd_router(args: argparse.Namespace) -> int:
     speed = args.speed if args.speed_given else 1.0
     if speed <= 0:
         raise InvalidArgument("--speed must be positive")
-    stack = await find_running_stack(args.router, args.model)
+    from inferx.cli import connect
+
+    connection = connect.resolve(args)
+    stack = await find_running_stack(connection.client(), args.model, connection.internal_transport())
     args.workers = stack.workers
     profile, trace, choice = _prepare(args)
     note = (lambda s: None) if args.json else (lambda s: err.print(s, style="dim"))

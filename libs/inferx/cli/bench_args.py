@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+from inferx.cli import connect
+
 # inferx.bench.results.RESULTS_DIR, spelled out: importing that module costs pydantic.
 RESULTS_DIR = ".inferx/bench-results"
 
@@ -162,6 +164,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     bench.add_argument(
         "--model", help="--router: the model to send the trace's hops to (default: its only pool)"
     )
+    # --token, --tls-ca: for --router (INFERX_TLS_CERT/INFERX_TLS_KEY: the certificate the
+    # replay calls the stack's scheduler with; default: the local stack's)
+    connect.add_router_flags(bench, router=False)
     bench.add_argument(
         "--speed",
         type=float,

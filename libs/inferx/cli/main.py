@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from inferx import DEFAULT_ROUTER
-from inferx.cli import access, bench_args, observe
+from inferx.cli import access, bench_args, connect, observe
 from inferx.errors import InferxError
 
 if TYPE_CHECKING:
@@ -38,9 +38,8 @@ def _router_default() -> str:
 
 
 def _client(args: argparse.Namespace) -> InferxClient:
-    from inferx.client import InferxClient
-
-    return InferxClient(args.router)
+    """The router of --router, with --token/--tls-ca or the local stack's (inferx.cli.connect)."""
+    return connect.client(args)
 
 
 def _msg_json(message) -> dict:
@@ -368,7 +367,9 @@ async def cmd_cache_stats(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from inferx.devstack import run_foreground
 
-    return run_foreground(engine=args.engine, workers=args.workers, http_port=args.http_port)
+    return run_foreground(
+        engine=args.engine, workers=args.workers, http_port=args.http_port, insecure=args.insecure
+    )
 
 
 # ----- parser ---------------------------------------------------------------------------
@@ -376,12 +377,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--router",
-        default=_router_default(),
-        metavar="HOST:PORT",
-        help="router address (env INFERX_ROUTER, default %(default)s)",
-    )
+    connect.add_router_flags(common)  # --router, --token, --tls-ca
     common.add_argument("--json", action="store_true", help="machine-readable output")
 
     parser = argparse.ArgumentParser(prog="inferx", description="InferX: schedule whole agent chains.")
@@ -462,6 +458,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=8000,
         help="port of the router's OpenAI-compatible HTTP front (default 8000; 0 = off)",
+    )
+    up.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plaintext everywhere and no tokens (development only; default: mutual TLS between "
+        "services, TLS on the router, etcd with client certificates, an admin token)",
     )
     up.set_defaults(handler=cmd_up)
     engines = sub.add_parser("engines", help="the model-worker engines this install has")

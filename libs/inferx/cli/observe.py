@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -17,7 +16,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.text import Text
 
-from inferx import DEFAULT_ROUTER
+from inferx.cli import connect
 
 if TYPE_CHECKING:  # imported by the commands that call the router (start-up time)
     from inferx.v1 import router_pb2
@@ -144,10 +143,9 @@ def waterfall(trace: router_pb2.RunTrace, width: int = WIDTH) -> list[Text]:
 async def cmd_trace(args: argparse.Namespace) -> int:
     from google.protobuf import json_format
 
-    from inferx.client import InferxClient
     from inferx.v1 import router_pb2
 
-    async with InferxClient(args.router) as client:
+    async with connect.client(args) as client:
         trace = await client._unary(
             client._stub.GetRun, router_pb2.GetRunRequest(run_id=args.run_id or "", chain=args.chain or "")
         )
@@ -210,10 +208,9 @@ def stats_lines(stats: router_pb2.ChainStats, width: int = WIDTH) -> list[Text]:
 async def cmd_stats(args: argparse.Namespace) -> int:
     from google.protobuf import json_format
 
-    from inferx.client import InferxClient
     from inferx.v1 import router_pb2
 
-    async with InferxClient(args.router) as client:
+    async with connect.client(args) as client:
         stats = await client._unary(
             client._stub.GetChainStats, router_pb2.GetChainStatsRequest(chain=args.chain, last=args.last)
         )
@@ -230,12 +227,7 @@ async def cmd_stats(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--router",
-        default=os.environ.get("INFERX_ROUTER", DEFAULT_ROUTER),
-        metavar="HOST:PORT",
-        help="router address (env INFERX_ROUTER, default %(default)s)",
-    )
+    connect.add_router_flags(common)  # --router, --token, --tls-ca
     common.add_argument("--json", action="store_true", help="machine-readable output")
 
     trace = sub.add_parser(
