@@ -136,7 +136,8 @@ def test_https_front_serves_with_the_routers_certificate(secure: LocalStack) -> 
     assert secure.tls_ca is not None
     url = secure.router_http_url + "/models"
     context = ssl.create_default_context(cafile=str(secure.tls_ca))
-    reply = httpx.get(url, verify=context, timeout=10)
+    headers = {"authorization": f"Bearer {secure.admin_token}"}
+    reply = httpx.get(url, verify=context, timeout=10, headers=headers)
     assert reply.status_code == 200 and "qwen-7b" in reply.text
     with pytest.raises(httpx.HTTPError):
         httpx.get(url.replace("https://", "http://"), timeout=10)
@@ -164,7 +165,12 @@ def test_cli_next_to_the_stack_finds_its_ca_and_token(secure: LocalStack, tmp_pa
     elsewhere = _cli(tmp_path, "status", *router)  # no stack.json there: plaintext, refused
     assert elsewhere.returncode == 1 and elsewhere.stderr.startswith("inferx: UNAVAILABLE")
     assert secure.tls_ca is not None
-    flags = _cli(tmp_path, "status", "--json", *router, "--tls-ca", str(secure.tls_ca))
+    no_token = _cli(tmp_path, "status", "--json", *router, "--tls-ca", str(secure.tls_ca))
+    assert no_token.returncode == 1 and no_token.stderr.startswith("inferx: UNAUTHENTICATED")
+    assert secure.admin_token is not None
+    flags = _cli(
+        tmp_path, "status", "--json", *router, "--tls-ca", str(secure.tls_ca), "--token", secure.admin_token
+    )
     assert flags.returncode == 0, flags.stderr
 
 
