@@ -52,10 +52,12 @@ $(NODE_CLIENT)/node_modules/.package-lock.json: $(NODE_CLIENT)/package-lock.json
 	@bash deploy/scripts/ensure-command.sh npm npm
 	cd $(NODE_CLIENT) && npm ci --no-audit --no-fund
 
-# Offline checks of deploy/ (the tests run them too).
-check-deploy: promtool
+# Offline checks of deploy/ (the tests run them too): Prometheus' config and rules, and
+# deploy/k8s rendered with kustomize and validated (tests/unit/test_k8s_manifests.py).
+check-deploy: $(STAMP) promtool
 	promtool check config deploy/prometheus/prometheus.yml
 	promtool test rules deploy/prometheus/alerts_test.yml
+	$(VENV)/bin/pytest -q tests/unit/test_k8s_manifests.py tests/unit/test_telemetry_deploy.py
 
 run: setup
 	$(VENV)/bin/inferx up
