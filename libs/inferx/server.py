@@ -193,6 +193,24 @@ class StartupError(Exception):
     """A clear, user-facing reason why a service could not start."""
 
 
+def _health_only_server(
+    health_servicer: health.aio.HealthServicer, host: str, port: int
+) -> grpc.aio.Server | None:
+    """--health-port: grpc.health.v1 alone, in plaintext, for probes that cannot present a
+    client certificate (Kubernetes' native gRPC probes). It tells only SERVING or not."""
+    if not port:
+        return None
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as exc:
+        raise StartupError(f"cannot listen on {host}:{port} (--health-port): {exc}") from None
+    if bound == 0:
+        raise StartupError(f"cannot listen on {host}:{port} (--health-port; port in use?)")
+    return server
+
+
 def _start_metrics(host: str, port: int) -> str:
     from prometheus_client import start_http_server
 
@@ -254,6 +272,7 @@ async def _serve(
     if port == 0:
         raise StartupError(f"cannot listen on {settings.host}:{settings.port} (port in use?)")
     address = f"{settings.public_host}:{port}"
+    health_server = _health_only_server(health_servicer, settings.host, settings.health_port)
     metrics_address = _start_metrics(settings.host, settings.metrics_port)
 
     etcd = make_client(settings.etcd, tls=security.etcd)
@@ -277,6 +296,8 @@ async def _serve(
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     await server.start()
+    if health_server is not None:
+        await health_server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -295,7 +316,7 @@ async def _serve(
     await asyncio.wait({warm_up, waiter}, return_when=asyncio.FIRST_COMPLETED)
     if warm_up.done() and warm_up.exception() is not None:
         failure = warm_up.exception()
-        await _shutdown(kind, server, health_servicer, leases, component, etcd, 0.0, 0.0)
+        await _shutdown(kind, server, health_servicer, leases, component, etcd, 0.0, 0.0, health_server)
         raise StartupError(f"warm-up failed: {failure}")
 
     if not stop.is_set():
@@ -328,6 +349,7 @@ async def _serve(
         etcd,
         settings.drain_timeout_s,
         settings.deregister_grace_s,
+        health_server,
     )
 
 
@@ -340,6 +362,7 @@ async def _shutdown(
     etcd: aetcd.Client,
     grace_s: float,
     deregister_grace_s: float,
+    health_server: grpc.aio.Server | None = None,
 ) -> None:
     await health_servicer.enter_graceful_shutdown()
     await leases.close(revoke=True)
@@ -347,6 +370,8 @@ async def _shutdown(
     # accepting calls that were already on their way meanwhile, so none is refused.
     await asyncio.sleep(deregister_grace_s)
     await server.stop(grace_s)
+    if health_server is not None:  # probes saw NOT_SERVING for the whole drain
+        await health_server.stop(0)
     try:
         await component.stop()
     except Exception:

@@ -64,6 +64,13 @@ class ServiceSettings(TransportSettings):
     host: str = Field("127.0.0.1", description="address to bind the gRPC server to")
     advertise_host: str = Field("", description="host other services use to reach this one (default: --host)")
     port: int = Field(0, ge=0, le=65535, description="gRPC port (0 = pick a free port)")
+    health_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="plaintext port serving only grpc.health.v1, for probes that cannot present a "
+        "client certificate (Kubernetes gRPC probes); 0 = off",
+    )
     metrics_port: int = Field(
         0, ge=0, le=65535, description="Prometheus /metrics port (0 = pick a free port)"
     )
