@@ -352,7 +352,7 @@ def test_compose_seed_script_loads_the_examples_into_a_running_system(traced) ->
     stack, _ = traced
     seeded = subprocess.run(
         [sys.executable, str(ROOT / "deploy/scripts/seed.py"), "--etcd", stack.etcd_endpoint]
-        + ["--router", stack.router_address, "--wait-s", "5"],
+        + ["--router", stack.router_address, "--wait-s", "5", "--insecure"],  # the test stack is plaintext
         capture_output=True,
         text=True,
         timeout=60,
