@@ -37,10 +37,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         )
 
 
-def make_stack(tmp: Path, *, lease_ttl_s: int = TEST_LEASE_TTL_S, insecure: bool = True) -> LocalStack:
+def make_stack(
+    tmp: Path,
+    *,
+    lease_ttl_s: int = TEST_LEASE_TTL_S,
+    insecure: bool = True,
+    tls_server_name: str | None = None,
+) -> LocalStack:
     """A stack on free ports. Plaintext (`insecure=True`) unless asked: the tests of
-    scheduling, configs and faults call services directly; tests/integration/test_tls.py
-    runs the secure stack `inferx up` runs by default."""
+    scheduling, configs and faults call services directly; tests/integration/test_secure_stack.py
+    runs the secure stack `inferx up` runs by default. `tls_server_name`: its certificate
+    names only that name, which every process verifies its peers against (LocalStack)."""
     return LocalStack(
         tmp,
         StackPorts.free(),
@@ -49,6 +56,7 @@ def make_stack(tmp: Path, *, lease_ttl_s: int = TEST_LEASE_TTL_S, insecure: bool
         python=sys.executable,
         knowledge_base=EXAMPLES / "knowledge_base.jsonl",
         insecure=insecure,
+        tls_server_name=tls_server_name,
     )
 
 
@@ -66,10 +74,11 @@ def running_sim_stack(
     sim_speed: float = 5,
     lease_ttl_s: int = TEST_LEASE_TTL_S,
     insecure: bool = True,
+    tls_server_name: str | None = None,
 ) -> Iterator[LocalStack]:
     """etcd + all services + `workers` sim workers, example models and chains loaded;
     the logs are printed when start-up fails, and everything is stopped at the end."""
-    stack = make_stack(tmp, lease_ttl_s=lease_ttl_s, insecure=insecure)
+    stack = make_stack(tmp, lease_ttl_s=lease_ttl_s, insecure=insecure, tls_server_name=tls_server_name)
     try:
         stack.start_core()
         stack.load_models(read_models_file(EXAMPLES / "models.yaml"))

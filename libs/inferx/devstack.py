@@ -10,6 +10,11 @@ serving TLS and accepting only clients with a certificate from that CA, every se
 started with mutual TLS, the first admin token in `<state>/admin.token` (0600), and
 `<state>/stack.json` telling clients (the CLI) where the router, the CA and the token
 are. `insecure=True` (`inferx up --insecure`) is the plaintext development mode.
+
+`tls_server_name="inferx.internal"` is the stack as Kubernetes runs it: the one
+certificate names only that DNS name (no address), and every process verifies its
+peers and etcd against it (`--tls-server-name`, `--etcd-server-name`), since the
+addresses dialled (127.0.0.1 here, pod IPs there) are on no certificate.
 """
 
 from __future__ import annotations
@@ -196,7 +201,10 @@ class LocalStack:
         python: str = sys.executable,
         knowledge_base: Path | None = None,
         insecure: bool = False,
+        tls_server_name: str | None = None,
     ) -> None:
+        if insecure and tls_server_name:
+            raise StackError("a server name for TLS peers makes no sense with insecure=True")
         self.state_dir = state_dir
         self.ports = ports or StackPorts()
         self.lease_ttl_s = lease_ttl_s
@@ -204,6 +212,9 @@ class LocalStack:
         self.python = python
         self.knowledge_base = knowledge_base
         self.insecure = insecure
+        #: the one DNS name on the stack's certificate, which every process verifies its
+        #: peers and etcd against; None: the certificate names 127.0.0.1 and localhost
+        self.tls_server_name = tls_server_name
         self.etcd: ManagedProcess | None = None
         self.services: dict[str, ManagedProcess] = {}
         self.workers: list[ManagedProcess] = []
@@ -215,10 +226,11 @@ class LocalStack:
         self.transport = Transport.plaintext()
         self.admin_token: str | None = None
         if not insecure:
-            self.tls = generate_local_pki(state_dir / "tls", reuse=not fresh_etcd)
+            hosts = (tls_server_name,) if tls_server_name else ("127.0.0.1", "localhost")
+            self.tls = generate_local_pki(state_dir / "tls", hosts, reuse=not fresh_etcd)
             from inferx.tls import load_tls
 
-            self.transport = Transport.mutual(load_tls(self.tls))
+            self.transport = Transport.mutual(load_tls(self.tls), server_name=tls_server_name)
 
     @property
     def etcd_endpoint(self) -> str:
@@ -251,12 +263,12 @@ class LocalStack:
         return self.state_dir / "stack.json"
 
     def transport_flags(self) -> list[str]:
-        """What every process of the stack is started with: its TLS and etcd TLS files,
-        or --insecure."""
+        """What every process of the stack is started with: its TLS and etcd TLS files
+        (and the name on their certificate, with `tls_server_name`), or --insecure."""
         if self.tls is None:
             return ["--insecure"]
         ca, cert, key = str(self.tls.ca), str(self.tls.cert), str(self.tls.key)
-        return ["--tls-ca", ca, "--tls-cert", cert, "--tls-key", key] + [
+        flags = ["--tls-ca", ca, "--tls-cert", cert, "--tls-key", key] + [
             "--etcd-ca",
             ca,
             "--etcd-cert",
@@ -264,29 +276,42 @@ class LocalStack:
             "--etcd-key",
             key,
         ]
+        if self.tls_server_name:
+            flags += ["--tls-server-name", self.tls_server_name, "--etcd-server-name", self.tls_server_name]
+        return flags
 
     def security(self) -> Security:
         """What an in-process server of this stack (a tool server, say) runs with: the
         stack's certificate for its port and for etcd, or insecure."""
-        return Security.resolve(self.tls, self.tls, insecure=self.insecure)
+        name = self.tls_server_name or ""
+        return Security.resolve(
+            self.tls, self.tls, insecure=self.insecure, server_name=name, etcd_server_name=name
+        )
 
     def client(self, *, token: str | None = None, timeout_s: float | None = None) -> InferxClient:
         """An SDK client of the router as an outside caller: TLS verifying the router
-        against the stack's CA, with the admin token (or `token`)."""
+        against the stack's CA (and the name on its certificate, with `tls_server_name`),
+        with the admin token (or `token`)."""
         from inferx.client import InferxClient
 
+        transport = None
+        if self.tls is not None and self.tls_server_name:
+            transport = Transport.server_auth(self.tls.ca, server_name=self.tls_server_name)
         return InferxClient(
             self.router_address,
             token=token if token is not None else self.admin_token,
             tls_ca=self.tls_ca,
             timeout_s=timeout_s,
+            transport=transport,
         )
 
     def etcd_client(self, *, timeout_s: int = 5) -> aetcd.Client:
         """A client of the stack's etcd, with the stack's client certificate."""
         from inferx import etcd
 
-        return etcd.make_client(self.etcd_endpoint, timeout_s=timeout_s, tls=self.tls)
+        return etcd.make_client(
+            self.etcd_endpoint, timeout_s=timeout_s, tls=self.tls, server_name=self.tls_server_name
+        )
 
     def _metrics_port(self) -> int:
         if not self.ports.metrics_base:
@@ -430,9 +455,17 @@ class LocalStack:
             *extra,
         ]
 
-    def start_service(self, kind: str, extra: Sequence[str] = (), *, replica: int = 0) -> ManagedProcess:
+    def start_service(
+        self,
+        kind: str,
+        extra: Sequence[str] = (),
+        *,
+        replica: int = 0,
+        transport_flags: Sequence[str] | None = None,
+    ) -> ManagedProcess:
         """Start one service; replica > 0 starts another instance (any free port),
-        registered as services[f"{kind}-{replica}"]."""
+        registered as services[f"{kind}-{replica}"]. `transport_flags` replace the
+        stack's TLS flags, as in `start_worker`."""
         port = self.ports.service_port(kind) if replica == 0 else free_port()
         name = kind if replica == 0 else f"{kind}-{replica}"
         metrics_port = self._metrics_port()
@@ -443,7 +476,7 @@ class LocalStack:
             extra += ["--http-port", str(self.ports.router_http)]
         proc = ManagedProcess(
             name,
-            self._service_argv(kind, port, metrics_port, extra),
+            self._service_argv(kind, port, metrics_port, extra, transport_flags),
             self.state_dir / "logs" / f"{name}.log",
             address=f"127.0.0.1:{port}",
             metrics_port=metrics_port,
@@ -506,6 +539,8 @@ class LocalStack:
             # (`inferx bench --router`); the key is readable by its owner only
             "tls_cert": str(self.tls.cert) if self.tls is not None else None,
             "tls_key": str(self.tls.key) if self.tls is not None else None,
+            # the name on that certificate, which internal services are verified against
+            "tls_server_name": self.tls_server_name,
             "etcd": self.etcd_endpoint,
             "insecure": self.insecure,
         }

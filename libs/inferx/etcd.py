@@ -18,7 +18,7 @@ import aetcd.rpc
 import aetcd.watcher
 import grpc
 
-from inferx.tls import ETCD_FLAGS, TlsFiles, TlsMaterial, etcd_credentials, load_tls
+from inferx.tls import ETCD_FLAGS, TARGET_NAME_OVERRIDE, TlsFiles, TlsMaterial, etcd_credentials, load_tls
 
 log = logging.getLogger(__name__)
 
@@ -102,10 +102,16 @@ class TlsClient(aetcd.Client):
 
 
 def make_client(
-    endpoint: str, *, timeout_s: int = 5, tls: TlsFiles | TlsMaterial | None = None
+    endpoint: str,
+    *,
+    timeout_s: int = 5,
+    tls: TlsFiles | TlsMaterial | None = None,
+    server_name: str | None = None,
 ) -> aetcd.Client:
     """A client of etcd at `endpoint`; over TLS (verifying etcd against `tls.ca`, and
-    presenting `tls.cert` when given) when `tls` is set. Bad files raise TlsError."""
+    presenting `tls.cert` when given) when `tls` is set. With `server_name`
+    (--etcd-server-name) etcd's certificate is verified against that name instead of the
+    endpoint's host. Bad files raise TlsError."""
     host, port = parse_endpoint(endpoint)
     # Per-call timeout so a call made while etcd is down fails instead of hanging.
     if tls is None:
@@ -113,7 +119,8 @@ def make_client(
     material = load_tls(tls, ETCD_FLAGS) if isinstance(tls, TlsFiles) else tls
     credentials = etcd_credentials(material)
     assert credentials is not None
-    return TlsClient(host=host, port=port, timeout=timeout_s, credentials=credentials)
+    options = {TARGET_NAME_OVERRIDE: server_name} if server_name else None
+    return TlsClient(host=host, port=port, timeout=timeout_s, credentials=credentials, options=options)
 
 
 # Errors that mean "etcd is not reachable right now" rather than a bug of ours.

@@ -275,7 +275,7 @@ async def _serve(
     health_server = _health_only_server(health_servicer, settings.host, settings.health_port)
     metrics_address = _start_metrics(settings.host, settings.metrics_port)
 
-    etcd = make_client(settings.etcd, tls=security.etcd)
+    etcd = make_client(settings.etcd, tls=security.etcd, server_name=security.etcd_server_name)
     leases = LeaseKeeper(etcd, ttl_s=settings.lease_ttl_s)
     runtime = ServiceRuntime(
         kind=kind,

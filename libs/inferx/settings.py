@@ -10,7 +10,7 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
 from inferx.etcd import parse_endpoint
-from inferx.tls import ETCD_FLAGS, Security, TlsFiles
+from inferx.tls import ETCD_FLAGS, Security, TlsError, TlsFiles, check_server_name
 
 S = TypeVar("S", bound="TransportSettings")
 
@@ -43,6 +43,15 @@ class TransportSettings(BaseSettings):
     etcd_ca: str = Field("", description="CA bundle (PEM) of etcd's server certificate: reach etcd over TLS")
     etcd_cert: str = Field("", description="client certificate (PEM) presented to etcd (--client-cert-auth)")
     etcd_key: str = Field("", description="the private key of --etcd-cert (PEM)")
+    tls_server_name: str = Field(
+        "",
+        description="verify every peer's certificate (services, workers, tool servers) against this "
+        "DNS name instead of the address dialled, e.g. inferx.internal: peers are dialled by the pod "
+        "IPs they register, so one certificate with this name serves every pod; empty = the address",
+    )
+    etcd_server_name: str = Field(
+        "", description="verify etcd's certificate against this DNS name instead of the host of --etcd"
+    )
 
     @field_validator("etcd")
     @classmethod
@@ -50,12 +59,30 @@ class TransportSettings(BaseSettings):
         parse_endpoint(value)
         return value
 
+    @field_validator("tls_server_name", "etcd_server_name")
+    @classmethod
+    def _server_name(cls, value: str) -> str:
+        if value:
+            try:
+                check_server_name(value)
+            except TlsError:
+                raise ValueError(
+                    f"{value!r} is not a DNS name (e.g. inferx.internal; no port, no scheme)"
+                ) from None
+        return value
+
     def security(self) -> Security:
         """Read and check the TLS files (or accept --insecure); TlsError, one line, when
         they cannot work or when neither TLS files nor --insecure were given."""
         service = TlsFiles.from_options(self.tls_ca, self.tls_cert, self.tls_key)
         etcd = TlsFiles.from_options(self.etcd_ca, self.etcd_cert, self.etcd_key, ETCD_FLAGS)
-        return Security.resolve(service, etcd, insecure=self.insecure)
+        return Security.resolve(
+            service,
+            etcd,
+            insecure=self.insecure,
+            server_name=self.tls_server_name,
+            etcd_server_name=self.etcd_server_name,
+        )
 
 
 class ServiceSettings(TransportSettings):

@@ -6,7 +6,10 @@
 - `Transport`: how this process opens gRPC channels -- mutual TLS with its own
   certificate (services, tool servers), TLS with a CA only (the SDK calling the
   router's public port), or plaintext (only with an explicit `--insecure`). Every
-  channel InferX opens comes from `Transport.aio_channel` / `Transport.channel`.
+  channel InferX opens comes from `Transport.aio_channel` / `Transport.channel`. With a
+  `server_name` (`--tls-server-name`) the peer's certificate is verified against that
+  one name instead of the address dialled: services dial one another by the pod IPs
+  they register, so one certificate naming e.g. `inferx.internal` serves every pod.
 - `server_credentials`: what a gRPC server listens with; `require_client_auth` makes it
   refuse any peer without a certificate from the CA (mutual TLS).
 - `generate_local_pki`: a throwaway CA and one service certificate (server AND client)
@@ -21,6 +24,7 @@ from __future__ import annotations
 import datetime as _dt
 import ipaddress
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +44,7 @@ __all__ = [
     "TlsFiles",
     "TlsMaterial",
     "Transport",
+    "check_server_name",
     "generate_local_pki",
     "load_tls",
     "server_credentials",
@@ -215,39 +220,76 @@ def server_credentials(material: TlsMaterial, *, require_client_auth: bool) -> g
     )
 
 
+#: The gRPC channel option that makes TLS verify the peer's certificate against a given
+#: name (and send it as SNI) instead of the host of the address dialled.
+TARGET_NAME_OVERRIDE = "grpc.ssl_target_name_override"
+
+# A DNS name as a certificate's subject alternative name carries it: labels of letters,
+# digits and hyphens, dot-separated (no port, no scheme, no wildcard).
+_DNS_LABEL = r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)"
+_DNS_NAME = re.compile(rf"^{_DNS_LABEL}(\.{_DNS_LABEL})*\.?$")
+
+
+def check_server_name(name: str, flag: str = "--tls-server-name") -> str:
+    """`name` if it can be a certificate's DNS name; TlsError (one line) otherwise."""
+    if len(name) > 253 or not _DNS_NAME.match(name):
+        raise TlsError(
+            f"{flag} {name!r}: not a DNS name (the name on the peers' certificates, "
+            "e.g. inferx.internal; no port, no scheme)"
+        )
+    return name
+
+
 @dataclass(frozen=True)
 class Transport:
     """How this process opens gRPC channels. `credentials` None is plaintext, which only
-    an explicit `--insecure` (or the SDK given no CA) chooses."""
+    an explicit `--insecure` (or the SDK given no CA) chooses. `server_name`, with TLS:
+    every peer's certificate is verified against that name, not the address dialled."""
 
     credentials: grpc.ChannelCredentials | None = None
     description: str = "plaintext"
+    server_name: str | None = None
 
     @classmethod
     def plaintext(cls) -> Transport:
         return cls(None, "plaintext")
 
     @classmethod
-    def mutual(cls, material: TlsMaterial) -> Transport:
-        """TLS verifying the peer against the CA, presenting this process's certificate."""
+    def mutual(cls, material: TlsMaterial, *, server_name: str | None = None) -> Transport:
+        """TLS verifying the peer against the CA (and, with `server_name`, against that
+        name instead of the address dialled), presenting this process's certificate."""
+        kind = "mutual TLS" if material.cert is not None else "TLS"
         return cls(
             grpc.ssl_channel_credentials(
                 root_certificates=material.ca,
                 private_key=material.key,
                 certificate_chain=material.cert,
             ),
-            "mutual TLS" if material.cert is not None else "TLS",
+            f"{kind}, peers verified as {server_name}" if server_name else kind,
+            server_name or None,
         )
 
     @classmethod
-    def server_auth(cls, ca: str | Path, flag: str = "--tls-ca") -> Transport:
+    def server_auth(
+        cls, ca: str | Path, flag: str = "--tls-ca", *, server_name: str | None = None
+    ) -> Transport:
         """TLS verifying the server against the CA in `ca`, no client certificate (the
         SDK calling the router's public port)."""
-        return cls(grpc.ssl_channel_credentials(root_certificates=read_ca(ca, flag)), "TLS")
+        return cls(
+            grpc.ssl_channel_credentials(root_certificates=read_ca(ca, flag)),
+            f"TLS, server verified as {server_name}" if server_name else "TLS",
+            server_name or None,
+        )
 
     @property
     def insecure(self) -> bool:
         return self.credentials is None
+
+    def _options(self, options: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        chosen = [o for o in options if o[0] != TARGET_NAME_OVERRIDE]
+        if self.credentials is not None and self.server_name:
+            chosen.append((TARGET_NAME_OVERRIDE, self.server_name))
+        return chosen
 
     def aio_channel(
         self,
@@ -258,13 +300,15 @@ class Transport:
     ) -> grpc.aio.Channel:
         if self.credentials is None:
             return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
-        return grpc.aio.secure_channel(address, self.credentials, options=options, interceptors=interceptors)
+        return grpc.aio.secure_channel(
+            address, self.credentials, options=self._options(options), interceptors=interceptors
+        )
 
     def channel(self, address: str, *, options: Sequence[tuple[str, Any]] = CHANNEL_OPTIONS) -> grpc.Channel:
         """A synchronous channel (start-up health polling, scripts)."""
         if self.credentials is None:
             return grpc.insecure_channel(address, options=options)
-        return grpc.secure_channel(address, self.credentials, options=options)
+        return grpc.secure_channel(address, self.credentials, options=self._options(options))
 
 
 # ----- a local PKI -----------------------------------------------------------------------
@@ -420,21 +464,49 @@ class Security:
     service: TlsMaterial | None  # None only when insecure
     etcd: TlsMaterial | None  # None: etcd is reached in plaintext
     transport: Transport
+    #: --etcd-server-name: etcd's certificate is verified against this name, not the
+    #: host of --etcd
+    etcd_server_name: str | None = None
 
     @classmethod
-    def resolve(cls, service: TlsFiles | None, etcd: TlsFiles | None, *, insecure: bool) -> Security:
+    def resolve(
+        cls,
+        service: TlsFiles | None,
+        etcd: TlsFiles | None,
+        *,
+        insecure: bool,
+        server_name: str = "",
+        etcd_server_name: str = "",
+    ) -> Security:
         """Secure by default: TLS files, or an explicit `insecure`; neither (or both) is
-        a TlsError saying what to pass."""
+        a TlsError saying what to pass. `server_name` (--tls-server-name): peers are
+        verified against that name instead of the address dialled; `etcd_server_name`
+        (--etcd-server-name) likewise for etcd."""
         if insecure and service is not None:
             raise TlsError("--insecure and --tls-ca/--tls-cert/--tls-key both given: choose one")
         if not insecure and service is None:
             raise TlsError(NO_TLS_HINT)
         if service is not None and (service.cert is None or service.key is None):
             raise TlsError("--tls-ca needs --tls-cert and --tls-key too (this process's own certificate)")
+        if server_name:
+            check_server_name(server_name)
+            if service is None:
+                raise TlsError(
+                    "--tls-server-name names the peers' certificates: it needs --tls-ca/--tls-cert/"
+                    "--tls-key, not --insecure"
+                )
+        if etcd_server_name:
+            check_server_name(etcd_server_name, "--etcd-server-name")
+            if etcd is None:
+                raise TlsError("--etcd-server-name names etcd's certificate: it needs --etcd-ca")
         material = load_tls(service) if service is not None else None
         etcd_material = load_tls(etcd, ETCD_FLAGS) if etcd is not None else None
-        transport = Transport.mutual(material) if material is not None else Transport.plaintext()
-        return cls(insecure, material, etcd_material, transport)
+        transport = (
+            Transport.mutual(material, server_name=server_name or None)
+            if material is not None
+            else Transport.plaintext()
+        )
+        return cls(insecure, material, etcd_material, transport, etcd_server_name or None)
 
     def server_credentials(self, *, require_client_auth: bool) -> grpc.ServerCredentials | None:
         """None in insecure mode (a plaintext port)."""

@@ -107,7 +107,9 @@ class ToolServer:
         await server.start()
         self._server = server
         self.address = f"{self._advertise_host}:{port}"
-        self._etcd = make_client(self._etcd_endpoint, tls=self.security.etcd)
+        self._etcd = make_client(
+            self._etcd_endpoint, tls=self.security.etcd, server_name=self.security.etcd_server_name
+        )
         self.keeper = LeaseKeeper(self._etcd, ttl_s=self._lease_ttl_s)
         await self.keeper.put(
             etcd.tool_key(self.tool, self.instance_id), json.dumps(self.registration()).encode()

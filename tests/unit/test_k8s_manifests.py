@@ -10,12 +10,15 @@ oldest Kubernetes the manifests support and the newest bundled; the two CRDs use
 Then what neither kustomize nor the schemas see: every Service, PDB, probe, autoscaler
 and ServiceMonitor points at something that exists; every ConfigMap, Secret and PVC is
 rendered or documented as external; each container's command line (with its INFERX_*
-environment) parses with the service's own settings class, values and all; termination
-grace covers preStop + deregistration grace + drain; the NetworkPolicies, evaluated,
-let in from outside only the router; the autoscalers use metric names the services
-export, for the pool their target serves, in PromQL that promtool accepts; the
-singletons (scheduler, memory-pool) stay single. The last tests break a copy of a
-rendered overlay in each of these ways and check that the checks notice.
+environment) parses with the service's own settings class, values and all; every probe
+is a native gRPC probe of the plaintext health port, never of an (m)TLS serving port it
+could never pass; termination grace covers preStop + deregistration grace + drain; the
+NetworkPolicies, evaluated, let in from outside only the router, and nobody into the
+health ports; production verifies peers by the name on their certificate; the
+autoscalers use metric names the services export, for the pool their target serves, in
+PromQL that promtool accepts; the singletons (scheduler, memory-pool) stay single. The
+last tests break a copy of a rendered overlay in each of these ways and check that the
+checks notice.
 """
 
 from __future__ import annotations
@@ -71,21 +74,20 @@ VARIANTS = [f"overlays/{o}" for o in OVERLAYS] + [
 # Referenced, not rendered: the operator creates them (docs/deploy.md says how).
 EXTERNAL = {
     ("Secret", "inferx-tls"),
+    ("Secret", "inferx-router-tls"),
     ("Secret", "inferx-etcd-tls"),
     ("PersistentVolumeClaim", "inferx-models"),
 }
-# Issue #17's flags, used by the overlays before the services have them everywhere: a
-# flag of this set that a service does not have yet is left out of the parse check.
-PENDING_FLAGS = {
-    "--insecure",
-    "--tls-ca",
-    "--tls-cert",
-    "--tls-key",
-    "--etcd-ca",
-    "--etcd-cert",
-    "--etcd-key",
-}
-TLS_FLAGS = PENDING_FLAGS - {"--insecure"}
+# The files of issue #17's mutual TLS: each from a mounted Secret, in cert-manager's layout.
+TLS_FLAGS = {"--tls-ca", "--tls-cert", "--tls-key", "--etcd-ca", "--etcd-cert", "--etcd-key"}
+TLS_FILE_NAMES = ("ca.crt", "tls.crt", "tls.key")
+# The Secret each Deployment's TLS files come from (the routers have their own: their
+# certificate also names the hosts clients dial).
+TLS_SECRET = {"inferx-router": "inferx-router-tls"}
+DEFAULT_TLS_SECRET = "inferx-tls"
+# Flags docs/deploy.md must explain.
+DOCUMENTED_FLAGS = TLS_FLAGS | {"--insecure", "--tls-server-name", "--health-port"}
+PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 SETTINGS = {
     "inferx-router": ("inferx_router.__main__", "RouterSettings"),
     "inferx-scheduler": ("inferx_scheduler.config", "SchedulerSettings"),
@@ -242,13 +244,6 @@ def settings_class(command: str) -> type[ServiceSettings]:
     module, name = SETTINGS[command]
     cls: type[ServiceSettings] = getattr(importlib.import_module(module), name)
     return cls
-
-
-def has_flag(cls: type[ServiceSettings], flag: str) -> bool:
-    """Whether the service has the flag (`--no-X` for a boolean option X)."""
-    name = flag.removeprefix("--").replace("-", "_")
-    field = cls.model_fields.get(name) or cls.model_fields.get(name.removeprefix("no_"))
-    return field is not None and (name in cls.model_fields or field.annotation is bool)
 
 
 def container_env(container: Obj, objs: list[Obj]) -> dict[str, str]:
@@ -604,12 +599,7 @@ def flag_problems(objs: list[Obj]) -> list[str]:
                 field = key.removeprefix("INFERX_").lower()
                 if key.startswith("INFERX_") and field not in cls.model_fields:
                     problems.append(f"{where}: {key} is no option of the service (it would be ignored)")
-            args = []
-            for arg in command[1:] + container.get("args", []):
-                flag = arg.split("=", 1)[0]
-                if flag in PENDING_FLAGS and not has_flag(cls, flag):
-                    continue  # issue #17's flag, not in this service yet
-                args.append(expand(arg, env))
+            args = [expand(arg, env) for arg in command[1:] + container.get("args", [])]
             clean_env = {k: v for k, v in os.environ.items() if not k.startswith("INFERX_")}
             stderr = io.StringIO()
             with (
@@ -654,6 +644,52 @@ def drain_problems(objs: list[Obj]) -> list[str]:
             problems.append(
                 f"{where}: liveness window {window} s is shorter than the drain {grace + drain} s"
             )
+    return problems
+
+
+# --------------------------------------------------------------------------- probes
+
+
+def probe_problems(objs: list[Obj]) -> list[str]:
+    """Every probe of every InferX container is a native gRPC probe of its health port:
+    the port `--health-port` (or INFERX_HEALTH_PORT) opens, declared as the container's
+    `health` port, apart from its serving ports. The kubelet's probes are plaintext
+    without a client certificate, so one of the (m)TLS serving port could never pass."""
+    problems = []
+    for load in inferx_deployments(objs):
+        container = pod_spec(load)["containers"][0]
+        where = load["metadata"]["name"]
+        env = container_env(container, objs)
+        args = [expand(a, env) for a in container.get("args", [])]
+        defaults = settings_class(container["command"][0]).model_fields
+        health = int(arg_value(args, "--health-port") or env.get("INFERX_HEALTH_PORT") or 0)
+        serving = int(arg_value(args, "--port") or env.get("INFERX_PORT") or defaults["port"].default)
+        tls = "--insecure" not in flag_names(args)
+        if not health:
+            problems.append(f"{where}: no health port (--health-port or INFERX_HEALTH_PORT)")
+            continue
+        if ports_of(container).get("health") != health:
+            problems.append(f"{where}: the health port {health} is not declared as its `health` port")
+        others = {serving, int(arg_value(args, "--http-port") or 0), int(env.get("INFERX_METRICS_PORT", 0))}
+        if health in others:
+            problems.append(f"{where}: the health port {health} is also a serving or metrics port")
+        for name in PROBES:
+            probe = container.get(name)
+            if probe is None:
+                problems.append(f"{where}: no {name}")
+                continue
+            action: Obj = next((probe[a] for a in ("grpc", "tcpSocket", "httpGet", "exec") if a in probe), {})
+            port = action.get("port")
+            number = ports_of(container).get(port, port) if isinstance(port, str) else port
+            if tls and number == serving:
+                problems.append(
+                    f"{where}: {name} targets the serving port {serving}, which speaks TLS: the "
+                    "kubelet's plaintext probe, with no client certificate, could never pass"
+                )
+            elif "grpc" not in probe:
+                problems.append(f"{where}: {name} is not a native gRPC probe")
+            elif number != health:
+                problems.append(f"{where}: {name} probes port {port}, not the health port {health}")
     return problems
 
 
@@ -728,6 +764,8 @@ def network_problems(objs: list[Obj]) -> list[str]:
                         expected.append((source, port[0] == "client" or (peer and port[0] == "peer")))
                     elif port[0] == "grpc":  # the services call one another
                         expected.append((source, True))
+                    elif port[0] == "health":  # the kubelet's, from the node: no pod's
+                        expected.append((source, False))
                 for source, allowed in expected:
                     if ingress_allowed(policies, source, namespace, labels, port) != allowed:
                         verb = "does not reach" if allowed else "reaches"
@@ -807,9 +845,6 @@ def test_services_register_their_pod_ip_and_serve_health_where_they_listen(
         assert arg_value(args, "--advertise-host") == "$(POD_IP)"
         pod_ip = next(v for v in container["env"] if v["name"] == "POD_IP")
         assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            action = container[probe].get("grpc") or container[probe]["tcpSocket"]
-            assert action["port"] in (port, "grpc", "http"), (load["metadata"]["name"], probe)
         config = container_env(container, render(variant))
         assert config["INFERX_HOST"] == "0.0.0.0"
         assert ports_of(container)["metrics"] == int(config["INFERX_METRICS_PORT"])
@@ -818,6 +853,13 @@ def test_services_register_their_pod_ip_and_serve_health_where_they_listen(
     router = named(render(variant), "Deployment")["inferx-router"]
     router_args = pod_spec(router)["containers"][0]["args"]
     assert (arg_value(router_args, "--port"), arg_value(router_args, "--http-port")) == ("50051", "8000")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_probes_are_native_grpc_probes_of_the_plaintext_health_port(
+    variant: str, render: Callable[[str], list[Obj]]
+) -> None:
+    assert probe_problems(render(variant)) == []
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -863,26 +905,37 @@ def test_worker_pools(variant: str, render: Callable[[str], list[Obj]]) -> None:
 def test_each_overlay_is_either_mtls_or_explicitly_insecure(
     variant: str, render: Callable[[str], list[Obj]]
 ) -> None:
+    """mTLS throughout production, with every TLS file from the Deployment's Secret and
+    every peer verified by one name (`--tls-server-name`: peers are dialled at pod IPs,
+    which no certificate names); `--insecure` throughout dev."""
     objs = render(variant)
     modes = set()
+    server_names = set()
     for load in inferx_deployments(objs):
         spec = pod_spec(load)
         container = spec["containers"][0]
+        name = load["metadata"]["name"]
         flags = flag_names(container["args"])
         if "--insecure" in flags:
-            assert not flags & TLS_FLAGS, load["metadata"]["name"]
+            assert not flags & (TLS_FLAGS | {"--tls-server-name"}), name
             modes.add("insecure")
             continue
-        assert TLS_FLAGS <= flags, load["metadata"]["name"]
+        assert TLS_FLAGS <= flags, name
         modes.add("mtls")
         secrets = {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
         mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
         for flag in TLS_FLAGS:
             path = PurePosixPath(arg_value(container["args"], flag) or "")
-            assert secrets.get(mounts.get(str(path.parent), "")) == "inferx-tls", (flag, path)
-            assert path.name in ("ca.pem", "tls.crt", "tls.key")
+            secret = secrets.get(mounts.get(str(path.parent), ""))
+            assert secret == TLS_SECRET.get(name, DEFAULT_TLS_SECRET), (name, flag, path)
+            assert path.name in TLS_FILE_NAMES, (name, flag, path)
+        server_names.add(arg_value(container["args"], "--tls-server-name"))
     assert len(modes) == 1, modes
     assert variant.startswith("overlays/dev") == (modes == {"insecure"})
+    if modes == {"mtls"}:
+        (server_name,) = server_names
+        assert server_name, "every mTLS service verifies its peers by one name"
+        assert f"`{server_name}`" in DOCS.read_text(), "docs/deploy.md names the SAN to issue"
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -963,7 +1016,7 @@ def test_every_component_is_rendered_and_documented() -> None:
         assert name in docs, name
     for _, name in EXTERNAL:
         assert name in docs, name
-    for flag in PENDING_FLAGS:
+    for flag in DOCUMENTED_FLAGS:
         assert flag in docs, flag
     assert "docs/deploy.md" in (ROOT / "README.md").read_text()
 
@@ -984,7 +1037,7 @@ def test_checks_catch_dangling_references(render: Callable[[str], list[Obj]]) ->
         "app.kubernetes.io/name": "inferx-schedular"
     }
     cache_container = pod_spec(named(objs, "Deployment")["inferx-cache"])["containers"][0]
-    cache_container["livenessProbe"]["tcpSocket"]["port"] = "grcp"
+    cache_container["livenessProbe"]["grpc"]["port"] = 8082
     cache_container["args"].append("--knowledge-base=$(KB)")
     router = pod_spec(named(objs, "Deployment")["inferx-router"])
     next(v for v in router["volumes"] if v["name"] == "tls")["secret"]["secretName"] = "inferx-tsl"
@@ -992,7 +1045,7 @@ def test_checks_catch_dangling_references(render: Callable[[str], list[Obj]]) ->
     problems = "\n".join(reference_problems(objs))
     for needle in (
         "Service/inferx-scheduler",
-        "port grcp",
+        "livenessProbe port 8082 not declared",
         "$(KB)",
         "inferx-tsl",
         "inferx-memory-pool: no PodDisruptionBudget",
@@ -1012,6 +1065,37 @@ def test_checks_catch_a_bad_command_line(render: Callable[[str], list[Obj]]) -> 
     assert "--polcy" in problems and "drain-timeout-s" in problems and "INFERX_LEASE_TTL " in problems, (
         problems
     )
+
+
+def test_checks_catch_a_probe_that_could_never_pass(render: Callable[[str], list[Obj]]) -> None:
+    objs = render("overlays/production")
+    deployments = named(objs, "Deployment")
+    scheduler = pod_spec(deployments["inferx-scheduler"])["containers"][0]
+    scheduler["livenessProbe"]["grpc"]["port"] = 50052  # the mTLS port
+    worker = pod_spec(deployments["inferx-worker-qwen-7b"])["containers"][0]
+    worker["readinessProbe"] = {"tcpSocket": {"port": "metrics"}, "periodSeconds": 5}  # what it was
+    router = pod_spec(deployments["inferx-router"])["containers"][0]
+    router["startupProbe"]["grpc"]["port"] = 8000
+    cache = pod_spec(deployments["inferx-cache"])["containers"][0]
+    cache["ports"] = [p for p in cache["ports"] if p["name"] != "health"]
+    memory_pool = pod_spec(deployments["inferx-memory-pool"])["containers"][0]
+    memory_pool["args"].append("--health-port=0")
+    assert probe_problems(objs) == [
+        "inferx-cache: the health port 8081 is not declared as its `health` port",
+        "inferx-memory-pool: no health port (--health-port or INFERX_HEALTH_PORT)",
+        "inferx-router: startupProbe probes port 8000, not the health port 8081",
+        "inferx-scheduler: livenessProbe targets the serving port 50052, which speaks TLS: the kubelet's "
+        "plaintext probe, with no client certificate, could never pass",
+        "inferx-worker-qwen-7b: readinessProbe is not a native gRPC probe",
+    ]
+    objs = render("overlays/production")
+    cache = pod_spec(named(objs, "Deployment")["inferx-cache"])["containers"][0]
+    cache["readinessProbe"]["grpc"]["port"] = 50054
+    assert probe_problems(objs)[0].startswith("inferx-cache: readinessProbe targets the serving port 50054")
+    dev = render("overlays/dev")  # plaintext: would pass, but the health port is the rule
+    dev_cache = pod_spec(named(dev, "Deployment")["inferx-cache"])["containers"][0]
+    dev_cache["readinessProbe"]["grpc"]["port"] = 50054
+    assert probe_problems(dev) == ["inferx-cache: readinessProbe probes port 50054, not the health port 8081"]
 
 
 def test_checks_catch_a_drain_cut_short(render: Callable[[str], list[Obj]]) -> None:
@@ -1034,3 +1118,6 @@ def test_checks_catch_an_open_door(render: Callable[[str], list[Obj]]) -> None:
     objs = render("overlays/production")
     named(objs, "NetworkPolicy")["inferx-etcd"]["spec"]["ingress"][0]["from"] = [{"podSelector": {}}]
     assert "a pod of this namespace, not InferX's reaches inferx-etcd port client" in network_problems(objs)
+    objs = render("overlays/production")
+    named(objs, "NetworkPolicy")["inferx-services"]["spec"]["ingress"][0]["ports"].append({"port": "health"})
+    assert "inferx-router reaches inferx-scheduler port health" in network_problems(objs)

@@ -232,6 +232,84 @@ def test_a_service_without_tls_or_insecure_exits_with_one_line(argv: list[str], 
     assert done.stderr.startswith("inferx-cache: error: ") and expected in done.stderr
 
 
+# ----- peers verified by a fixed name (--tls-server-name) ------------------------------------------
+
+
+NAME = "inferx.internal"
+
+
+@pytest.fixture(scope="module")
+def named_pki(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    """One certificate for every pod, naming no address: only the SAN inferx.internal."""
+    return generate_local_pki(tmp_path_factory.mktemp("named") / "tls", ["inferx.internal"])
+
+
+def test_server_name_settings(pki: TlsFiles, monkeypatch: pytest.MonkeyPatch) -> None:
+    flags = ["--tls-ca", str(pki.ca), "--tls-cert", str(pki.cert), "--tls-key", str(pki.key)]
+    named = load_settings(ServiceSettings, "x", [*flags, "--tls-server-name", "inferx.internal"]).security()
+    assert named.transport.server_name == "inferx.internal"
+    assert named.transport.description == "mutual TLS, peers verified as inferx.internal"
+    assert load_settings(ServiceSettings, "x", flags).security().transport.server_name is None
+    monkeypatch.setenv("INFERX_TLS_SERVER_NAME", "peers.inferx.svc")
+    assert load_settings(ServiceSettings, "x", flags).security().transport.server_name == "peers.inferx.svc"
+    monkeypatch.delenv("INFERX_TLS_SERVER_NAME")
+    etcd = [*flags, "--etcd-ca", str(pki.ca), "--etcd-server-name", "etcd.internal"]
+    assert load_settings(ServiceSettings, "x", etcd).security().etcd_server_name == "etcd.internal"
+    with pytest.raises(TlsError, match=r"^--tls-server-name names the peers' certificates: it needs"):
+        load_settings(ServiceSettings, "x", ["--insecure", "--tls-server-name", "inferx.internal"]).security()
+    with pytest.raises(TlsError, match=r"^--etcd-server-name names etcd's certificate: it needs --etcd-ca"):
+        load_settings(ServiceSettings, "x", [*flags, "--etcd-server-name", "etcd.internal"]).security()
+
+
+@pytest.mark.parametrize("name", ["inferx.internal:50051", "https://inferx.internal", "a b", "-x.internal"])
+def test_server_name_must_be_a_dns_name(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        load_settings(ServiceSettings, "inferx-cache", ["--insecure", f"--tls-server-name={name}"])
+    assert "inferx-cache: error: --tls-server-name: " in capsys.readouterr().err
+    with pytest.raises(TlsError, match="not a DNS name"):
+        Security.resolve(None, None, insecure=True, server_name=name)
+
+
+async def test_a_peer_is_verified_by_the_name_on_its_certificate_not_its_address(named_pki: TlsFiles) -> None:
+    """A real TLS handshake with a server at 127.0.0.1 whose certificate names only
+    inferx.internal: refused as 127.0.0.1, accepted as inferx.internal (mutual TLS, and
+    the synchronous channel too); the name never leaks into plaintext channels."""
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from inferx.tls import server_credentials
+
+    material = load_tls(named_pki)
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    port = server.add_secure_port("127.0.0.1:0", server_credentials(material, require_client_auth=True))
+    await server.start()
+    address = f"127.0.0.1:{port}"
+    try:
+        named = Transport.mutual(material, server_name="inferx.internal")
+        async with named.aio_channel(address) as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        by_address = Transport.mutual(material)
+        async with by_address.aio_channel(address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+        wrong = Transport.mutual(material, server_name="other.internal")
+        async with wrong.aio_channel(address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError):
+                await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    finally:
+        await server.stop(0)
+    assert ("grpc.ssl_target_name_override", "inferx.internal") in named._options([])
+    assert named._options([("grpc.ssl_target_name_override", "x")]) == [
+        ("grpc.ssl_target_name_override", "inferx.internal")
+    ]
+    assert Transport.plaintext()._options([]) == [] and by_address._options([]) == []
+
+
 # ----- the CLI finds the local stack -------------------------------------------------------------
 
 
@@ -258,6 +336,24 @@ def test_cli_uses_the_local_stacks_ca_and_token_for_its_router(
         "127.0.0.1:50051", None, "/mine.pem"
     )
     assert connect.resolve(_args(token="t")) == connect.Connection("127.0.0.1:50051", "t", None)
+
+
+def test_cli_calls_internal_services_verifying_the_stacks_server_name(
+    named_pki: TlsFiles, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`inferx bench --router` dials the scheduler (an internal service) with the stack's
+    certificate: by the name on it, when the stack's processes verify one another so."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("INFERX_TLS_SERVER_NAME", raising=False)
+    (tmp_path / ".inferx").mkdir()
+    stack = {"router": "127.0.0.1:50051", "tls_ca": str(named_pki.ca), "token_file": None}
+    stack |= {"tls_cert": str(named_pki.cert), "tls_key": str(named_pki.key), "tls_server_name": NAME}
+    (tmp_path / ".inferx" / "stack.json").write_text(json.dumps(stack))
+    found = connect.resolve(_args())
+    assert found.tls_server_name == NAME
+    assert found.internal_transport().server_name == NAME
+    monkeypatch.setenv("INFERX_TLS_SERVER_NAME", "other.internal")
+    assert found.internal_transport().server_name == "other.internal"
 
 
 def test_cli_without_a_stack_file_is_plaintext(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

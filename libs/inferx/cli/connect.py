@@ -64,6 +64,8 @@ class Connection:
     #: that call internal services directly (`inferx bench --router`)
     tls_cert: str | None = None
     tls_key: str | None = None
+    #: the name on the internal services' certificates (stack.json's `tls_server_name`)
+    tls_server_name: str | None = None
 
     def client(self) -> InferxClient:
         from inferx.client import InferxClient
@@ -76,7 +78,9 @@ class Connection:
 
     def internal_transport(self) -> Transport:
         """Mutual TLS with the local stack's service certificate (INFERX_TLS_CERT and
-        INFERX_TLS_KEY override it), or plaintext when the router is called in plaintext."""
+        INFERX_TLS_KEY override it), or plaintext when the router is called in plaintext.
+        The services are verified against the name on their certificate where there is
+        one (INFERX_TLS_SERVER_NAME, else the stack's), as the services verify one another."""
         from inferx.tls import TlsError, TlsFiles, Transport, load_tls
 
         if not self.tls_ca:
@@ -89,7 +93,10 @@ class Connection:
                 "INFERX_TLS_CERT and INFERX_TLS_KEY to a certificate issued by the stack's CA"
             )
         try:
-            return Transport.mutual(load_tls(TlsFiles(Path(self.tls_ca), Path(cert), Path(key))))
+            server_name = os.environ.get("INFERX_TLS_SERVER_NAME") or self.tls_server_name
+            return Transport.mutual(
+                load_tls(TlsFiles(Path(self.tls_ca), Path(cert), Path(key))), server_name=server_name or None
+            )
         except TlsError as exc:
             raise InferxError(str(exc)) from None
 
@@ -135,6 +142,7 @@ def resolve(args: argparse.Namespace, router: str | None = None) -> Connection:
         stack.get("tls_ca") or None,
         stack.get("tls_cert") or None,
         stack.get("tls_key") or None,
+        stack.get("tls_server_name") or None,
     )
 
 
