@@ -25,9 +25,10 @@ import aetcd
 from inferx import etcd
 from inferx.chain.plan import ChainPlan
 from inferx.chain.schema import ChainConfig
-from inferx.chain.validate import ValidatedChain, load_chain_text
+from inferx.chain.validate import ValidatedChain, load_chain_document, load_chain_text
 from inferx.chain.yamlio import dump_config_yaml
 from inferx.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from inferx.limits import MAX_STORED_CHAIN_BYTES, Limits, describe_excess
 
 log = logging.getLogger("inferx.router.chains")
 
@@ -69,9 +70,11 @@ class ChainStore:
         author: str = "",
         expect_version: int = 0,
         activate: bool = True,
+        limits: Limits | None = None,
     ) -> tuple[StoredVersion, bool]:
-        """Validate and store `text` as version latest+1. Returns (version, activated)."""
-        validated = load_chain_text(text, source="config")
+        """Validate and store `text` as version latest+1. Returns (version, activated).
+        Nothing is written unless it is valid (within `limits`, when given) and fits etcd."""
+        validated = load_chain_text(text, source="config", limits=limits)
         config = validated.config
         created_unix_ms = int(time.time() * 1000)
         record = {
@@ -80,6 +83,15 @@ class ChainStore:
             "message": message,
             "created_unix_ms": created_unix_ms,
         }
+        # UTF-8 as is (not \uXXXX escapes, up to 3x the size), and checked: etcd refuses a
+        # record over its request limit with an error that is no fault of etcd's health.
+        encoded = json.dumps(record, ensure_ascii=False).encode()
+        if len(encoded) > MAX_STORED_CHAIN_BYTES:
+            shown, cap = describe_excess(len(encoded), MAX_STORED_CHAIN_BYTES)
+            raise InvalidArgument(
+                f"config: the version to store (normalised config, message and author) takes {shown}, "
+                f"more than the {cap} a chain version may take in etcd"
+            )
         latest_key = _key(config.name, "latest")
         tx = self._client.transactions
         for _ in range(MAX_PUT_ATTEMPTS):
@@ -96,10 +108,7 @@ class ChainStore:
                 else tx.version(latest_key.encode()) == 0
             )
             ops = [
-                tx.put(
-                    _key(config.name, "versions", str(version)).encode(),
-                    json.dumps(record).encode(),
-                ),
+                tx.put(_key(config.name, "versions", str(version)).encode(), encoded),
                 tx.put(latest_key.encode(), str(version).encode()),
             ]
             if activate:
@@ -147,7 +156,8 @@ class ChainStore:
                 raise NotFound(f"unknown chain '{name}' (see `inferx chain list`)")
             raise NotFound(f"chain '{name}' has no version {version}")
         record = json.loads(raw)
-        validated: ValidatedChain = load_chain_text(json.dumps(record["config"]), source=f"{name} v{version}")
+        # Checked when it was put; the size caps on config text do not apply to it again.
+        validated: ValidatedChain = load_chain_document(record["config"], source=f"{name} v{version}")
         stored = StoredVersion(
             name,
             version,

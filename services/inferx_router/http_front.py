@@ -27,8 +27,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from inferx.errors import InferxError
+from inferx.limits import Limits
 from inferx.openai_compat import schema
-from inferx.openai_compat.errors import InvalidField, ModelNotFound, error_body, error_reply
+from inferx.openai_compat.errors import BodyTooLarge, InvalidField, ModelNotFound, error_body, error_reply
 from inferx.openai_compat.identity import ProgramIdentity, parse_identity
 from inferx.openai_compat.render import render_chat
 from inferx.pools import PoolDirectory
@@ -82,11 +83,13 @@ class OpenAIFront:
         *,
         default_timeout_s: float,
         programs: ProgramBook | None = None,
+        limits: Limits | None = None,
     ) -> None:
         self._directory = directory
         self._executor = executor
         self._default_timeout_ms = int(default_timeout_s * 1000)
         self._programs = programs or ProgramBook()
+        self._limits = limits or Limits()
         self._created = int(time.time())
 
     def app(self) -> Starlette:
@@ -111,14 +114,28 @@ class OpenAIFront:
 
     async def chat_completions(self, request: Request) -> Response:
         identity = parse_identity(request.headers)
-        body = schema.parse_body(schema.ChatCompletionRequest, await request.body())
+        body = schema.parse_body(schema.ChatCompletionRequest, await self._body(request))
         prompt = render_chat(body.messages, body.tools, body.tool_choice)
         return await self._serve(identity, body, prompt, chat=True)
 
     async def completions(self, request: Request) -> Response:
         identity = parse_identity(request.headers)
-        body = schema.parse_body(schema.CompletionRequest, await request.body())
+        body = schema.parse_body(schema.CompletionRequest, await self._body(request))
         return await self._serve(identity, body, body.prompt_text, chat=False)
+
+    async def _body(self, request: Request) -> bytes:
+        """The request body, read no further than --http-max-body-bytes (413 past it)."""
+        limit = self._limits.http_max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise BodyTooLarge(int(declared), limit)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(None, limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     # ----- one call -----------------------------------------------------------------
 
@@ -129,11 +146,15 @@ class OpenAIFront:
             raise ModelNotFound(body.model)
         if not prompt:
             raise InvalidField("prompt", "empty")
+        tokens = body.output_tokens()
+        param = body.output_tokens_param()
+        if problem := self._limits.output_tokens_problem(param, tokens):
+            raise InvalidField(param, problem.removeprefix(f"{param}: "))
         call = Call(
             call_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             model=body.model,
             prompt=prompt,
-            max_tokens=body.output_tokens(),
+            max_tokens=tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
         )
         hop, timeout_s = program_hop(
