@@ -67,7 +67,7 @@ def limit_problem(what: str, size: int, limit: int, flag: str, *, unit: str = "b
 
 
 @dataclass(frozen=True)
-class Limits:
+class RequestLimits:
     """The router's limits; the defaults are `inferx-router`'s (its settings carry the
     flags). Chain-config limits are applied by `inferx.chain.validate.load_chain_text`."""
 

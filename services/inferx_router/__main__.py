@@ -10,7 +10,7 @@ from pydantic import Field
 from inferx import etcd
 from inferx.chain.schema import MAX_UINT32
 from inferx.discovery import ChannelPool, ServiceLocator
-from inferx.limits import KIB, MAX_STORED_CHAIN_BYTES, MIB, Limits
+from inferx.limits import KIB, MAX_STORED_CHAIN_BYTES, MIB, RequestLimits
 from inferx.pools import PoolDirectory
 from inferx.server import ServiceComponent, ServiceRuntime, run_service
 from inferx.settings import ServiceSettings
@@ -64,29 +64,35 @@ class RouterSettings(ServiceSettings):
         "with RESOURCE_EXHAUSTED)",
     )
     max_input_bytes: int = Field(
-        Limits.max_input_bytes, gt=0, description="total bytes of a RunChain's inputs (names and values)"
+        RequestLimits.max_input_bytes,
+        gt=0,
+        description="total bytes of a RunChain's inputs (names and values)",
     )
-    max_inputs: int = Field(Limits.max_inputs, gt=0, description="number of inputs a RunChain may pass")
+    max_inputs: int = Field(
+        RequestLimits.max_inputs, gt=0, description="number of inputs a RunChain may pass"
+    )
     max_config_bytes: int = Field(
-        Limits.max_config_bytes,
+        RequestLimits.max_config_bytes,
         gt=0,
         le=MAX_STORED_CHAIN_BYTES,
         description="size of a chain config given to PutChain or ValidateChain, bytes",
     )
-    max_nodes: int = Field(Limits.max_nodes, gt=0, description="nodes a chain config may have")
+    max_nodes: int = Field(RequestLimits.max_nodes, gt=0, description="nodes a chain config may have")
     max_output_tokens: int = Field(
-        Limits.max_output_tokens,
+        RequestLimits.max_output_tokens,
         gt=0,
         le=MAX_UINT32,
         description="max_tokens a model node (PutChain, ValidateChain) or an HTTP call may ask for",
     )
     http_max_body_bytes: int = Field(
-        Limits.http_max_body_bytes, gt=0, description="bytes of an HTTP front request body (413 over it)"
+        RequestLimits.http_max_body_bytes,
+        gt=0,
+        description="bytes of an HTTP front request body (413 over it)",
     )
 
     @property
-    def limits(self) -> Limits:
-        return Limits(
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits(
             max_input_bytes=self.max_input_bytes,
             max_inputs=self.max_inputs,
             max_config_bytes=self.max_config_bytes,
@@ -129,7 +135,7 @@ class RouterComponent(ServiceComponent):
                 self.directory,
                 SchedulerExecutor(self.services, self.channels),
                 default_timeout_s=settings.http_timeout_s,
-                limits=settings.limits,
+                request_limits=settings.request_limits,
             )
             self.http = HttpServer(
                 front.app(), settings.host, settings.http_port, drain_timeout_s=settings.drain_timeout_s
@@ -143,7 +149,7 @@ class RouterComponent(ServiceComponent):
                 self.tools,
                 self.load,
                 settings.max_active_runs,
-                settings.limits,
+                request_limits=settings.request_limits,
             ),
             runtime.server,
         )

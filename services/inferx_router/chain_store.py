@@ -28,7 +28,7 @@ from inferx.chain.schema import ChainConfig
 from inferx.chain.validate import ValidatedChain, load_chain_document, load_chain_text
 from inferx.chain.yamlio import dump_config_yaml
 from inferx.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from inferx.limits import MAX_STORED_CHAIN_BYTES, Limits, describe_excess
+from inferx.limits import MAX_STORED_CHAIN_BYTES, RequestLimits, describe_excess
 
 log = logging.getLogger("inferx.router.chains")
 
@@ -70,7 +70,7 @@ class ChainStore:
         author: str = "",
         expect_version: int = 0,
         activate: bool = True,
-        limits: Limits | None = None,
+        limits: RequestLimits | None = None,
     ) -> tuple[StoredVersion, bool]:
         """Validate and store `text` as version latest+1. Returns (version, activated).
         Nothing is written unless it is valid (within `limits`, when given) and fits etcd."""

@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from inferx.errors import InferxError
-from inferx.limits import Limits
+from inferx.limits import RequestLimits
 from inferx.openai_compat import schema
 from inferx.openai_compat.errors import BodyTooLarge, InvalidField, ModelNotFound, error_body, error_reply
 from inferx.openai_compat.identity import ProgramIdentity, parse_identity
@@ -83,13 +83,13 @@ class OpenAIFront:
         *,
         default_timeout_s: float,
         programs: ProgramBook | None = None,
-        limits: Limits | None = None,
+        request_limits: RequestLimits | None = None,
     ) -> None:
         self._directory = directory
         self._executor = executor
         self._default_timeout_ms = int(default_timeout_s * 1000)
         self._programs = programs or ProgramBook()
-        self._limits = limits or Limits()
+        self._request_limits = request_limits or RequestLimits()
         self._created = int(time.time())
 
     def app(self) -> Starlette:
@@ -125,7 +125,7 @@ class OpenAIFront:
 
     async def _body(self, request: Request) -> bytes:
         """The request body, read no further than --http-max-body-bytes (413 past it)."""
-        limit = self._limits.http_max_body_bytes
+        limit = self._request_limits.http_max_body_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise BodyTooLarge(int(declared), limit)
@@ -148,7 +148,7 @@ class OpenAIFront:
             raise InvalidField("prompt", "empty")
         tokens = body.output_tokens()
         param = body.output_tokens_param()
-        if problem := self._limits.output_tokens_problem(param, tokens):
+        if problem := self._request_limits.output_tokens_problem(param, tokens):
             raise InvalidField(param, problem.removeprefix(f"{param}: "))
         call = Call(
             call_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",

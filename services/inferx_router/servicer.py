@@ -13,7 +13,7 @@ from inferx.chain.plan import LearnedLatency
 from inferx.chain.validate import load_chain_text, required_inputs
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
-from inferx.limits import Limits
+from inferx.limits import RequestLimits
 from inferx.pools import PoolDirectory, no_worker_message
 from inferx.v1 import (
     memory_pool_pb2,
@@ -43,7 +43,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         tools: ToolRouter,
         load: LoadMonitor | None = None,
         max_active_runs: int = 256,
-        limits: Limits | None = None,
+        request_limits: RequestLimits | None = None,
     ) -> None:
         self._store = store
         self._directory = directory
@@ -52,7 +52,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._tools = tools
         self._load = load
         self._max_active_runs = max_active_runs
-        self._limits = limits or Limits()
+        self._request_limits = request_limits or RequestLimits()
         self._active_runs = 0
         self._executor = SchedulerExecutor(services, channels)
         # Expected node latencies, learned from this router's finished nodes.
@@ -96,7 +96,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 f"the router is running {self._active_runs} chains (its limit); retry shortly",
                 retry_after_s=1.0,
             )
-        self._limits.check_inputs(request.inputs)
+        self._request_limits.check_inputs(request.inputs)
         chain = await self._store.resolve(request.chain, request.version, request.label)
         inputs = self._check_inputs(chain, dict(request.inputs))
         self._check_workers(chain)
@@ -131,7 +131,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     # ----- chain configs ------------------------------------------------------------
 
     async def ValidateChain(self, request, context):
-        validated = load_chain_text(request.config, source="config", limits=self._limits)
+        validated = load_chain_text(request.config, source="config", limits=self._request_limits)
         return router_pb2.ValidateChainResponse(name=validated.config.name, warnings=validated.warnings)
 
     async def PutChain(self, request, context):
@@ -143,7 +143,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             author=request.author,
             expect_version=request.expect_version,
             activate=not request.no_activate,
-            limits=self._limits,
+            limits=self._request_limits,
         )
         return router_pb2.PutChainResponse(name=stored.name, version=stored.version, active=active)
 

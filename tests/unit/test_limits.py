@@ -16,7 +16,7 @@ from starlette.testclient import TestClient
 from inferx.chain.schema import MAX_UINT32
 from inferx.chain.validate import MAX_CONFIG_CHARS, ChainConfigError, load_chain_document, load_chain_text
 from inferx.errors import InvalidArgument, fit_status_message
-from inferx.limits import KIB, MAX_STORED_CHAIN_BYTES, MIB, LimitExceeded, Limits, format_bytes
+from inferx.limits import KIB, MAX_STORED_CHAIN_BYTES, MIB, LimitExceeded, RequestLimits, format_bytes
 from inferx.openai_compat.errors import BodyTooLarge, error_reply
 from inferx.openai_compat.schema import CompletionRequest, parse_body
 from inferx.pools import PoolDirectory
@@ -59,7 +59,7 @@ def test_a_refusal_names_what_how_much_the_limit_and_its_flag() -> None:
 
 
 def test_inputs_are_limited_by_count_and_by_utf8_bytes_of_names_and_values() -> None:
-    limits = Limits(max_inputs=2, max_input_bytes=10)
+    limits = RequestLimits(max_inputs=2, max_input_bytes=10)
     limits.check_inputs({"a": "x" * 9})  # 10 bytes: at the limit
     with pytest.raises(
         LimitExceeded, match=r"^inputs: 3 inputs exceeds the router's limit of 2 \(--max-inputs\)$"
@@ -80,10 +80,10 @@ def model_node(node_id: str = "a", **fields: Any) -> dict[str, Any]:
     return {"id": node_id, "type": "model_inference", "model": "qwen-7b", **fields}
 
 
-LIMITS = Limits(max_config_bytes=2 * KIB, max_nodes=3, max_output_tokens=64)
+LIMITS = RequestLimits(max_config_bytes=2 * KIB, max_nodes=3, max_output_tokens=64)
 
 
-def problems(document: Any, limits: Limits | None = LIMITS) -> list[str]:
+def problems(document: Any, limits: RequestLimits | None = LIMITS) -> list[str]:
     with pytest.raises(ChainConfigError) as caught:
         load_chain_text(yaml.safe_dump(document, allow_unicode=True), limits=limits)
     return caught.value.problems
@@ -180,7 +180,7 @@ async def test_a_version_too_big_for_etcd_is_refused_before_anything_is_written(
     store = ChainStore(NoEtcd())
     config = yaml.safe_dump(chain([model_node()]))
     with pytest.raises(InvalidArgument) as caught:
-        await store.put(config, message="m" * MAX_STORED_CHAIN_BYTES, limits=Limits())
+        await store.put(config, message="m" * MAX_STORED_CHAIN_BYTES, limits=RequestLimits())
     assert caught.value.message.startswith(
         "config: the version to store (normalised config, message and author)"
     )
@@ -229,7 +229,7 @@ def http() -> Iterator[TestClient]:
         directory,
         NoScheduler(),  # type: ignore[arg-type]
         default_timeout_s=5,
-        limits=Limits(http_max_body_bytes=200, max_output_tokens=8),
+        request_limits=RequestLimits(http_max_body_bytes=200, max_output_tokens=8),
     )
     with TestClient(front.app()) as client:
         yield client
@@ -293,7 +293,7 @@ def test_body_too_large_maps_to_413() -> None:
 
 def test_the_router_takes_each_limit_as_a_flag_with_the_documented_defaults() -> None:
     defaults = load_settings(RouterSettings, "inferx-router", [])
-    assert defaults.limits == Limits()
+    assert defaults.request_limits == RequestLimits()
     assert defaults.max_request_bytes == 4 * MIB
     assert load_settings(ServiceSettings, "inferx-x", []).max_request_bytes == 16 * MIB
     flags = [
@@ -307,7 +307,7 @@ def test_the_router_takes_each_limit_as_a_flag_with_the_documented_defaults() ->
     ]
     settings = load_settings(RouterSettings, "inferx-router", flags)
     assert settings.max_request_bytes == 2048
-    assert settings.limits == Limits(10, 2, 100, 4, 5, 50)
+    assert settings.request_limits == RequestLimits(10, 2, 100, 4, 5, 50)
 
 
 @pytest.mark.parametrize(

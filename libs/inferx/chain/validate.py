@@ -49,7 +49,7 @@ from inferx.chain.schema import (
     suggest,
 )
 from inferx.chain.template import check_template, references
-from inferx.limits import Limits
+from inferx.limits import RequestLimits
 
 __all__ = [
     "ChainConfigError",
@@ -187,7 +187,7 @@ def _unwrap(document: Any, source: str) -> Mapping[str, Any]:
 
 
 def load_chain_text(
-    text: str, *, strict: bool = False, source: str = "<config>", limits: Limits | None = None
+    text: str, *, strict: bool = False, source: str = "<config>", limits: RequestLimits | None = None
 ) -> ValidatedChain:
     """Parse and fully check a chain config (YAML or JSON text). With `limits` (a
     router's), a config over its size, node or output-token limits is refused too."""
@@ -197,7 +197,7 @@ def load_chain_text(
 
 
 def load_chain_document(
-    document: Any, *, strict: bool = False, source: str = "<config>", limits: Limits | None = None
+    document: Any, *, strict: bool = False, source: str = "<config>", limits: RequestLimits | None = None
 ) -> ValidatedChain:
     """Fully check an already parsed config document (``{"agent_chain": {...}}``), e.g.
     a version read back from etcd: the text-size caps of `load_chain_text` do not apply."""
@@ -224,7 +224,7 @@ def load_chain_document(
     return ValidatedChain(config, warnings, ChainPlan.build(config))
 
 
-def _limit_problems(config: ChainConfig, limits: Limits) -> list[str]:
+def _limit_problems(config: ChainConfig, limits: RequestLimits) -> list[str]:
     """A router's limits on a typed config (the node count is checked earlier, raw)."""
     problems = []
     for node in config.nodes:
