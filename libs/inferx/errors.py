@@ -104,8 +104,39 @@ def from_rpc_error(error: grpc.aio.AioRpcError | grpc.RpcError, *, target: str =
     return cls(details, retry_after_s=retry_after)
 
 
+# The status message travels percent-encoded in the grpc-message trailer, and a client
+# drops a call whose trailers pass 8 KiB (soft limit) with RESOURCE_EXHAUSTED "Stream
+# removed" instead of the real status. Messages are cut to fit well under that.
+MAX_STATUS_MESSAGE_BYTES = 4096
+
+
+def _encoded_size(char: str) -> int:
+    """Bytes `char` takes in grpc-message: printable ASCII but '%' as is, else %XX per byte."""
+    return 1 if " " <= char <= "~" and char != "%" else 3 * len(char.encode("utf-8"))
+
+
+def fit_status_message(message: str, limit: int = MAX_STATUS_MESSAGE_BYTES) -> str:
+    """`message`, cut (with a note of how much was left out) so it fits a status trailer,
+    and valid UTF-8: a lone surrogate, which gRPC cannot send, is written as its escape."""
+    try:
+        message.encode("utf-8")
+    except UnicodeEncodeError:
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    if len(message) * 12 <= limit:  # 12: the most one character can take
+        return message
+    budget, used, keep = limit - 48, 0, None  # 48: room for the note
+    for index, char in enumerate(message):
+        used += _encoded_size(char)
+        if keep is None and used > budget:
+            keep = index
+        if used > limit:
+            assert keep is not None
+            return f"{message[:keep]}... ({len(message) - keep:,} more characters)"
+    return message
+
+
 async def abort_with(context: grpc.aio.ServicerContext, error: InferxError) -> None:
     """Abort the current RPC with the status that matches `error`."""
     if error.retry_after_s is not None:
         context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{error.retry_after_s:g}"),))
-    await context.abort(error.code, error.message)
+    await context.abort(error.code, fit_status_message(error.message))

@@ -35,7 +35,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from inferx import __version__, telemetry
-from inferx.errors import InferxError, Internal, abort_with
+from inferx.errors import InferxError, Internal, InvalidArgument, abort_with
 from inferx.etcd import LeaseKeeper, make_client, service_key
 from inferx.settings import ServiceSettings, load_settings
 from inferx.tls import Security, TlsError, Transport, insecure_warning
@@ -71,14 +71,17 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or not handler_call_details.method.startswith(OUR_METHOD_PREFIX):
             return handler
         method = handler_call_details.method
+        # The request is decoded here, not by gRPC: a message that is not valid protobuf
+        # is the caller's INVALID_ARGUMENT, where gRPC itself would answer UNKNOWN.
+        decode = _decoder(handler.request_deserializer, method)
         if handler.unary_unary is not None:
             inner_uu = handler.unary_unary
 
-            async def unary_unary(request, context):
+            async def unary_unary(raw, context):
                 try:
                     if self.guard is not None:
                         self.guard(method, context)
-                    return await inner_uu(request, context)
+                    return await inner_uu(decode(raw), context)
                 except InferxError as exc:
                     await abort_with(context, exc)
                 except (asyncio.CancelledError, grpc.aio.AbortError):
@@ -89,17 +92,17 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
             return grpc.unary_unary_rpc_method_handler(
                 unary_unary,
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=None,  # raw bytes: `decode` turns them into the request
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
             inner_us = handler.unary_stream
 
-            async def unary_stream(request, context):
+            async def unary_stream(raw, context):
                 try:
                     if self.guard is not None:
                         self.guard(method, context)
-                    async for item in inner_us(request, context):
+                    async for item in inner_us(decode(raw), context):
                         yield item
                 except InferxError as exc:
                     await abort_with(context, exc)
@@ -111,10 +114,23 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
             return grpc.unary_stream_rpc_method_handler(
                 unary_stream,
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=None,  # raw bytes: `decode` turns them into the request
                 response_serializer=handler.response_serializer,
             )
         return handler
+
+
+def _decoder(deserialize: Callable[[bytes], Any] | None, method: str) -> Callable[[bytes], Any]:
+    if deserialize is None:
+        return lambda raw: raw
+
+    def decode(raw: bytes) -> Any:
+        try:
+            return deserialize(raw)
+        except Exception as exc:  # protobuf's DecodeError, whichever implementation
+            raise InvalidArgument(f"{method}: the request is not a valid protobuf message ({exc})") from None
+
+    return decode
 
 
 class ServiceComponent:
@@ -255,7 +271,11 @@ async def _serve(
     server = grpc.aio.server(
         # Tracing outermost: its span also covers the status the error mapping sets.
         interceptors=[*telemetry.server_interceptors(), errors],
-        options=[("grpc.so_reuseport", 0)],
+        options=[
+            ("grpc.so_reuseport", 0),
+            # Larger messages are refused by gRPC itself, with RESOURCE_EXHAUSTED.
+            ("grpc.max_receive_message_length", settings.max_request_bytes),
+        ],
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -108,6 +108,13 @@ class ServiceSettings(TransportSettings):
     drain_timeout_s: float = Field(
         15.0, ge=0, description="on SIGTERM, how long in-flight RPCs may take to finish"
     )
+    max_request_bytes: int = Field(
+        16 * 1024 * 1024,
+        ge=1024,
+        le=2**31 - 1,
+        description="largest gRPC request this service accepts, in bytes; gRPC refuses a larger "
+        "one with RESOURCE_EXHAUSTED (internal calls carry whole prompts, hence the room)",
+    )
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     instance_id: str = Field("", description="unique id of this instance (default: generated)")
     # Tracing stays off unless asked for, so a plain start prints no exporter errors.

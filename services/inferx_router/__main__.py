@@ -10,7 +10,9 @@ from pydantic import Field
 from inferx import etcd
 from inferx.auth.limits import TenantQuotas
 from inferx.auth.store import AuthDirectory
+from inferx.chain.schema import MAX_UINT32
 from inferx.discovery import ChannelPool, ServiceLocator
+from inferx.limits import KIB, MAX_STORED_CHAIN_BYTES, MIB, RequestLimits
 from inferx.pools import PoolDirectory
 from inferx.server import ServiceComponent, ServiceRuntime, run_service
 from inferx.settings import ServiceSettings
@@ -62,6 +64,52 @@ class RouterSettings(ServiceSettings):
     http_timeout_s: float = Field(
         300.0, gt=0, description="time limit of an HTTP call that sets no X-InferX-Deadline-Ms"
     )
+    # Limits on what callers send (docs/limits.md). Over one: INVALID_ARGUMENT naming it
+    # (HTTP 400, 413 for the body); over --max-request-bytes: gRPC's RESOURCE_EXHAUSTED.
+    max_request_bytes: int = Field(
+        4 * MIB,
+        ge=KIB,
+        le=2**31 - 1,
+        description="largest gRPC request the router accepts, in bytes (gRPC refuses a larger one "
+        "with RESOURCE_EXHAUSTED)",
+    )
+    max_input_bytes: int = Field(
+        RequestLimits.max_input_bytes,
+        gt=0,
+        description="total bytes of a RunChain's inputs (names and values)",
+    )
+    max_inputs: int = Field(
+        RequestLimits.max_inputs, gt=0, description="number of inputs a RunChain may pass"
+    )
+    max_config_bytes: int = Field(
+        RequestLimits.max_config_bytes,
+        gt=0,
+        le=MAX_STORED_CHAIN_BYTES,
+        description="size of a chain config given to PutChain or ValidateChain, bytes",
+    )
+    max_nodes: int = Field(RequestLimits.max_nodes, gt=0, description="nodes a chain config may have")
+    max_output_tokens: int = Field(
+        RequestLimits.max_output_tokens,
+        gt=0,
+        le=MAX_UINT32,
+        description="max_tokens a model node (PutChain, ValidateChain) or an HTTP call may ask for",
+    )
+    http_max_body_bytes: int = Field(
+        RequestLimits.http_max_body_bytes,
+        gt=0,
+        description="bytes of an HTTP front request body (413 over it)",
+    )
+
+    @property
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits(
+            max_input_bytes=self.max_input_bytes,
+            max_inputs=self.max_inputs,
+            max_config_bytes=self.max_config_bytes,
+            max_nodes=self.max_nodes,
+            max_output_tokens=self.max_output_tokens,
+            http_max_body_bytes=self.http_max_body_bytes,
+        )
 
 
 class RouterComponent(ServiceComponent):
@@ -106,6 +154,7 @@ class RouterComponent(ServiceComponent):
                 default_timeout_s=settings.http_timeout_s,
                 access=access,
                 quotas=quotas,
+                request_limits=settings.request_limits,
             )
             tls = runtime.security.service
             self.http = HttpServer(
@@ -129,6 +178,7 @@ class RouterComponent(ServiceComponent):
                 access=access,
                 quotas=quotas,
                 etcd_client=runtime.etcd,
+                request_limits=settings.request_limits,
             ),
             runtime.server,
         )

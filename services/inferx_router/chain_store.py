@@ -29,9 +29,10 @@ from inferx import etcd
 from inferx.chain.plan import ChainPlan
 from inferx.chain.schema import ChainConfig
 from inferx.chain.template import NODE_ID_RE
-from inferx.chain.validate import ValidatedChain, load_chain_text
+from inferx.chain.validate import ValidatedChain, load_chain_document, load_chain_text
 from inferx.chain.yamlio import dump_config_yaml
 from inferx.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from inferx.limits import MAX_STORED_CHAIN_BYTES, RequestLimits, describe_excess
 
 log = logging.getLogger("inferx.router.chains")
 
@@ -79,9 +80,11 @@ class ChainStore:
         author: str = "",
         expect_version: int = 0,
         activate: bool = True,
+        limits: RequestLimits | None = None,
     ) -> tuple[StoredVersion, bool]:
-        """Validate and store `text` as version latest+1. Returns (version, activated)."""
-        validated = load_chain_text(text, source="config")
+        """Validate and store `text` as version latest+1. Returns (version, activated).
+        Nothing is written unless it is valid (within `limits`, when given) and fits etcd."""
+        validated = load_chain_text(text, source="config", limits=limits)
         config = validated.config
         created_unix_ms = int(time.time() * 1000)
         record = {
@@ -90,6 +93,15 @@ class ChainStore:
             "message": message,
             "created_unix_ms": created_unix_ms,
         }
+        # UTF-8 as is (not \uXXXX escapes, up to 3x the size), and checked: etcd refuses a
+        # record over its request limit with an error that is no fault of etcd's health.
+        encoded = json.dumps(record, ensure_ascii=False).encode()
+        if len(encoded) > MAX_STORED_CHAIN_BYTES:
+            shown, cap = describe_excess(len(encoded), MAX_STORED_CHAIN_BYTES)
+            raise InvalidArgument(
+                f"config: the version to store (normalised config, message and author) takes {shown}, "
+                f"more than the {cap} a chain version may take in etcd"
+            )
         latest_key = _key(tenant, config.name, "latest")
         tx = self._client.transactions
         for _ in range(MAX_PUT_ATTEMPTS):
@@ -106,10 +118,7 @@ class ChainStore:
                 else tx.version(latest_key.encode()) == 0
             )
             ops = [
-                tx.put(
-                    _key(tenant, config.name, "versions", str(version)).encode(),
-                    json.dumps(record).encode(),
-                ),
+                tx.put(_key(tenant, config.name, "versions", str(version)).encode(), encoded),
                 tx.put(latest_key.encode(), str(version).encode()),
             ]
             if activate:
@@ -158,7 +167,8 @@ class ChainStore:
                 raise NotFound(f"unknown chain '{name}' (see `inferx chain list`)")
             raise NotFound(f"chain '{name}' has no version {version}")
         record = json.loads(raw)
-        validated: ValidatedChain = load_chain_text(json.dumps(record["config"]), source=f"{name} v{version}")
+        # Checked when it was put; the size caps on config text do not apply to it again.
+        validated: ValidatedChain = load_chain_document(record["config"], source=f"{name} v{version}")
         stored = StoredVersion(
             tenant,
             name,

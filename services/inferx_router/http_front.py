@@ -31,8 +31,9 @@ from starlette.routing import Route
 from inferx.auth.limits import QuotaExceeded, TenantQuotas, TierNotAllowed
 from inferx.auth.model import Principal, TenantLimits
 from inferx.errors import InferxError
+from inferx.limits import RequestLimits
 from inferx.openai_compat import schema
-from inferx.openai_compat.errors import InvalidField, ModelNotFound, error_body, error_reply
+from inferx.openai_compat.errors import BodyTooLarge, InvalidField, ModelNotFound, error_body, error_reply
 from inferx.openai_compat.identity import ProgramIdentity, parse_identity
 from inferx.openai_compat.render import render_chat
 from inferx.pools import PoolDirectory
@@ -90,6 +91,7 @@ class OpenAIFront:
         access: AccessControl,
         quotas: TenantQuotas,
         programs: ProgramBook | None = None,
+        request_limits: RequestLimits | None = None,
     ) -> None:
         self._access = access
         self._quotas = quotas
@@ -97,6 +99,7 @@ class OpenAIFront:
         self._executor = executor
         self._default_timeout_ms = int(default_timeout_s * 1000)
         self._programs = programs or ProgramBook()
+        self._request_limits = request_limits or RequestLimits()
         self._created = int(time.time())
 
     def app(self) -> Starlette:
@@ -127,14 +130,14 @@ class OpenAIFront:
     async def chat_completions(self, request: Request) -> Response:
         who = self._caller(request)
         identity = parse_identity(request.headers)
-        body = schema.parse_body(schema.ChatCompletionRequest, await request.body())
+        body = schema.parse_body(schema.ChatCompletionRequest, await self._body(request))
         prompt = render_chat(body.messages, body.tools, body.tool_choice)
         return await self._admitted(who, identity, body, prompt, chat=True)
 
     async def completions(self, request: Request) -> Response:
         who = self._caller(request)
         identity = parse_identity(request.headers)
-        body = schema.parse_body(schema.CompletionRequest, await request.body())
+        body = schema.parse_body(schema.CompletionRequest, await self._body(request))
         return await self._admitted(who, identity, body, body.prompt_text, chat=False)
 
     async def _admitted(
@@ -169,6 +172,20 @@ class OpenAIFront:
         record = self._access.directory.tenant(tenant) if self._access.directory is not None else None
         return record.limits if record is not None else TenantLimits()
 
+    async def _body(self, request: Request) -> bytes:
+        """The request body, read no further than --http-max-body-bytes (413 past it)."""
+        limit = self._request_limits.http_max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise BodyTooLarge(int(declared), limit)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(None, limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     # ----- one call -----------------------------------------------------------------
 
     async def _serve(
@@ -184,11 +201,15 @@ class OpenAIFront:
             raise ModelNotFound(body.model)
         if not prompt:
             raise InvalidField("prompt", "empty")
+        tokens = body.output_tokens()
+        param = body.output_tokens_param()
+        if problem := self._request_limits.output_tokens_problem(param, tokens):
+            raise InvalidField(param, problem.removeprefix(f"{param}: "))
         call = Call(
             call_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             model=body.model,
             prompt=prompt,
-            max_tokens=body.output_tokens(),
+            max_tokens=tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
         )
         hop, timeout_s = program_hop(

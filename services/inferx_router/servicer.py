@@ -17,6 +17,7 @@ from inferx.chain.plan import LearnedLatency
 from inferx.chain.validate import load_chain_text, required_inputs
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from inferx.limits import RequestLimits
 from inferx.pools import PoolDirectory, no_worker_message
 from inferx.v1 import (
     memory_pool_pb2,
@@ -51,6 +52,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         access: AccessControl,
         quotas: TenantQuotas,
         etcd_client: aetcd.Client,
+        request_limits: RequestLimits | None = None,
     ) -> None:
         self._store = store
         self._directory = directory
@@ -59,6 +61,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._tools = tools
         self._load = load
         self._max_active_runs = max_active_runs
+        self._request_limits = request_limits or RequestLimits()
         self._active_runs = 0
         self._executor = SchedulerExecutor(services, channels)
         self._access = access
@@ -105,6 +108,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 f"the router is running {self._active_runs} chains (its limit); retry shortly",
                 retry_after_s=1.0,
             )
+        self._request_limits.check_inputs(request.inputs)
         tenant = caller().tenant
         chain = await self._store.resolve(tenant, request.chain, request.version, request.label)
         inputs = self._check_inputs(chain, dict(request.inputs))
@@ -153,7 +157,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     # ----- chain configs ------------------------------------------------------------
 
     async def ValidateChain(self, request, context):
-        validated = load_chain_text(request.config, source="config")
+        validated = load_chain_text(request.config, source="config", limits=self._request_limits)
         return router_pb2.ValidateChainResponse(name=validated.config.name, warnings=validated.warnings)
 
     async def PutChain(self, request, context):
@@ -169,6 +173,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             author=request.author if self._access.insecure and request.author else who.label,
             expect_version=request.expect_version,
             activate=not request.no_activate,
+            limits=self._request_limits,
         )
         audit("chain.put", stored.name, version=stored.version, active=active)
         return router_pb2.PutChainResponse(name=stored.name, version=stored.version, active=active)

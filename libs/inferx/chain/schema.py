@@ -67,6 +67,12 @@ COMMON_NODE_KEYS = (
 )
 TYPE_NODE_KEYS: dict[str, tuple[str, ...]] = {name: node_kind(name).keys for name in NODE_TYPES}
 
+# Bounds every config has, whatever a router's limits say: counts travel as uint32 on
+# the wire, run deadlines as int64 unix milliseconds, and temperature as OpenAI defines it.
+MAX_UINT32 = 2**32 - 1
+MAX_DURATION_MS = 30 * 24 * 3_600_000.0  # 30 days: any timeout, SLO or cache TTL
+MAX_TEMPERATURE = 2.0
+
 _ID_RE = re.compile(NODE_ID_RE)
 _INPUT_RE = re.compile(INPUT_NAME_RE)
 
@@ -96,12 +102,24 @@ def _check_identifier(value: str) -> str:
 _DURATION_SCHEMA = {
     "anyOf": [
         {"type": "string", "pattern": r"^\s*(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*(ms|s|m|h)?\s*$"},
-        {"type": "number", "exclusiveMinimum": 0},
+        {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_DURATION_MS},
     ],
-    "description": "positive duration: '500ms', '3s', '1.5s', '2m', or a number of milliseconds",
+    "description": "positive duration of at most 30 days: '500ms', '3s', '1.5s', '2m', "
+    "or a number of milliseconds",
 }
+
+
+def _at_most_max_duration(ms: float) -> float:
+    if ms > MAX_DURATION_MS:
+        raise ValueError(f"must be at most 30 days ({MAX_DURATION_MS:.0f}ms), got {ms:g}ms")
+    return ms
+
+
 DurationMs = Annotated[
-    float, BeforeValidator(_unit_free(parse_duration_ms)), WithJsonSchema(_DURATION_SCHEMA)
+    float,
+    BeforeValidator(_unit_free(parse_duration_ms)),
+    AfterValidator(_at_most_max_duration),
+    WithJsonSchema(_DURATION_SCHEMA),
 ]
 AvailabilityFraction = Annotated[
     float,
@@ -165,19 +183,19 @@ class NodeSpec(BaseModel):
     depends_on: list[str] = Field(default_factory=list)
     prompt: str | None = None
     arguments: dict[str, str] = Field(default_factory=dict)
-    max_tokens: int = Field(DEFAULT_MAX_TOKENS, gt=0)
-    temperature: float = Field(0.0, ge=0, allow_inf_nan=False)
+    max_tokens: int = Field(DEFAULT_MAX_TOKENS, gt=0, le=MAX_UINT32)
+    temperature: float = Field(0.0, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
     fallback_model: str | None = None
     critical: bool = True
     retries: int = Field(0, ge=0, le=10)
     idempotent: bool = True
-    max_context_tokens: int | None = Field(None, gt=0)
+    max_context_tokens: int | None = Field(None, gt=0, le=MAX_UINT32)
     context_overflow: Literal["reject", "truncate"] = "reject"
     cache_ttl_ms: DurationMs = Field(300_000.0, alias="cache_ttl")
     priority: Literal["high", "medium", "normal", "low"] = "normal"
     cacheable: bool = False
     timeout_ms: DurationMs = Field(30_000.0, alias="timeout")
-    limit: int = Field(5, gt=0)
+    limit: int = Field(5, gt=0, le=MAX_UINT32)
     # Degradation: the output to return when the node fails and nothing better is
     # available (after retries, fallback model and the last cached result).
     fallback_output: str | None = None

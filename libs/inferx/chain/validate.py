@@ -49,11 +49,13 @@ from inferx.chain.schema import (
     suggest,
 )
 from inferx.chain.template import check_template, references
+from inferx.limits import RequestLimits
 
 __all__ = [
     "ChainConfigError",
     "ValidatedChain",
     "critical_path",
+    "load_chain_document",
     "load_chain_text",
     "required_inputs",
     "sinks",
@@ -101,6 +103,23 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> dict[Any, Any
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
+def _construct_str(loader: _Loader, node: yaml.ScalarNode) -> str:
+    """Strings, with the surrogate pairs of JSON-style escapes joined: YAML reads
+    "\\ud83d\\ude00" as two lone surrogates where JSON means one character. A lone one
+    stays, and `_parse` reports it."""
+    value = loader.construct_scalar(node)
+    assert isinstance(value, str)
+    if _is_unicode(value):
+        return value
+    try:
+        return value.encode("utf-16", "surrogatepass").decode("utf-16")
+    except UnicodeDecodeError:
+        return value
+
+
+_Loader.add_constructor("tag:yaml.org,2002:str", _construct_str)
+
+
 def _parse(text: str, source: str) -> Any:
     if len(text) > MAX_CONFIG_CHARS:
         raise ChainConfigError([f"{source}: config is larger than {MAX_CONFIG_CHARS} characters"])
@@ -124,9 +143,23 @@ def _parse(text: str, source: str) -> Any:
             raise ChainConfigError([f"{source}: config has more than {MAX_CONFIG_VALUES} values"])
         if isinstance(value, dict):
             stack.extend(value.values())
+            stack.extend(key for key in value if isinstance(key, str))
         elif isinstance(value, list):
             stack.extend(value)
+        elif isinstance(value, str) and not _is_unicode(value):
+            # YAML and JSON escapes can spell a lone UTF-16 surrogate ("\ud800"): not
+            # text, and nothing downstream (protobuf, etcd, error messages) can carry it.
+            shown = value.encode("utf-8", "backslashreplace").decode()
+            raise ChainConfigError([f"{source}: '{shown[:60]}': not valid Unicode (a lone surrogate)"])
     return document
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _unwrap(document: Any, source: str) -> Mapping[str, Any]:
@@ -153,20 +186,53 @@ def _unwrap(document: Any, source: str) -> Mapping[str, Any]:
     return document["agent_chain"]
 
 
-def load_chain_text(text: str, *, strict: bool = False, source: str = "<config>") -> ValidatedChain:
-    """Parse and fully check a chain config (YAML or JSON text)."""
-    chain = _unwrap(_parse(text, source), source)
+def load_chain_text(
+    text: str, *, strict: bool = False, source: str = "<config>", limits: RequestLimits | None = None
+) -> ValidatedChain:
+    """Parse and fully check a chain config (YAML or JSON text). With `limits` (a
+    router's), a config over its size, node or output-token limits is refused too."""
+    if limits is not None and (problem := limits.config_problem(text)):
+        raise ChainConfigError([problem])  # before parsing: its size is the problem
+    return load_chain_document(_parse(text, source), strict=strict, source=source, limits=limits)
+
+
+def load_chain_document(
+    document: Any, *, strict: bool = False, source: str = "<config>", limits: RequestLimits | None = None
+) -> ValidatedChain:
+    """Fully check an already parsed config document (``{"agent_chain": {...}}``), e.g.
+    a version read back from etcd: the text-size caps of `load_chain_text` do not apply."""
+    chain = _unwrap(document, source)
+    raw_nodes = chain.get("nodes")
+    if limits is not None and isinstance(raw_nodes, list):
+        if problem := limits.nodes_problem(len(raw_nodes)):
+            raise ChainConfigError([problem])  # before checking each of them
     try:
         config = ChainConfig.model_validate(chain)
     except ValidationError as exc:
         problems = describe_validation_error(exc, chain)
-        raw_nodes = chain.get("nodes")
         if isinstance(raw_nodes, list):
             extra = _graph_problems(_raw_views(raw_nodes), _raw_declared_inputs(chain.get("inputs")))
             problems += [problem for problem in extra if problem not in problems]
         raise ChainConfigError(problems) from None
-    warnings = validate_chain(config, strict=strict)
+    limit_problems = _limit_problems(config, limits) if limits is not None else []
+    try:
+        warnings = validate_chain(config, strict=strict)
+    except ChainConfigError as exc:
+        raise ChainConfigError(limit_problems + exc.problems) from None
+    if limit_problems:
+        raise ChainConfigError(limit_problems)
     return ValidatedChain(config, warnings, ChainPlan.build(config))
+
+
+def _limit_problems(config: ChainConfig, limits: RequestLimits) -> list[str]:
+    """A router's limits on a typed config (the node count is checked earlier, raw)."""
+    problems = []
+    for node in config.nodes:
+        if node.kind.is_model and (
+            problem := limits.output_tokens_problem(f"node '{node.id}': max_tokens", node.max_tokens)
+        ):
+            problems.append(problem)
+    return problems
 
 
 def validate_chain(config: ChainConfig, strict: bool = False) -> list[str]:

@@ -3,8 +3,9 @@
 The body is what OpenAI's API sends (and its SDKs parse):
 `{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}`, with the HTTP
 status the SDKs turn into their exception classes (400 BadRequestError, 404
-NotFoundError, 429 RateLimitError, ...). Anything that is not an `InferxError` is a
-bug: a 500 with a generic message, never a traceback.
+NotFoundError, 413 for a body over the router's limit, 429 RateLimitError, ...).
+Anything that is not an `InferxError` is a bug: a 500 with a generic message, never a
+traceback.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from inferx.errors import (
     Unauthenticated,
     Unavailable,
 )
+from inferx.limits import LimitExceeded, format_bytes
 
 
 class InvalidField(InvalidArgument):
@@ -34,6 +36,20 @@ class InvalidField(InvalidArgument):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(f"{param}: {message}")
         self.param = param
+
+
+class BodyTooLarge(LimitExceeded):
+    """A request body over the router's --http-max-body-bytes: a 413. `size` is None
+    when the body had no Content-Length and reading stopped at the limit."""
+
+    def __init__(self, size: int | None, limit: int) -> None:
+        flag = "--http-max-body-bytes"
+        unknown = f"body: larger than the router's limit of {format_bytes(limit)} ({flag})"
+        super().__init__(
+            "body", limit + 1 if size is None else size, limit, flag, message=unknown if size is None else ""
+        )
+        self.param = "body"
+        self.code_name = "request_too_large"
 
 
 class ModelNotFound(NotFound):
@@ -52,6 +68,7 @@ class ErrorReply:
 
 # (domain error, HTTP status, OpenAI error type, code); the first match wins.
 _TABLE: tuple[tuple[type[InferxError], int, str, str], ...] = (
+    (BodyTooLarge, 413, "invalid_request_error", "request_too_large"),
     (InvalidArgument, 400, "invalid_request_error", "invalid_argument"),
     (FailedPrecondition, 400, "invalid_request_error", "failed_precondition"),
     (Unauthenticated, 401, "authentication_error", "invalid_api_key"),

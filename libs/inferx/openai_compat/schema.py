@@ -64,7 +64,13 @@ class CallRequest(BaseModel):
     n: int = Field(1, ge=1, le=1, description="one choice per call (n > 1 is not supported)")
 
     def output_tokens(self) -> int:
+        """Tokens the call may generate; unbounded here: the router checks its limit
+        (--max-output-tokens, at most what the wire's uint32 holds)."""
         return self.max_tokens or DEFAULT_MAX_TOKENS
+
+    def output_tokens_param(self) -> str:
+        """The field `output_tokens` comes from, for error messages."""
+        return "max_tokens"
 
     @property
     def include_usage(self) -> bool:
@@ -79,6 +85,9 @@ class ChatCompletionRequest(CallRequest):
 
     def output_tokens(self) -> int:
         return self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
+
+    def output_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
 
 class CompletionRequest(CallRequest):
@@ -124,6 +133,12 @@ def parse_body(model: type[M], raw: bytes) -> M:
         raise InvalidField("body", f"not valid JSON ({exc})") from None
     if not isinstance(data, dict):
         raise InvalidField("body", f"expected a JSON object, got {type(data).__name__}")
+    try:  # JSON's \uXXXX escapes can spell a lone UTF-16 surrogate, which is not text
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidField(
+            "body", "a string holds a lone UTF-16 surrogate (\\uD800-\\uDFFF): not valid Unicode"
+        ) from None
     try:
         return model.model_validate(data)
     except ValidationError as exc:
