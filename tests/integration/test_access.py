@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -242,3 +244,32 @@ def test_admin_actions_are_audited(stack: LocalStack, admin_token: str) -> None:
     asyncio.run(act())
     log = Path(stack.services["router"].log_path).read_text()
     assert "principal=default/inferx-up action=tenant.create target=audited" in log
+
+
+def _inferx(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "inferx.cli.main", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+async def test_bootstrap_writes_an_admin_token_only_with_etcd_credentials(stack: LocalStack) -> None:
+    """`inferx token create --bootstrap`: the first token, straight to etcd; an operator
+    without etcd's client certificate cannot mint one."""
+    assert stack.tls is not None
+    refused = _inferx("token", "create", "--bootstrap", "--etcd", stack.etcd_endpoint)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert refused.stderr.startswith("inferx: INVALID_ARGUMENT: cannot write to etcd")
+    tls = [
+        "--etcd-ca",
+        str(stack.tls.ca),
+        "--etcd-cert",
+        str(stack.tls.cert),
+        "--etcd-key",
+        str(stack.tls.key),
+    ]
+    made = _inferx("token", "create", "--bootstrap", "--etcd", stack.etcd_endpoint, "--name", "ops", *tls)
+    assert made.returncode == 0, made.stderr
+    token = made.stdout.strip()
+    async with router(stack) as stub:
+        me = await stub.WhoAmI(router_pb2.WhoAmIRequest(), metadata=auth(token), timeout=10)
+    assert (me.tenant, me.role, me.token_name) == ("default", "admin", "ops")

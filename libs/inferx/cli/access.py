@@ -102,9 +102,17 @@ async def cmd_tenant_list(args: argparse.Namespace) -> int:
 async def cmd_token_create(args: argparse.Namespace) -> int:
     ttl_s = parse_duration(args.ttl) if args.ttl else 0.0
     if args.bootstrap:
+        if args.tenant not in ("", "default") or args.role not in (None, "admin") or args.ttl:
+            raise InvalidArgument(
+                "--bootstrap always makes an admin token of tenant 'default' that never expires"
+            )
         return await _bootstrap(args)
+    if args.etcd or args.etcd_ca or args.etcd_cert or args.etcd_key or args.etcd_server_name:
+        raise InvalidArgument(
+            "the --etcd flags are for --bootstrap; other tokens are made through the router"
+        )
     async with _client(args) as client:
-        reply = await client.create_token(args.tenant, args.role, ttl_s=ttl_s, name=args.name or "")
+        reply = await client.create_token(args.tenant, args.role or "run", ttl_s=ttl_s, name=args.name or "")
     if args.json:
         print(json.dumps({"token": reply.token, **_as_dict(reply.info)}))
     else:
@@ -119,13 +127,15 @@ async def cmd_token_create(args: argparse.Namespace) -> int:
 async def _bootstrap(args: argparse.Namespace) -> int:
     from inferx.auth.store import bootstrap_admin_token
     from inferx.etcd import ETCD_DOWN_ERRORS, make_client
+    from inferx.tls import ETCD_FLAGS, TlsError, TlsFiles
 
     if not args.etcd:
         raise InvalidArgument("--bootstrap needs --etcd HOST:PORT (the token is written straight to etcd)")
     try:
-        client = make_client(args.etcd)
-    except ValueError as exc:
-        raise InvalidArgument(f"--etcd: {exc}") from None
+        tls = TlsFiles.from_options(args.etcd_ca or "", args.etcd_cert or "", args.etcd_key or "", ETCD_FLAGS)
+        client = make_client(args.etcd, tls=tls, server_name=args.etcd_server_name or None)
+    except (ValueError, TlsError) as exc:
+        raise InvalidArgument(str(exc)) from None
     try:
         token = await bootstrap_admin_token(client, name=args.name or "bootstrap")
     except ETCD_DOWN_ERRORS as exc:
@@ -190,7 +200,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser, c
     token_sub = token.add_subparsers(dest="token_command", required=True, metavar="ACTION")
     tcreate = token_sub.add_parser("create", parents=[common], help="issue a token (printed once)")
     tcreate.add_argument("--tenant", default="", help="the tenant (default: your token's)")
-    tcreate.add_argument("--role", choices=["run", "manage", "admin"], default="run")
+    tcreate.add_argument("--role", choices=["run", "manage", "admin"], help="default: run")
     tcreate.add_argument("--ttl", help="lifetime, e.g. 3600, 15m, 12h, 30d (default: never expires)")
     tcreate.add_argument("--name", help="what the token is for")
     tcreate.add_argument(
@@ -199,6 +209,14 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser, c
         help="write the first admin token of tenant 'default' straight to etcd (needs --etcd)",
     )
     tcreate.add_argument("--etcd", metavar="HOST:PORT", help="with --bootstrap: etcd to write to")
+    tcreate.add_argument("--etcd-ca", metavar="PEM", help="with --bootstrap: etcd's CA (etcd over TLS)")
+    tcreate.add_argument("--etcd-cert", metavar="PEM", help="with --bootstrap: your etcd client certificate")
+    tcreate.add_argument("--etcd-key", metavar="PEM", help="with --bootstrap: the key of --etcd-cert")
+    tcreate.add_argument(
+        "--etcd-server-name",
+        metavar="NAME",
+        help="with --bootstrap: verify etcd by this name on its certificate",
+    )
     tcreate.set_defaults(handler=cmd_token_create)
     revoke = token_sub.add_parser("revoke", parents=[common], help="revoke a token on every router")
     revoke.add_argument("token_id")
