@@ -19,7 +19,7 @@ import grpc
 import httpx
 import pytest
 
-from inferx.devstack import LocalStack
+from inferx.devstack import LocalStack, wait_serving
 from inferx.tls import Transport
 from inferx.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.conftest import EXAMPLES, running_sim_stack
@@ -48,10 +48,10 @@ def admin_token(stack: LocalStack) -> str:
 
 
 @contextlib.asynccontextmanager
-async def router(stack: LocalStack) -> AsyncIterator[router_pb2_grpc.RouterStub]:
+async def router(stack: LocalStack, address: str = "") -> AsyncIterator[router_pb2_grpc.RouterStub]:
     """A channel to the router as an outside caller: TLS against the stack's CA, no client certificate."""
     assert stack.tls_ca is not None
-    async with Transport.server_auth(stack.tls_ca).aio_channel(stack.router_address) as channel:
+    async with Transport.server_auth(stack.tls_ca).aio_channel(address or stack.router_address) as channel:
         yield router_pb2_grpc.RouterStub(channel)
 
 
@@ -121,21 +121,33 @@ async def test_every_method_refuses_missing_expired_and_revoked_tokens(
                 assert code == grpc.StatusCode.UNAUTHENTICATED, (method, token and token[:12], code)
 
 
-async def test_revocation_reaches_the_router_within_a_second(stack: LocalStack, admin_token: str) -> None:
-    async with router(stack) as stub:
-        token = await make_token(stub, admin_token, "default", "run")
-        assert await status_of(stub, "WhoAmI", router_pb2.WhoAmIRequest(), token) == grpc.StatusCode.OK
-        revoked_at = time.monotonic()
-        await stub.RevokeToken(
-            router_pb2.RevokeTokenRequest(token_id=token), metadata=auth(admin_token), timeout=10
-        )
+async def test_revocation_reaches_every_router_within_a_second(stack: LocalStack, admin_token: str) -> None:
+    """Revoked through the first router, refused by a second one too (each watches etcd)."""
+    second = stack.start_service("router", replica=1)
+    wait_serving(second, 60)
+    try:
+        async with router(stack) as first, router(stack, second.address) as other:
+            token = await make_token(first, admin_token, "default", "run")
+            for stub in (first, other):
+                assert (
+                    await status_of(stub, "WhoAmI", router_pb2.WhoAmIRequest(), token) == grpc.StatusCode.OK
+                )
+            revoked_at = time.monotonic()
+            await first.RevokeToken(
+                router_pb2.RevokeTokenRequest(token_id=token), metadata=auth(admin_token), timeout=10
+            )
 
-        async def refused() -> bool:
-            code = await status_of(stub, "WhoAmI", router_pb2.WhoAmIRequest(), token)
-            return code == grpc.StatusCode.UNAUTHENTICATED
+            async def refused_by_both() -> bool:
+                codes = [
+                    await status_of(s, "WhoAmI", router_pb2.WhoAmIRequest(), token) for s in (first, other)
+                ]
+                return codes == [grpc.StatusCode.UNAUTHENTICATED] * 2
 
-        await poll_until(refused, timeout_s=1.0, interval_s=0.02, what="the revoked token to be refused")
-        assert time.monotonic() - revoked_at < 1.0
+            await poll_until(refused_by_both, timeout_s=1.0, interval_s=0.02, what="both routers to refuse")
+            assert time.monotonic() - revoked_at < 1.0
+    finally:
+        second.stop()
+        del stack.services["router-1"]
 
 
 async def test_roles_and_tenant_isolation(stack: LocalStack, admin_token: str) -> None:
