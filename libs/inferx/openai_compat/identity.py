@@ -57,6 +57,7 @@ SESSION_HEADERS: tuple[tuple[str, str | None, str | None], ...] = (
 )
 
 MAX_DEADLINE_MS = 86_400_000
+MAX_SECONDS = 1e15  # seconds given in a body are capped here before any arithmetic
 MAX_CONTEXT_CHARS = 16 * 1024  # agentic_context given as a JSON string
 DEFAULT_PROGRAM_NAME = "openai"
 DEFAULT_PRIORITY = 2  # a chain node's default priority rank ("normal"; 0 high .. 3 low)
@@ -233,11 +234,14 @@ class _Fields:
         if found is None:
             return None
         name, value = found
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, int | float):
             raise InvalidField(self.param(name), "expected a number of seconds")
         if value < 0:
             raise InvalidField(self.param(name), f"expected at least 0 seconds, got {value}")
-        return float(value)
+        seconds = float(min(value, MAX_SECONDS))  # a huge integer would not convert
+        if not math.isfinite(seconds):
+            raise InvalidField(self.param(name), "expected a number of seconds")
+        return seconds
 
     def reject_unknown(self) -> None:
         unknown = sorted(set(self.data) - self.known)
@@ -318,7 +322,7 @@ def _agentic_context(body: Mapping[str, Any]) -> _Given | None:
         raise InvalidField(fields.param("parent_program_id"), "must differ from the program id")
     deadline_ms = None
     if deadline_s is not None:
-        deadline_ms = check_deadline_ms(fields.param("deadline"), math.ceil(deadline_s * 1000))
+        deadline_ms = check_deadline_ms(fields.param("deadline"), math.ceil(min(deadline_s, 1e12) * 1000))
     return _Given(
         program_id=program,
         tier=parse_tier(fields.param("tier"), tier_name) if tier_name is not None else None,
