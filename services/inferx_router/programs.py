@@ -73,7 +73,8 @@ class Program:
     first_hop_index: int = 0  # the scheduler's hop index of this record's first call
     calls: int = 0  # calls begun in this record
     in_flight: int = 0
-    ending: bool = False  # its last call has begun
+    ending: bool = False  # its last call has begun (or its record is full)
+    ending_reason: str = END  # why it ends once its calls in flight finish
     ended: str = ""  # why it ended (END, IDLE, ...); "" while open
     last_finished: str = ""  # the node id of the call that finished last
     depends_on: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -149,7 +150,10 @@ class ProgramBook:
         if program is not None and program.calls >= MAX_CALLS_PER_RECORD:
             del self._open[key]
             first_hop_index = program.first_hop_index + program.calls
-            self._end(program, FULL)
+            if program.in_flight:  # it ends when they finish
+                program.ending, program.ending_reason = True, FULL
+            else:
+                self._end(program, FULL)
             program = None
         if program is None:
             program = self._start(tenant, identity, now, trace_id, first_hop_index)
@@ -190,7 +194,7 @@ class ProgramBook:
             program.finished.latency_ms, program.starts_ms[ticket.node_id] + kept.latency_ms
         )
         if program.ending and program.in_flight == 0 and not program.ended:
-            self._end(program, END)
+            self._end(program, program.ending_reason)
 
     def sweep(self) -> list[Program]:
         """End the programs idle for `idle_s` (no call in flight); the ones ended."""

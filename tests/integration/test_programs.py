@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -30,6 +32,7 @@ pytestmark = pytest.mark.integration
 
 MODEL = "qwen-7b"
 IDLE_S = 3.0
+INFERX = str(Path(sys.executable).with_name("inferx"))
 
 
 @pytest.fixture(scope="module")
@@ -330,3 +333,20 @@ def test_the_same_program_id_from_two_fronts_at_once_is_one_program(stack: Local
         assert sorted(h.node_id for h in trace.finished.hops) == ["call-0", "call-1", "call-2"]
 
     asyncio.run(both())
+
+
+def test_inferx_call_streams_a_call_and_inferx_trace_shows_its_program(stack: LocalStack) -> None:
+    program = f"cli-{uuid.uuid4().hex[:8]}"
+    router = ["--router", stack.router_address]
+    called = subprocess.run(
+        [INFERX, "call", MODEL, "Where is order 9?", "--program", program, "--max-tokens", "6", *router],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert called.returncode == 0, called.stderr
+    assert called.stdout.strip() and f"program {program} call 0" in called.stderr
+    assert "tokens" in called.stderr and "/ 6 out" in called.stderr
+    traced = subprocess.run([INFERX, "trace", program, *router], capture_output=True, text=True, timeout=60)
+    assert traced.returncode == 0, traced.stderr
+    assert f"openai  program {program}" in traced.stdout and "running: 1 call so far" in traced.stdout

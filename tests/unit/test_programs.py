@@ -162,6 +162,20 @@ def test_a_full_record_rolls_over_and_the_hop_index_keeps_counting(monkeypatch: 
     assert [p.ended for p in ended] == ["full"] and len(ended[0].finished.hops) == 3
 
 
+def test_a_full_record_with_a_call_in_flight_ends_when_that_call_finishes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(programs, "MAX_CALLS_PER_RECORD", 2)
+    clock = Clock()
+    book, ended = book_with(clock)
+    one_call(book, clock, ProgramIdentity("long"), 0.01)
+    slow = book.begin(ProgramIdentity("long"), tenant="acme")
+    next_record = book.begin(ProgramIdentity("long"), tenant="acme")
+    assert next_record.program is not slow.program and ended == []
+    book.finish(slow, result())
+    assert [(p.ended, len(p.finished.hops)) for p in ended] == [("full", 2)]
+
+
 def test_past_capacity_the_least_recently_active_idle_program_is_evicted() -> None:
     clock = Clock()
     book, ended = book_with(clock, capacity=2)
@@ -387,3 +401,12 @@ def test_call_model_takes_the_grpc_deadline_when_it_gives_none() -> None:
     request.deadline_ms = 900
     identity = request_identity(request, 2.5)
     assert identity.deadline_ms == 900 and identity.tier == Tier.REALTIME and identity.program_id == "p"
+
+
+def test_the_cli_registers_inferx_call() -> None:
+    from inferx.cli import call
+    from inferx.cli.main import build_parser
+
+    args = build_parser().parse_args(["call", "m", "hi", "--program", "p", "--end", "--tier", "realtime"])
+    assert args.handler is call.cmd_call and (args.model, args.prompt) == ("m", "hi")
+    assert args.program == "p" and args.end and args.tier == "realtime" and args.max_tokens == 0

@@ -103,15 +103,11 @@ def _program_lines(trace: router_pb2.RunTrace) -> list[Text]:
     finished = trace.finished
     program = f"  program {trace.program_id}" if trace.program_id else ""
     lines = [Text.assemble((trace.chain, "bold"), f"{program}  run {finished.run_id}  {trace.tier}")]
+    calls = f"{len(finished.hops)} call" + ("" if len(finished.hops) == 1 else "s")
     if finished.status == "running":
-        lines.append(
-            Text.assemble(
-                ("running", "yellow"), f": {len(finished.hops)} calls so far, {fmt_ms(finished.latency_ms)}"
-            )
-        )
+        lines.append(Text.assemble(("running", "yellow"), f": {calls} so far, {fmt_ms(finished.latency_ms)}"))
     else:
         style = "green" if finished.status == "ok" else "red"
-        calls = f"{len(finished.hops)} call" + ("" if len(finished.hops) == 1 else "s")
         lines.append(Text.assemble((finished.status, style), f": {calls} in {fmt_ms(finished.latency_ms)}"))
     if trace.parent_program_id:
         lines.append(Text(f"started by program {trace.parent_program_id}", "dim"))
