@@ -13,6 +13,7 @@ import pytest
 from inferx.auth.limits import TenantQuotas
 from inferx.auth.model import Principal, Role
 from inferx.errors import InvalidArgument, NotFound, Unavailable
+from inferx.limits import RequestLimits
 from inferx.openai_compat import schema
 from inferx.openai_compat.errors import InvalidField, ModelNotFound
 from inferx.openai_compat.identity import ProgramIdentity
@@ -332,6 +333,21 @@ async def test_closing_the_stream_early_cancels_the_call_and_records_it() -> Non
     for _ in range(5):
         await asyncio.sleep(0)
     assert store.find("p", tenant="acme").finished.hops[0].status == "cancelled"
+
+
+def test_call_model_is_held_to_the_routers_output_token_limit() -> None:
+    calls = ProgramCalls(
+        PoolDirectory(model_to_pool={"m": "pool"}),
+        FakeExecutor(),
+        access=AccessControl(None),
+        quotas=TenantQuotas(),
+        default_timeout_s=30,
+        book=ProgramBook(RunStore()),
+        request_limits=RequestLimits(max_output_tokens=8),
+    )
+    with pytest.raises(InvalidField) as caught:
+        calls.prepare(request_body(router_pb2.ProgramCallRequest(model="m", prompt="p", max_tokens=9)))
+    assert caught.value.param == "max_tokens" and "--max-output-tokens" in caught.value.message
 
 
 def test_unknown_models_and_empty_prompts_are_refused_before_any_hop() -> None:
