@@ -3,9 +3,11 @@ InferxError exceptions (one mapping, in inferx.errors) instead of raw gRPC error
 
 from __future__ import annotations
 
+import json
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -28,6 +30,21 @@ def _interceptors() -> list[grpc.aio.ClientInterceptor]:
     from inferx import telemetry
 
     return telemetry.client_interceptors()
+
+
+def _program_message(message: Mapping[str, Any]) -> router_pb2.ProgramMessage:
+    """An OpenAI-shaped chat message as CallModel takes it."""
+    content = message.get("content") or ""
+    if not isinstance(content, str):  # a list of text parts
+        content = "".join(part.get("text", "") for part in content if isinstance(part, Mapping))
+    tool_calls = message.get("tool_calls")
+    return router_pb2.ProgramMessage(
+        role=str(message.get("role", "")),
+        content=content,
+        name=str(message.get("name") or ""),
+        tool_call_id=str(message.get("tool_call_id") or ""),
+        tool_calls_json=json.dumps(list(tool_calls)) if tool_calls else "",
+    )
 
 
 class InferxClient:
@@ -96,6 +113,60 @@ class InferxClient:
         )
         try:
             async for event in self._stub.RunChain(request, timeout=self._timeout_s, metadata=self._metadata):
+                yield event
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, target=f"the router at {self.address}") from None
+
+    async def call_model(
+        self,
+        model: str,
+        prompt: str = "",
+        *,
+        messages: Sequence[Mapping[str, Any]] = (),
+        tools: Sequence[Mapping[str, Any]] = (),
+        tool_choice: str | Mapping[str, Any] | None = None,
+        max_tokens: int = 0,
+        temperature: float | None = None,
+        program_id: str = "",
+        program_name: str = "",
+        tier: common_pb2.Tier = common_pb2.TIER_UNSPECIFIED,
+        deadline_ms: int = 0,
+        program_end: bool = False,
+        parent_program_id: str = "",
+        priority: int = 0,
+    ) -> AsyncIterator[router_pb2.ProgramCallEvent]:
+        """One model call of a dynamic program (`Router.CallModel`): the text as it is
+        generated (`event.text`), then `event.finished` (usage, finish reason, worker,
+        the program's run id). A prompt, or OpenAI-shaped chat `messages` (role,
+        content, name, tool_call_id, tool_calls) with optional `tools` / `tool_choice`.
+        Calls with the same `program_id` are hops of one program (`inferx trace`)."""
+        request = router_pb2.ProgramCallRequest(
+            model=model,
+            prompt=prompt,
+            messages=[_program_message(m) for m in messages],
+            tools_json=json.dumps(list(tools)) if tools else "",
+            tool_choice_json=(
+                tool_choice
+                if isinstance(tool_choice, str)
+                else json.dumps(tool_choice)
+                if tool_choice is not None
+                else ""
+            ),
+            max_tokens=max_tokens,
+            program_id=program_id,
+            program_name=program_name,
+            tier=tier,
+            deadline_ms=deadline_ms,
+            program_end=program_end,
+            parent_program_id=parent_program_id,
+            priority=priority,
+        )
+        if temperature is not None:
+            request.temperature = temperature
+        try:
+            async for event in self._stub.CallModel(
+                request, timeout=self._timeout_s, metadata=self._metadata
+            ):
                 yield event
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, target=f"the router at {self.address}") from None

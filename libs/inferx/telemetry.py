@@ -145,10 +145,24 @@ def trace_id_of(span: Span | None = None) -> str:
 
 
 @contextmanager
-def span(name: str, attributes: Mapping[str, Any] | None = None) -> Iterator[Span]:
-    """A child span of the current one, current while the block runs."""
-    with tracer().start_as_current_span(name, attributes=clean_attributes(attributes or {})) as current:
+def span(
+    name: str, attributes: Mapping[str, Any] | None = None, *, parent: otel_context.Context | None = None
+) -> Iterator[Span]:
+    """A child span of the current one (or of `parent`), current while the block runs."""
+    with tracer().start_as_current_span(
+        name, context=parent, attributes=clean_attributes(attributes or {})
+    ) as current:
         yield current
+
+
+def context_from_headers(headers: Mapping[str, str]) -> otel_context.Context | None:
+    """The trace context an HTTP caller sent (W3C `traceparent`), None when there is
+    none or this process records no spans."""
+    if not enabled() or not any(key.lower() == "traceparent" for key in headers):
+        return None
+    from opentelemetry import propagate
+
+    return propagate.extract(dict(headers))
 
 
 def clean_attributes(attributes: Mapping[str, Any]) -> dict[str, Any]:

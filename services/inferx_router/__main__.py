@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 
@@ -24,6 +25,8 @@ from inferx_router.executors import SchedulerExecutor
 from inferx_router.http_front import HttpServer, OpenAIFront
 from inferx_router.knowledge import KnowledgeBase
 from inferx_router.load import LoadMonitor
+from inferx_router.program_calls import ProgramCalls
+from inferx_router.programs import ProgramBook
 from inferx_router.servicer import RouterServicer
 from inferx_router.tools import ToolRouter
 
@@ -62,7 +65,15 @@ class RouterSettings(ServiceSettings):
         "/v1/models) on --host; 0 = off",
     )
     http_timeout_s: float = Field(
-        300.0, gt=0, description="time limit of an HTTP call that sets no X-InferX-Deadline-Ms"
+        300.0,
+        gt=0,
+        description="time limit of a program call (HTTP or CallModel) that sets no deadline of its own",
+    )
+    program_idle_s: float = Field(
+        300.0,
+        gt=0,
+        description="a dynamic program (OpenAI front, CallModel) with no call for this long ends: its record "
+        "is finished (the scheduler's hold of its KV lapses by itself)",
     )
     # Limits on what callers send (docs/limits.md). Over one: INVALID_ARGUMENT naming it
     # (HTTP 400, 413 for the body); over --max-request-bytes: gRPC's RESOURCE_EXHAUSTED.
@@ -92,7 +103,8 @@ class RouterSettings(ServiceSettings):
         RequestLimits.max_output_tokens,
         gt=0,
         le=MAX_UINT32,
-        description="max_tokens a model node (PutChain, ValidateChain) or an HTTP call may ask for",
+        description="max_tokens a model node (PutChain, ValidateChain) or a program call (HTTP, CallModel) "
+        "may ask for",
     )
     http_max_body_bytes: int = Field(
         RequestLimits.http_max_body_bytes,
@@ -146,16 +158,21 @@ class RouterComponent(ServiceComponent):
         access = AccessControl(auth)
         runtime.guard_calls(access.guard)
         quotas = TenantQuotas()  # one per router: gRPC runs and HTTP calls count alike
+        # Dynamic programs' calls: the HTTP front and Router.CallModel share one path.
+        self.calls = ProgramCalls(
+            self.directory,
+            SchedulerExecutor(self.services, self.channels),
+            access=access,
+            quotas=quotas,
+            default_timeout_s=settings.http_timeout_s,
+            book=ProgramBook(idle_s=settings.program_idle_s),
+            request_limits=settings.request_limits,
+        )
+        self._sweep_every_s = min(max(settings.program_idle_s / 4, 0.05), 5.0)
+        self._sweeper: asyncio.Task[None] | None = None
         self.http: HttpServer | None = None
         if settings.http_port:
-            front = OpenAIFront(
-                self.directory,
-                SchedulerExecutor(self.services, self.channels),
-                default_timeout_s=settings.http_timeout_s,
-                access=access,
-                quotas=quotas,
-                request_limits=settings.request_limits,
-            )
+            front = OpenAIFront(self.calls, access=access, request_limits=settings.request_limits)
             tls = runtime.security.service
             self.http = HttpServer(
                 front.app(),
@@ -179,6 +196,7 @@ class RouterComponent(ServiceComponent):
                 quotas=quotas,
                 etcd_client=runtime.etcd,
                 request_limits=settings.request_limits,
+                calls=self.calls,
             ),
             runtime.server,
         )
@@ -189,6 +207,7 @@ class RouterComponent(ServiceComponent):
         for mirror in self.mirrors:
             await mirror.wait_synced(timeout_s=30)
         self.load.start()
+        self._sweeper = asyncio.create_task(self._sweep_programs(), name="program-sweep")
         if self.http is not None:  # after the mirrors: the models are known from the first call
             try:
                 address = await self.http.start()
@@ -197,9 +216,18 @@ class RouterComponent(ServiceComponent):
             scheme = "https" if self.http.tls else "http"
             print(f"inferx-router OpenAI-compatible HTTP on {scheme}://{address}/v1", flush=True)
 
+    async def _sweep_programs(self) -> None:
+        """End dynamic programs idle past --program-idle-s (their records, their metrics)."""
+        while True:
+            await asyncio.sleep(self._sweep_every_s)
+            for program in self.calls.sweep():
+                log.debug("program %s of tenant %s ended: idle", program.program_id, program.tenant)
+
     async def stop(self) -> None:
         if self.http is not None:  # in-flight HTTP calls finish (up to the drain timeout)
             await self.http.stop()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         await self.load.close()
         for mirror in self.mirrors:
             await mirror.close()

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP front of the router (`--http-port`), served by uvicorn in
 the router process's own event loop.
 
-`POST /v1/chat/completions` and `POST /v1/completions` (each call one model hop, sent
+`POST /v1/chat/completions` and `POST /v1/completions` (each call one model hop of its
+program, run by `program_calls.ProgramCalls` -- the path `Router.CallModel` takes too --
 through the same `SchedulerExecutor` as declared chains' hops, so the scheduler's tiers,
 affinity and deadlines apply), `GET /v1/models`. Request parsing, the chat rendering,
 program identity, response shapes and error mapping are pure code in
@@ -12,36 +13,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import socket
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import uvicorn
+from opentelemetry import context as otel_context
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from inferx.auth.limits import QuotaExceeded, TenantQuotas, TierNotAllowed
-from inferx.auth.model import Principal, TenantLimits
+from inferx import telemetry
+from inferx.auth.model import Principal
 from inferx.errors import InferxError
 from inferx.limits import RequestLimits
 from inferx.openai_compat import schema
-from inferx.openai_compat.errors import BodyTooLarge, InvalidField, ModelNotFound, error_body, error_reply
+from inferx.openai_compat.errors import BodyTooLarge, error_body, error_reply
 from inferx.openai_compat.identity import ProgramIdentity, parse_identity
-from inferx.openai_compat.render import render_chat
-from inferx.pools import PoolDirectory
-from inferx_router import metrics
 from inferx_router.access import AccessControl
-from inferx_router.executors import SchedulerExecutor
-from inferx_router.hops import HopDone, ModelHop
-from inferx_router.programs import Call, ProgramBook, program_hop
+from inferx_router.hops import HopDone
+from inferx_router.program_calls import CallDone, ProgramCalls
+from inferx_router.programs import Call
 
 log = logging.getLogger("inferx.router.http")
 
@@ -79,26 +76,17 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 WORKER_HEADER = "X-InferX-Worker"  # the worker that ran the call (debugging, tests)
+RUN_HEADER = "X-InferX-Run"  # the run id of the call's program record (`inferx trace`; not streamed)
 
 
 class OpenAIFront:
+    """The HTTP I/O around `ProgramCalls`, the path `Router.CallModel` takes too."""
+
     def __init__(
-        self,
-        directory: PoolDirectory,
-        executor: SchedulerExecutor,
-        *,
-        default_timeout_s: float,
-        access: AccessControl,
-        quotas: TenantQuotas,
-        programs: ProgramBook | None = None,
-        request_limits: RequestLimits | None = None,
+        self, calls: ProgramCalls, *, access: AccessControl, request_limits: RequestLimits | None = None
     ) -> None:
         self._access = access
-        self._quotas = quotas
-        self._directory = directory
-        self._executor = executor
-        self._default_timeout_ms = int(default_timeout_s * 1000)
-        self._programs = programs or ProgramBook()
+        self._calls = calls
         self._request_limits = request_limits or RequestLimits()
         self._created = int(time.time())
 
@@ -115,9 +103,7 @@ class OpenAIFront:
     # ----- endpoints ----------------------------------------------------------------
 
     def model_names(self) -> list[str]:
-        """Models mapped in etcd, and pools with live workers (a pool is a model too)."""
-        pools = {pool for pool, workers in self._directory.workers_by_pool.items() if workers}
-        return sorted(set(self._directory.model_to_pool) | pools)
+        return self._calls.model_names()
 
     def _caller(self, request: Request) -> Principal:
         """The same bearer tokens as the gRPC API (every role may call a model)."""
@@ -128,49 +114,10 @@ class OpenAIFront:
         return JSONResponse(schema.model_list(self.model_names(), self._created))
 
     async def chat_completions(self, request: Request) -> Response:
-        who = self._caller(request)
-        identity = parse_identity(request.headers)
-        body = schema.parse_body(schema.ChatCompletionRequest, await self._body(request))
-        prompt = render_chat(body.messages, body.tools, body.tool_choice)
-        return await self._admitted(who, identity, body, prompt, chat=True)
+        return await self._serve(request, schema.ChatCompletionRequest)
 
     async def completions(self, request: Request) -> Response:
-        who = self._caller(request)
-        identity = parse_identity(request.headers)
-        body = schema.parse_body(schema.CompletionRequest, await self._body(request))
-        return await self._admitted(who, identity, body, body.prompt_text, chat=False)
-
-    async def _admitted(
-        self, who: Principal, identity: ProgramIdentity, body: schema.CallRequest, prompt: str, *, chat: bool
-    ) -> Response:
-        """One call counted against its tenant's limits, like a one-hop run; programs are
-        the tenant's own (two tenants may use the same program id)."""
-        limits = self._limits(who.tenant)
-        try:
-            self._quotas.admit(who.tenant, limits, int(identity.tier))
-        except (TierNotAllowed, QuotaExceeded) as exc:
-            metrics.TENANT_REFUSALS.labels(who.tenant, exc.limit).inc()
-            raise
-        released = False
-
-        def release(done: HopDone | None = None) -> None:
-            nonlocal released
-            if not released:  # once, whether the call ended well, badly, or mid-stream
-                released = True
-                used = done.prompt_tokens + done.completion_tokens if done is not None else 0
-                self._quotas.finished(who.tenant, limits, used)
-
-        if identity.program_id:
-            identity = dataclasses.replace(identity, program_id=f"{who.tenant}/{identity.program_id}")
-        try:
-            return await self._serve(identity, body, prompt, chat=chat, release=release)
-        except BaseException:
-            release()
-            raise
-
-    def _limits(self, tenant: str) -> TenantLimits:
-        record = self._access.directory.tenant(tenant) if self._access.directory is not None else None
-        return record.limits if record is not None else TenantLimits()
+        return await self._serve(request, schema.CompletionRequest)
 
     async def _body(self, request: Request) -> bytes:
         """The request body, read no further than --http-max-body-bytes (413 past it)."""
@@ -188,79 +135,43 @@ class OpenAIFront:
 
     # ----- one call -----------------------------------------------------------------
 
-    async def _serve(
-        self,
-        identity: ProgramIdentity,
-        body: schema.CallRequest,
-        prompt: str,
-        *,
-        chat: bool,
-        release: Callable[[HopDone | None], None],
-    ) -> Response:
-        if body.model not in self.model_names():
-            raise ModelNotFound(body.model)
-        if not prompt:
-            raise InvalidField("prompt", "empty")
-        tokens = body.output_tokens()
-        param = body.output_tokens_param()
-        if problem := self._request_limits.output_tokens_problem(param, tokens):
-            raise InvalidField(param, problem.removeprefix(f"{param}: "))
-        call = Call(
-            call_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-            model=body.model,
-            prompt=prompt,
-            max_tokens=tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-        )
-        hop, timeout_s = program_hop(
-            call,
-            identity,
-            self._programs,
-            now_unix_ms=int(time.time() * 1000),
-            default_timeout_ms=self._default_timeout_ms,
-        )
+    async def _serve(self, request: Request, kind: type[schema.CallRequest]) -> Response:
+        who = self._caller(request)
+        data = schema.load_object(await self._body(request))
+        identity = parse_identity(request.headers, data)  # headers, agentic_context, sessions
+        body = schema.validate_body(kind, data)
+        call = self._calls.prepare(body)
+        parent = telemetry.context_from_headers(request.headers)  # the caller's traceparent
         created = int(time.time())
+        chat = isinstance(body, schema.ChatCompletionRequest)
         if body.stream:
-            return await self._stream(call, body, hop, timeout_s, created, chat=chat, release=release)
-        done = await self._executor.run_hop(hop, timeout_s, lambda _worker: None)
-        release(done)
+            return await self._stream(who, identity, call, body, created, chat=chat, parent=parent)
+        result = await self._calls.call(who, identity, call, parent=parent)
+        done = result.done
         usage = _usage(done)
-        if chat:
-            reply = schema.chat_completion(
-                call.call_id, created, body.model, done.text, done.finish_reason, usage
-            )
-        else:
-            reply = schema.text_completion(
-                call.call_id, created, body.model, done.text, done.finish_reason, usage
-            )
-        return JSONResponse(reply, headers={WORKER_HEADER: done.worker_id})
+        make = schema.chat_completion if chat else schema.text_completion
+        reply = make(call.call_id, created, body.model, done.text, done.finish_reason, usage)
+        return JSONResponse(reply, headers=_call_headers(result))
 
     async def _stream(
         self,
+        who: Principal,
+        identity: ProgramIdentity,
         call: Call,
         body: schema.CallRequest,
-        hop: ModelHop,
-        timeout_s: float,
         created: int,
         *,
         chat: bool,
-        release: Callable[[HopDone | None], None],
+        parent: otel_context.Context | None,
     ) -> Response:
         """Server-sent events in OpenAI's chunk format. The response starts with the
-        first text (or the hop's end), so a hop refused or failed before producing
+        first text (or the call's end), so a call refused or failed before producing
         anything still gets its HTTP status; a failure after that is an error event."""
-        pieces: asyncio.Queue[str | None] = asyncio.Queue()
-        workers: list[str] = []
-        task = asyncio.create_task(
-            self._executor.run_hop(hop, timeout_s, workers.append, on_text=pieces.put_nowait)
-        )
-        task.add_done_callback(lambda _task: pieces.put_nowait(None))
+        pieces = self._calls.stream(who, identity, call, parent=parent)
         try:
-            first = await pieces.get()
-            if first is None:
-                task.result()  # raises the hop's error, if any, before the response starts
+            first = await anext(pieces)  # raises the call's error, if any, before the response starts
         except BaseException:
-            task.cancel()
+            await pieces.aclose()
             raise
         model, call_id = body.model, call.call_id
         object_ = "chat.completion.chunk" if chat else "text_completion"
@@ -278,27 +189,28 @@ class OpenAIFront:
                         schema.chat_chunk(call_id, created, model, {"role": "assistant", "content": ""})
                     )
                 piece = first
-                while piece is not None:
-                    yield schema.sse(chunk(piece, None))
-                    piece = await pieces.get()
                 try:
-                    done = task.result()
+                    while isinstance(piece, str):
+                        yield schema.sse(chunk(piece, None))
+                        piece = await anext(pieces)
                 except Exception as exc:
                     yield schema.sse(_error_response_body(exc))
                     return
-                release(done)
+                done = piece.done
                 yield schema.sse(chunk(None, done.finish_reason))
                 if body.include_usage:
                     yield schema.sse(schema.usage_chunk(call_id, created, model, object_, _usage(done)))
                 yield schema.SSE_DONE
             finally:
-                release(None)  # no-op when the call's tokens were counted above
-                if not task.done():
-                    task.cancel()  # the client went away: abandon the hop (its engine call is aborted)
+                await pieces.aclose()  # the client went away: the call is abandoned (its engine call aborted)
 
         return StreamingResponse(
             events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
+
+
+def _call_headers(result: CallDone) -> dict[str, str]:
+    return {WORKER_HEADER: result.done.worker_id, RUN_HEADER: result.run_id}
 
 
 def _usage(done: HopDone) -> dict[str, Any]:

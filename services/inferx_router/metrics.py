@@ -2,8 +2,9 @@
 tools, retries, degradations and circuit breakers.
 
 Labels are bounded: chain, version, node, tier, status, pool, model, tool, breaker
-target -- never run or session ids. Units are in the names (seconds, tokens) and
-counters end in `_total`; `promtool check metrics` guards both in the tests.
+target -- never run, session or program ids (a dynamic program's calls are node
+"call"; client-given program names are capped by `program_label`). Units are in the
+names (seconds, tokens) and counters end in `_total`; `promtool check metrics` guards both in the tests.
 """
 
 from __future__ import annotations
@@ -76,6 +77,48 @@ TENANT_REFUSALS = Counter(
     "Calls refused by a tenant limit (limit=max_tier|concurrent_runs|tokens)",
     ["tenant", "limit"],
 )
+
+
+# Dynamic programs (agent runs of the OpenAI front and Router.CallModel).
+PROGRAMS_OPEN = Gauge(
+    "inferx_programs_open", "Dynamic programs (agent runs over the OpenAI front or CallModel) open now"
+)
+PROGRAMS_ENDED = Counter(
+    "inferx_programs_ended_total",
+    "Dynamic programs whose record ended (reason=end|idle|evicted|full)",
+    ["chain", "reason"],
+)
+PROGRAM_NAME_LABELS = 64  # program names come from clients: the first 64 seen, then "other"
+_program_names: set[str] = set()
+PROGRAM_CALL_NODE = "call"  # the node label of every call of a program (never its index)
+
+
+def program_label(name: str) -> str:
+    """A program name as a `chain` label value, bounded: a router labels the first
+    `PROGRAM_NAME_LABELS` names it sees, and every later one as "other"."""
+    if name in _program_names:
+        return name
+    if len(_program_names) < PROGRAM_NAME_LABELS:
+        _program_names.add(name)
+        return name
+    return "other"
+
+
+def observe_program_call(name: str, tenant: str, result: router_pb2.NodeFinished) -> None:
+    observe_node(program_label(name), PROGRAM_CALL_NODE, result)
+    TENANT_TOKENS.labels(tenant, "prompt").inc(result.usage.prompt_tokens)
+    TENANT_TOKENS.labels(tenant, "completion").inc(result.usage.completion_tokens)
+
+
+def observe_program_end(
+    name: str, tier: str, tenant: str, finished: router_pb2.ChainFinished, reason: str
+) -> None:
+    """A program's record ended: its latency (first call to last answer, the client's
+    tool time included) as a chain's, no SLO outcome (a program declares none)."""
+    label = program_label(name)
+    CHAIN_SECONDS.labels(label, "0", tier, finished.status).observe(finished.latency_ms / 1000)
+    PROGRAMS_ENDED.labels(label, reason).inc()
+    TENANT_RUNS.labels(tenant, finished.status).inc()
 
 
 def tier_name(tier: int) -> str:

@@ -1,50 +1,56 @@
-"""Calls of the OpenAI-compatible front as hops of programs (pure code).
+"""Dynamic programs: calls of the OpenAI-compatible front (and of `Router.CallModel`)
+as hops of agent programs, and the programs as run records (pure bookkeeping).
 
-A call with `X-InferX-Program: P` is a hop of program P: its run id is P, so every
-call of P has the same chain key (`HopView.chain_key`) and the scheduler keeps P on the
-worker holding its context, holds that context across the client's tool gaps, and
-learns the gaps. Its remaining hops are unknown (None) until a call says the program
-ends (`X-InferX-Program-End: true`, remaining hops 0: the scheduler lets the context go).
-A call without a program is a program of one hop (its own run id, remaining hops 0).
+A call with a program id (`X-InferX-Program`, a session header, `agentic_context`, or
+`CallModel`'s `program_id`) is a hop of that program: every call of it has the same
+chain key for the scheduler (`<tenant>/<program id>`, `HopView.chain_key`), so the
+scheduler keeps it on the worker holding its context, holds that context across the
+client's tool gaps, and learns the gaps. Its remaining hops are unknown (None) until a
+call says the program ends (remaining hops 0: the scheduler lets the context go at once).
+A call without a program id is a program of one hop.
+
+The router keeps each program as a run record (`records.RunStore`, the tenant's, like
+a chain run's): one hop per call (`call-0`, `call-1`, ...) with its queue wait, latency,
+tokens and worker, status `running` until the program ends, so `inferx trace` shows it
+while it runs and `inferx stats <name>` over the ended ones. A program ends
+  * with a call marked as its last (`end`): the record ends when that call finishes;
+  * after `idle_s` with no call in flight and none arriving (`idle`, by `sweep`). No
+    message reaches the scheduler then: it holds the program's KV only as long as its
+    priced hold lasts (`inferx.scheduling.retention`, at most the scheduler's
+    `--max-hold-s`), then lets it go by itself;
+  * when `capacity` programs are open and another starts (`evicted`: the least recently
+    active idle one);
+  * when its record holds `MAX_CALLS_PER_RECORD` calls (`full`): the next call starts a
+    new record (a new run id) of the same program, whose hops continue counting.
+Another call with the id of an ended program starts a new record of it.
 """
 
 from __future__ import annotations
 
+import time
+import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from inferx.auth.model import DEFAULT_TENANT
 from inferx.openai_compat.identity import ProgramIdentity
+from inferx.v1 import router_pb2
+from inferx_router import records
 from inferx_router.hops import ModelHop
+from inferx_router.records import RUNNING, RunRecord, RunStore
 
-CHAIN_NAME = "openai"  # what the scheduler and metrics see as the chain of a front's call
-DEFAULT_PRIORITY = 2  # a chain node's default priority rank ("normal")
+CALL_NODE_TYPE = "model_inference"
+MAX_CALLS_PER_RECORD = 1000
+DEFAULT_IDLE_S = 300.0
+DEFAULT_CAPACITY = 10_000
 
-
-@dataclass
-class ProgramBook:
-    """How many calls each program has made so far (its next hop index), for the most
-    recently seen `capacity` programs; a program's entry goes when it ends."""
-
-    capacity: int = 10_000
-    _calls: OrderedDict[str, int] = field(default_factory=OrderedDict)
-
-    def next_index(self, program_id: str) -> int:
-        index = self._calls.pop(program_id, 0)
-        self._calls[program_id] = index + 1
-        while len(self._calls) > self.capacity:
-            self._calls.popitem(last=False)
-        return index
-
-    def end(self, program_id: str) -> None:
-        self._calls.pop(program_id, None)
-
-    def __len__(self) -> int:
-        return len(self._calls)
+END, IDLE, EVICTED, FULL = "end", "idle", "evicted", "full"  # why a program's record ended
 
 
 @dataclass(frozen=True)
 class Call:
-    """One call as the front validated it."""
+    """One call as a front validated it."""
 
     call_id: str  # the response id (chatcmpl-..., cmpl-...): unique per call
     model: str
@@ -53,31 +59,226 @@ class Call:
     temperature: float
 
 
+@dataclass
+class Program:
+    """One record of a program, open or ended."""
+
+    tenant: str
+    program_id: str  # as the client gave it; "" for a program of one call
+    name: str  # its chain name in records and metrics
+    tier: str
+    record: RunRecord
+    started: float  # on the book's clock
+    last_active: float
+    first_hop_index: int = 0  # the scheduler's hop index of this record's first call
+    calls: int = 0  # calls begun in this record
+    in_flight: int = 0
+    ending: bool = False  # its last call has begun (or its record is full)
+    ending_reason: str = END  # why it ends once its calls in flight finish
+    ended: str = ""  # why it ended (END, IDLE, ...); "" while open
+    last_finished: str = ""  # the node id of the call that finished last
+    depends_on: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    starts_ms: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def run_id(self) -> str:
+        return self.record.finished.run_id
+
+    @property
+    def chain_key(self) -> str:
+        """The scheduler's run id for its hops: stable across the program's records."""
+        return f"{self.tenant}/{self.program_id}" if self.program_id else self.run_id
+
+    @property
+    def finished(self) -> router_pb2.ChainFinished:
+        return self.record.finished
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A call admitted into a program: what its hop and its record entry need."""
+
+    program: Program
+    node_id: str  # call-<n> in the record
+    hop_index: int  # for the scheduler: calls of the program before this one
+    begun: float  # on the book's clock
+    last: bool  # the program's last call
+
+
+class ProgramBook:
+    """The open programs (per tenant and program id) and their records in `store`.
+
+    `on_end` is called with each program whose record ended (metrics). `clock` is
+    monotonic seconds, `wall` unix seconds: both injectable for tests."""
+
+    def __init__(
+        self,
+        store: RunStore | None = None,
+        *,
+        idle_s: float = DEFAULT_IDLE_S,
+        capacity: int = DEFAULT_CAPACITY,
+        on_end: Callable[[Program], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        new_run_id: Callable[[], str] = lambda: uuid.uuid4().hex[:16],
+    ) -> None:
+        self.store = store if store is not None else records.RECENT
+        self.idle_s = idle_s
+        self.capacity = capacity
+        self.on_end = on_end
+        self._clock = clock
+        self._wall = wall
+        self._new_run_id = new_run_id
+        self._open: OrderedDict[tuple[str, str], Program] = OrderedDict()  # least recently active first
+
+    def __len__(self) -> int:
+        """Open programs with an id (a one-call program is never kept open)."""
+        return len(self._open)
+
+    def get(self, tenant: str, program_id: str) -> Program | None:
+        return self._open.get((tenant, program_id))
+
+    # ----- calls -----------------------------------------------------------------------------
+
+    def begin(self, identity: ProgramIdentity, *, tenant: str = DEFAULT_TENANT, trace_id: str = "") -> Ticket:
+        """Count a call into its program (starting a record when there is none) and keep
+        the record in the store; `finish` must follow, whatever happens to the call."""
+        now = self._clock()
+        key = (tenant, identity.program_id)
+        program = self._open.get(key) if identity.program_id else None
+        first_hop_index = 0
+        if program is not None and program.calls >= MAX_CALLS_PER_RECORD:
+            del self._open[key]
+            first_hop_index = program.first_hop_index + program.calls
+            if program.in_flight:  # it ends when they finish
+                program.ending, program.ending_reason = True, FULL
+            else:
+                self._end(program, FULL)
+            program = None
+        if program is None:
+            program = self._start(tenant, identity, now, trace_id, first_hop_index)
+            if identity.program_id:
+                self._open[key] = program
+                self._evict()
+        else:
+            self._open.move_to_end(key)
+        last = identity.program_end or not identity.program_id
+        if last and identity.program_id:
+            self._open.pop(key, None)  # its next call starts a new record
+        node_id = f"call-{program.calls}"
+        ticket = Ticket(program, node_id, program.first_hop_index + program.calls, now, last)
+        program.calls += 1
+        program.in_flight += 1
+        program.last_active = now
+        program.ending = program.ending or last
+        program.starts_ms[node_id] = (now - program.started) * 1000
+        program.depends_on[node_id] = (program.last_finished,) if program.last_finished else ()
+        self.store.add(program.record)  # most recently active: evicted last
+        return ticket
+
+    def finish(self, ticket: Ticket, result: router_pb2.NodeFinished) -> None:
+        """Record the call (its latency measured here, from `begin`); the program's record
+        ends when this was its last call and no other is in flight."""
+        program = ticket.program
+        now = self._clock()
+        kept = program.finished.hops.add()
+        kept.CopyFrom(result)
+        kept.node_id = ticket.node_id
+        kept.node_type = kept.node_type or CALL_NODE_TYPE
+        kept.latency_ms = (now - ticket.begun) * 1000
+        kept.output = records.shorten(kept.output)
+        program.in_flight -= 1
+        program.last_active = now
+        program.last_finished = ticket.node_id
+        program.finished.latency_ms = max(
+            program.finished.latency_ms, program.starts_ms[ticket.node_id] + kept.latency_ms
+        )
+        if program.ending and program.in_flight == 0 and not program.ended:
+            self._end(program, program.ending_reason)
+
+    def sweep(self) -> list[Program]:
+        """End the programs idle for `idle_s` (no call in flight); the ones ended."""
+        now = self._clock()
+        idle = [p for p in self._open.values() if p.in_flight == 0 and now - p.last_active >= self.idle_s]
+        for program in idle:
+            del self._open[(program.tenant, program.program_id)]
+            self._end(program, IDLE)
+        return idle
+
+    # ----- records ---------------------------------------------------------------------------
+
+    def _start(
+        self, tenant: str, identity: ProgramIdentity, now: float, trace_id: str, first_hop_index: int
+    ) -> Program:
+        finished = router_pb2.ChainFinished(run_id=self._new_run_id(), status=RUNNING)
+        depends_on: dict[str, tuple[str, ...]] = {}
+        starts_ms: dict[str, float] = {}
+        record = RunRecord(
+            chain=identity.name,
+            tier=identity.tier.label,
+            started_unix_ms=int(self._wall() * 1000),
+            trace_id=trace_id,
+            depends_on=depends_on,
+            finished=finished,
+            tenant=tenant,
+            program_id=identity.program_id,
+            parent_program_id=identity.parent_program_id,
+            starts_ms=starts_ms,
+        )
+        return Program(
+            tenant=tenant,
+            program_id=identity.program_id,
+            name=identity.name,
+            tier=identity.tier.label,
+            record=record,
+            started=now,
+            last_active=now,
+            first_hop_index=first_hop_index,
+            depends_on=depends_on,
+            starts_ms=starts_ms,
+        )
+
+    def _evict(self) -> None:
+        while len(self._open) > self.capacity:
+            victim = next((p for p in self._open.values() if p.in_flight == 0), None)
+            if victim is None:
+                return  # every open program has a call in flight: over capacity for now
+            del self._open[(victim.tenant, victim.program_id)]
+            self._end(victim, EVICTED)
+
+    def _end(self, program: Program, why: str) -> None:
+        program.ended = why
+        finished = program.finished
+        failed = [hop for hop in finished.hops if hop.status != "ok"]
+        if not failed:
+            finished.status = "ok"
+        elif any(hop.status in ("timeout", "deadline_exceeded") for hop in failed):
+            finished.status = "deadline_exceeded"
+        else:
+            finished.status = "error"
+        finished.slo_met = finished.status == "ok"  # no SLO (slo_ms 0): every call within its deadline
+        finished.error = "; ".join(f"{hop.node_id}: {hop.error}" for hop in failed if hop.error)
+        if self.on_end is not None:
+            self.on_end(program)
+
+
 def program_hop(
-    call: Call, identity: ProgramIdentity, book: ProgramBook, *, now_unix_ms: int, default_timeout_ms: int
+    call: Call, ticket: Ticket, identity: ProgramIdentity, *, now_unix_ms: int, default_timeout_ms: int
 ) -> tuple[ModelHop, float]:
-    """The model hop for `call` and its time limit in seconds. Counts the call in `book`
-    (and forgets the program there when this call ends it)."""
-    if identity.program_id:
-        run_id = identity.program_id
-        hop_index = book.next_index(run_id)
-        remaining: int | None = 0 if identity.program_end else None
-        if identity.program_end:
-            book.end(run_id)
-    else:
-        run_id, hop_index, remaining = call.call_id, 0, 0
+    """The model hop for `call` and its time limit in seconds."""
+    program = ticket.program
     timeout_ms = identity.deadline_ms or default_timeout_ms
     hop = ModelHop(
-        run_id=run_id,
-        hop_id=f"call-{hop_index}-{call.call_id}",  # unique even if the book forgot the program
+        run_id=program.chain_key,
+        hop_id=f"call-{ticket.hop_index}-{call.call_id}",  # unique per call
         session_id="",  # the chain key is the run id: the program
-        chain_name=CHAIN_NAME,
+        chain_name=program.name,
         chain_version=0,
         tier=identity.tier,
-        priority=DEFAULT_PRIORITY,
+        priority=identity.priority,
         deadline_unix_ms=now_unix_ms + timeout_ms,
-        hop_index=hop_index,
-        remaining_hops=remaining,
+        hop_index=ticket.hop_index,
+        remaining_hops=0 if ticket.last else None,
         remaining_critical_path_ms=0.0,  # unknown: nobody declared the program's shape
         next_hops=(),
         model=call.model,

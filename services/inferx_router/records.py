@@ -6,7 +6,13 @@ the critical path, and per-node percentiles with the node that makes the P99.
 
 Timing model: a node starts when its last dependency finishes (that is how ChainRun
 schedules it) and runs for its reported latency, so start and end offsets -- and
-the critical path -- follow from the DAG and the latencies alone.
+the critical path -- follow from the DAG and the latencies alone. A dynamic program
+(calls of the OpenAI front or `CallModel`: `programs.py`) has no declared DAG: its
+record gives each call's observed start (`starts_ms`), and each call depends on the
+call that finished last before it started.
+
+A dynamic program's record is kept from its first call on, with status `running`
+until it ends; `find` takes its program id as well as its run id.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from inferx.v1 import router_pb2
 DEFAULT_CAPACITY = 1000
 KEEP_OUTPUT_CHARS = 200  # enough to recognise an answer, bounded memory per run
 MIN_PREFIX = 4
+RUNNING = "running"  # the status of a dynamic program that has not ended yet
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,11 @@ class RunRecord:
     depends_on: Mapping[str, tuple[str, ...]]
     finished: router_pb2.ChainFinished
     tenant: str = DEFAULT_TENANT  # whose run it is: other tenants are told it does not exist
+    # Dynamic programs only: the id the client gave (without its tenant), the program
+    # that started it, and each call's start in ms since the program's first call.
+    program_id: str = ""
+    parent_program_id: str = ""
+    starts_ms: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -47,10 +59,13 @@ class NodeTiming:
 
 
 def node_timings(
-    hops: Sequence[router_pb2.NodeFinished], depends_on: Mapping[str, Sequence[str]]
+    hops: Sequence[router_pb2.NodeFinished],
+    depends_on: Mapping[str, Sequence[str]],
+    starts_ms: Mapping[str, float] | None = None,
 ) -> list[NodeTiming]:
     """Start/end offsets of every hop (in `hops` order) and whether it is on the
-    critical path: the chain of nodes, each gating the next, that ends last."""
+    critical path: the chain of nodes, each gating the next, that ends last. With
+    `starts_ms` (a dynamic program's observed starts) a node starts there instead."""
     latency = {hop.node_id: hop.latency_ms for hop in hops}
     end: dict[str, float] = {}
 
@@ -59,8 +74,11 @@ def node_timings(
             return end[node_id]
         if node_id in seen:  # a cycle cannot be configured; do not loop if it were
             return 0.0
-        deps = [d for d in depends_on.get(node_id, ()) if d in latency]
-        start = max((finish(d, (*seen, node_id)) for d in deps), default=0.0)
+        if starts_ms is not None and node_id in starts_ms:
+            start = starts_ms[node_id]
+        else:
+            deps = [d for d in depends_on.get(node_id, ()) if d in latency]
+            start = max((finish(d, (*seen, node_id)) for d in deps), default=0.0)
         end[node_id] = start + latency.get(node_id, 0.0)
         return end[node_id]
 
@@ -158,7 +176,7 @@ def chain_stats(chain: str, records: Sequence[RunRecord]) -> ChainStats:
         n: percentile([h.latency_ms for h in hops], 50, method="linear") if hops else 0.0
         for n, hops in ran.items()
     }
-    timings = [{t.node_id: t for t in node_timings(r.finished.hops, r.depends_on)} for r in records]
+    timings = [{t.node_id: t for t in timings_of(r)} for r in records]
     tail = [i for i, total in enumerate(totals) if total >= chain_p.p99]
     excess: dict[str, float] = dict.fromkeys(order, 0.0)
     for i in tail:
@@ -213,6 +231,10 @@ def _top_node(nodes: Sequence[NodeStats]) -> str:
     return widest.node_id if widest.latency.p99 > widest.latency.p50 else ""
 
 
+def timings_of(record: RunRecord) -> list[NodeTiming]:
+    return node_timings(record.finished.hops, record.depends_on, record.starts_ms or None)
+
+
 class RunStore:
     """The last `capacity` finished runs, oldest evicted first."""
 
@@ -242,8 +264,9 @@ class RunStore:
             self._runs.popitem(last=False)
 
     def find(self, run_id: str = "", chain: str = "", *, tenant: str = DEFAULT_TENANT) -> RunRecord:
-        """By full id or unique prefix; with no id, the latest run (of `chain`, if given).
-        Only the tenant's runs: another tenant's run is "not found", never "forbidden"."""
+        """By full id or unique prefix, or a dynamic program's id (or unique prefix: its
+        latest record); with no id, the latest run (of `chain`, if given). Only the
+        tenant's runs: another tenant's run is "not found", never "forbidden"."""
         if not run_id:
             for record in reversed(self._runs.values()):
                 if record.tenant == tenant and (not chain or record.chain == chain):
@@ -253,9 +276,17 @@ class RunStore:
         exact = self._runs.get(run_id)
         if exact is not None and exact.tenant == tenant:
             return exact
+        mine = [r for r in reversed(self._runs.values()) if r.tenant == tenant]  # newest first
+        program = next((r for r in mine if r.program_id == run_id), None)
+        if program is not None:
+            return program
         if len(run_id) < MIN_PREFIX:
             raise InvalidArgument(f"run id '{run_id}': give at least {MIN_PREFIX} characters")
-        matches = [r for key, r in self._runs.items() if key.startswith(run_id) and r.tenant == tenant]
+        matches = [r for r in mine if r.finished.run_id.startswith(run_id)]
+        if not matches:
+            matches = [r for r in mine if r.program_id.startswith(run_id)]
+            if len({r.program_id for r in matches}) == 1:
+                return matches[0]  # one program's latest record
         if len(matches) > 1:
             raise InvalidArgument(f"run id '{run_id}' matches {len(matches)} runs; give more characters")
         if not matches:
@@ -266,8 +297,13 @@ class RunStore:
         return matches[0]
 
     def of_chain(self, chain: str, last: int = 0, *, tenant: str = DEFAULT_TENANT) -> list[RunRecord]:
-        """The tenant's kept runs of the chain, oldest first; `last` > 0 keeps only the newest `last`."""
-        runs = [r for r in self._runs.values() if r.chain == chain and r.tenant == tenant]
+        """The tenant's kept runs of the chain, oldest first; `last` > 0 keeps only the newest
+        `last`. Dynamic programs still running are left out (their latency is not known yet)."""
+        runs = [
+            r
+            for r in self._runs.values()
+            if r.chain == chain and r.tenant == tenant and r.finished.status != RUNNING
+        ]
         return runs[-last:] if last > 0 else runs
 
 
@@ -287,9 +323,9 @@ def record_run(
     """Keep a finished run (outputs shortened: the store is for timings, not answers)."""
     kept = router_pb2.ChainFinished()
     kept.CopyFrom(finished)
-    kept.output = _shorten(kept.output)
+    kept.output = shorten(kept.output)
     for hop in kept.hops:
-        hop.output = _shorten(hop.output)
+        hop.output = shorten(hop.output)
     record = RunRecord(
         chain=config.name,
         tier=tier,
@@ -303,7 +339,8 @@ def record_run(
     return record
 
 
-def _shorten(text: str) -> str:
+def shorten(text: str) -> str:
+    """An output as a record keeps it."""
     return text if len(text) <= KEEP_OUTPUT_CHARS else text[: KEEP_OUTPUT_CHARS - 1] + "…"
 
 
@@ -317,8 +354,10 @@ def run_trace_message(record: RunRecord) -> router_pb2.RunTrace:
         started_unix_ms=record.started_unix_ms,
         trace_id=record.trace_id,
         finished=record.finished,
+        program_id=record.program_id,
+        parent_program_id=record.parent_program_id,
     )
-    for timing in node_timings(record.finished.hops, record.depends_on):
+    for timing in timings_of(record):
         reply.timings.add(
             node_id=timing.node_id,
             start_ms=timing.start_ms,

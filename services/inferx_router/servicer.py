@@ -16,7 +16,7 @@ from inferx.auth.model import Role, TenantLimits, TenantRecord, TokenRecord
 from inferx.chain.plan import LearnedLatency
 from inferx.chain.validate import load_chain_text, required_inputs
 from inferx.discovery import ChannelPool, ServiceLocator
-from inferx.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from inferx.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from inferx.limits import RequestLimits
 from inferx.pools import PoolDirectory, no_worker_message
 from inferx.v1 import (
@@ -27,11 +27,12 @@ from inferx.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from inferx_router import metrics, records
+from inferx_router import metrics, program_calls, records
 from inferx_router.access import AccessControl, audit, caller
 from inferx_router.chain_store import ChainStore, StoredVersion
 from inferx_router.executors import SchedulerExecutor
 from inferx_router.load import LoadMonitor
+from inferx_router.program_calls import ProgramCalls
 from inferx_router.runner import ChainRun
 from inferx_router.tools import ToolRouter, cache_key, stale_key
 
@@ -52,6 +53,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         access: AccessControl,
         quotas: TenantQuotas,
         etcd_client: aetcd.Client,
+        calls: ProgramCalls,
         request_limits: RequestLimits | None = None,
     ) -> None:
         self._store = store
@@ -67,6 +69,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._access = access
         self._etcd = etcd_client  # tenants and tokens are written straight to etcd
         self._quotas = quotas
+        self._calls = calls  # dynamic programs' calls: CallModel and the HTTP front share them
         # Expected node latencies, learned from this router's finished nodes.
         self._latency = LearnedLatency()
 
@@ -143,6 +146,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+
+    async def CallModel(self, request: router_pb2.ProgramCallRequest, context: grpc.aio.ServicerContext):
+        """One call of a dynamic program, on the HTTP front's path (`ProgramCalls`)."""
+        body = program_calls.request_body(request)
+        identity = program_calls.request_identity(request, context.time_remaining())
+        call = self._calls.prepare(body)
+        try:
+            async with contextlib.aclosing(self._calls.stream(caller(), identity, call)) as pieces:
+                async for piece in pieces:
+                    if isinstance(piece, str):
+                        yield router_pb2.ProgramCallEvent(text=piece)
+                    else:
+                        yield program_calls.finished_event(piece)
+        except TimeoutError:
+            raise DeadlineExceeded("the call's deadline passed before the model finished") from None
 
     def _release_run(self, tenant: str, limits: TenantLimits, done: asyncio.Task) -> None:
         self._active_runs -= 1

@@ -248,6 +248,46 @@ async def test_http_front_takes_the_same_tokens(stack: LocalStack, admin_token: 
         assert good.status_code == 200 and good.json()["data"]
 
 
+async def test_a_tenants_programs_are_its_own(stack: LocalStack, admin_token: str) -> None:
+    """A program's record (HTTP front and CallModel alike) is its tenant's: another tenant
+    gets NOT_FOUND for its id, its run id and its stats, and the same program id names a
+    program of its own."""
+    async with router(stack) as stub:
+        await make_tenant(stub, admin_token, "prog-a")
+        await make_tenant(stub, admin_token, "prog-b")
+        a_run = await make_token(stub, admin_token, "prog-a", "run")
+        b_run = await make_token(stub, admin_token, "prog-b", "run")
+        verify = ssl.create_default_context(cafile=str(stack.tls_ca))
+        body = {"model": "qwen-7b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        async with httpx.AsyncClient(timeout=20, verify=verify) as http:
+            reply = await http.post(
+                f"{stack.router_http_url}/chat/completions",
+                json=body,
+                headers={"authorization": f"Bearer {a_run}", "X-InferX-Program": "shared-id"},
+            )
+        assert reply.status_code == 200, reply.text
+        request = router_pb2.ProgramCallRequest(
+            model="qwen-7b", prompt="more", max_tokens=3, program_id="shared-id"
+        )
+        events = await call(stub, "CallModel", request, a_run)
+        a_record = events[-1].finished.run_id
+        assert a_record == reply.headers["X-InferX-Run"] and events[-1].finished.call_index == 1
+        for method, lookup in (
+            ("GetRun", router_pb2.GetRunRequest(run_id="shared-id")),
+            ("GetRun", router_pb2.GetRunRequest(run_id=a_record)),
+            ("GetRun", router_pb2.GetRunRequest(run_id=a_record[:8])),
+            ("GetRun", router_pb2.GetRunRequest()),
+            ("GetChainStats", router_pb2.GetChainStatsRequest(chain="openai")),
+        ):
+            assert await status_of(stub, method, lookup, b_run) == grpc.StatusCode.NOT_FOUND, lookup
+        trace = await stub.GetRun(
+            router_pb2.GetRunRequest(run_id="shared-id"), metadata=auth(a_run), timeout=10
+        )
+        assert trace.finished.run_id == a_record and len(trace.finished.hops) == 2
+        b_events = await call(stub, "CallModel", request, b_run)
+        assert b_events[-1].finished.run_id != a_record and b_events[-1].finished.call_index == 0
+
+
 def test_admin_actions_are_audited(stack: LocalStack, admin_token: str) -> None:
     async def act() -> None:
         async with router(stack) as stub:

@@ -862,6 +862,8 @@ VALID_HEADERS = {
     "X-InferX-Tier": st.sampled_from(["realtime", "standard", "batch", "BATCH"]),
     "X-InferX-Deadline-Ms": st.integers(5_000, 86_400_000).map(str),
     "X-InferX-Program-End": st.sampled_from(["true", "false", "1", "no"]),
+    "X-InferX-Program-Name": st.from_regex(r"[A-Za-z0-9._-]{1,20}", fullmatch=True),
+    "X-Session-Id": st.from_regex(r"[A-Za-z0-9._:-]{1,20}", fullmatch=True),
 }
 # (h11, under httpx, refuses to send a value with spaces around it)
 wild_header = st.one_of(
@@ -894,6 +896,12 @@ CALL_KEYS = [
     "n",
     "tools",
     "tool_choice",
+    # program identity in the body (vLLM router's contracts, session fields)
+    "agentic_context",
+    "vllm_xargs",
+    "agent_hint",
+    "session_id",
+    "session_params",
 ]
 
 

@@ -28,6 +28,9 @@ from inferx_router.__main__ import RouterSettings
 from inferx_router.access import AccessControl
 from inferx_router.chain_store import ChainStore
 from inferx_router.http_front import OpenAIFront
+from inferx_router.program_calls import ProgramCalls
+from inferx_router.programs import ProgramBook
+from inferx_router.records import RunStore
 
 # ----- wording ---------------------------------------------------------------------------
 
@@ -227,14 +230,18 @@ class NoScheduler:
 def http() -> Iterator[TestClient]:
     directory = PoolDirectory()
     directory.model_to_pool = {"m": "pool"}
-    front = OpenAIFront(
+    limits = RequestLimits(http_max_body_bytes=200, max_output_tokens=8)
+    access = AccessControl(None)  # --insecure: these tests are about sizes, not tokens
+    calls = ProgramCalls(
         directory,
-        NoScheduler(),  # type: ignore[arg-type]
-        default_timeout_s=5,
-        access=AccessControl(None),  # --insecure: these tests are about sizes, not tokens
+        NoScheduler(),
+        access=access,
         quotas=TenantQuotas(),
-        request_limits=RequestLimits(http_max_body_bytes=200, max_output_tokens=8),
+        default_timeout_s=5,
+        book=ProgramBook(RunStore()),
+        request_limits=limits,
     )
+    front = OpenAIFront(calls, access=access, request_limits=limits)
     with TestClient(front.app()) as client:
         yield client
 

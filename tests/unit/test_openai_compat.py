@@ -23,7 +23,9 @@ from inferx.openai_compat.identity import ProgramIdentity, parse_identity
 from inferx.openai_compat.render import GENERATION_MARK, render_chat
 from inferx.scheduling.views import Tier
 from inferx.tokens import DEFAULT_MAX_TOKENS
+from inferx_router.hops import ModelHop
 from inferx_router.programs import Call, ProgramBook, program_hop
+from inferx_router.records import RunStore
 
 
 def chat(**fields) -> schema.ChatCompletionRequest:
@@ -151,7 +153,7 @@ def test_identity_headers_are_read_case_insensitively() -> None:
     ("headers", "param"),
     [
         ({"X-InferX-Program": "has space"}, "X-InferX-Program"),
-        ({"X-InferX-Program": "x" * 129}, "X-InferX-Program"),
+        ({"X-InferX-Program": "x" * 257}, "X-InferX-Program"),
         ({"X-InferX-Tier": "urgent"}, "X-InferX-Tier"),
         ({"X-InferX-Deadline-Ms": "-5"}, "X-InferX-Deadline-Ms"),
         ({"X-InferX-Deadline-Ms": "0"}, "X-InferX-Deadline-Ms"),
@@ -172,43 +174,40 @@ def test_a_bad_identity_header_is_an_error_naming_it(headers: dict[str, str], pa
 CALL = Call(call_id="chatcmpl-abc", model="m", prompt="p", max_tokens=5, temperature=0.0)
 
 
+def hop_of(book: ProgramBook, identity: ProgramIdentity, **kw) -> tuple[ModelHop, float]:
+    """A call's hop, the way ProgramCalls makes it (its record entry left open)."""
+    kw.setdefault("now_unix_ms", 1000)
+    kw.setdefault("default_timeout_ms", 60_000)
+    return program_hop(CALL, book.begin(identity, tenant="acme"), identity, **kw)
+
+
 def test_calls_of_one_program_share_its_chain_key_and_count_up() -> None:
-    book = ProgramBook()
+    book = ProgramBook(RunStore())
     identity = ProgramIdentity("run-1", Tier.BATCH, None, False)
-    hops = [
-        program_hop(CALL, identity, book, now_unix_ms=1000, default_timeout_ms=60_000)[0] for _ in range(3)
-    ]
-    assert {h.run_id for h in hops} == {"run-1"} and {h.session_id for h in hops} == {""}
+    hops = [hop_of(book, identity)[0] for _ in range(3)]
+    assert {h.run_id for h in hops} == {"acme/run-1"} and {h.session_id for h in hops} == {""}
     assert [h.hop_index for h in hops] == [0, 1, 2]
     assert len({h.hop_id for h in hops}) == 3  # unique per call, the index in it
     assert all(h.remaining_hops is None and h.tier == Tier.BATCH for h in hops)
-    end, timeout_s = program_hop(
-        CALL,
-        ProgramIdentity("run-1", Tier.BATCH, 2500, True),
-        book,
-        now_unix_ms=1000,
-        default_timeout_ms=60_000,
-    )
+    assert {h.chain_name for h in hops} == {"openai"}
+    end, timeout_s = hop_of(book, ProgramIdentity("run-1", Tier.BATCH, 2500, True))
     assert end.hop_index == 3 and end.remaining_hops == 0
     assert end.deadline_unix_ms == 3500 and timeout_s == 2.5
-    assert len(book) == 0  # the program ended: forgotten
+    assert len(book) == 0  # the program ended: its next call starts a new record
 
 
 def test_a_call_without_identity_is_a_one_hop_program() -> None:
-    book = ProgramBook()
-    hop, timeout_s = program_hop(CALL, ProgramIdentity(), book, now_unix_ms=0, default_timeout_ms=60_000)
-    assert hop.run_id == "chatcmpl-abc" and hop.hop_index == 0 and hop.remaining_hops == 0
+    book = ProgramBook(RunStore())
+    hop, timeout_s = hop_of(book, ProgramIdentity(), now_unix_ms=0)
+    assert hop.hop_index == 0 and hop.remaining_hops == 0 and hop.run_id  # its own record's run id
     assert hop.tier == Tier.STANDARD and timeout_s == 60 and hop.deadline_unix_ms == 60_000
     assert len(book) == 0
 
 
-def test_the_program_book_keeps_the_most_recent_programs() -> None:
-    book = ProgramBook(capacity=2)
-    for program in ("a", "b", "a", "c"):
-        book.next_index(program)
-    assert len(book) == 2
-    assert book.next_index("a") == 2  # kept (recently used)
-    assert book.next_index("b") == 0  # evicted: starts again
+def test_a_programs_name_and_priority_reach_its_hops() -> None:
+    identity = ProgramIdentity("p", name="support-bot", priority=0)
+    hop, _ = hop_of(ProgramBook(RunStore()), identity)
+    assert hop.chain_name == "support-bot" and hop.priority == 0
 
 
 # ----- responses and errors -----------------------------------------------------------
@@ -269,12 +268,10 @@ def test_a_programs_unknown_remaining_hops_stay_unset_on_the_wire() -> None:
     hop (the program's KV is let go): the request must tell them apart."""
     from inferx_router.executors import hop_request
 
-    book = ProgramBook()
-    going, _ = program_hop(CALL, ProgramIdentity("p"), book, now_unix_ms=0, default_timeout_ms=1)
-    ending, _ = program_hop(
-        CALL, ProgramIdentity("p", program_end=True), book, now_unix_ms=0, default_timeout_ms=1
-    )
+    book = ProgramBook(RunStore())
+    going, _ = hop_of(book, ProgramIdentity("p"))
+    ending, _ = hop_of(book, ProgramIdentity("p", program_end=True))
     assert not hop_request(going).context.HasField("remaining_hops")
     last = hop_request(ending).context
     assert last.HasField("remaining_hops") and last.remaining_hops == 0
-    assert last.run_id == "p" and last.session_id == "" and last.hop_index == 1
+    assert last.run_id == "acme/p" and last.session_id == "" and last.hop_index == 1

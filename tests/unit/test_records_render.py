@@ -137,3 +137,53 @@ def test_cli_registers_trace_and_stats() -> None:
     assert args.run_id is None and args.chain == "support" and args.json
     args = build_parser().parse_args(["stats", "support", "--last", "50"])
     assert args.handler is observe.cmd_stats and args.last == 50
+
+
+def program_trace(status: str = "running") -> router_pb2.RunTrace:
+    """A dynamic program of two calls with a tool gap between them."""
+    hops = [
+        router_pb2.NodeFinished(
+            node_id=f"call-{i}",
+            node_type="model_inference",
+            status="ok",
+            latency_ms=200,
+            queue_ms=5,
+            model="qwen-7b",
+            worker_id="worker-0",
+            usage=common_pb2.TokenUsage(prompt_tokens=300 + 100 * i, cached_prompt_tokens=280 * i),
+        )
+        for i in range(2)
+    ]
+    finished = router_pb2.ChainFinished(run_id="9c1d0e4b5a673f2a", status=status, latency_ms=1400, hops=hops)
+    record = RunRecord(
+        "openai",
+        "realtime",
+        1_700_000_000_000,
+        "",
+        {"call-0": (), "call-1": ("call-0",)},
+        finished,
+        program_id="ticket-4711",
+        parent_program_id="ticket-4700",
+        starts_ms={"call-0": 0.0, "call-1": 1200.0},
+    )
+    return records.run_trace_message(record)
+
+
+def test_a_program_trace_shows_its_calls_where_they_ran_and_no_slo() -> None:
+    lines = [line.plain for line in observe.waterfall(program_trace())]
+    assert all(len(line) <= 80 for line in lines), max(lines, key=len)
+    assert lines[0] == "openai  program ticket-4711  run 9c1d0e4b5a673f2a  realtime"
+    assert lines[1] == "running: 2 calls so far, 1,400 ms"
+    assert "started by program ticket-4700" in lines
+    rows = [line for line in lines if "█" in line]
+    bar_start = 2 + observe.NAME_W + 1
+    assert rows[0].index("█") - bar_start < 2 and rows[1].index("█") - bar_start > 30  # the tool gap shows
+    assert "tokens 400 in (280 cached) / 0 out" in "\n".join(lines) and "SLO" not in "\n".join(lines)
+    ended = [line.plain for line in observe.waterfall(program_trace("ok"))]
+    assert ended[1] == "ok: 2 calls in 1,400 ms"
+
+
+def test_stats_of_programs_say_they_have_no_slo() -> None:
+    record = RunRecord("openai", "standard", 0, "", {}, program_trace("ok").finished, program_id="p")
+    stats = records.chain_stats_message(records.chain_stats("openai", [record]))
+    assert observe.stats_lines(stats)[0].plain == "openai: 1 recent runs, 1 ok, no SLO"

@@ -134,6 +134,7 @@ def check_tenant_name(name: str) -> str:
 # that every method of the service is listed.
 ROUTER_METHOD_ROLES: dict[str, Role] = {
     "RunChain": Role.RUN,
+    "CallModel": Role.RUN,
     "GetRun": Role.RUN,
     "GetChainStats": Role.RUN,
     "GetChain": Role.RUN,

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from inferx import DEFAULT_ROUTER
-from inferx.cli import access, bench_args, connect, observe
+from inferx.cli import access, bench_args, call, connect, observe
 from inferx.errors import InferxError
 
 if TYPE_CHECKING:
@@ -471,6 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
     policies = sub.add_parser("policies", help="the scheduling policies this install has")
     policies.set_defaults(handler=cmd_policies)
     observe.register(sub)
+    call.register(sub)
     access.register(sub, common, _client)
     bench_args.register(sub)
     return parser

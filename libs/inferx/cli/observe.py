@@ -97,6 +97,23 @@ def node_details(hop: router_pb2.NodeFinished) -> list[str]:
     return parts
 
 
+def _program_lines(trace: router_pb2.RunTrace) -> list[Text]:
+    """The head of a dynamic program's record (calls of the OpenAI front or CallModel):
+    no version, no SLO; `running` until it ends."""
+    finished = trace.finished
+    program = f"  program {trace.program_id}" if trace.program_id else ""
+    lines = [Text.assemble((trace.chain, "bold"), f"{program}  run {finished.run_id}  {trace.tier}")]
+    calls = f"{len(finished.hops)} call" + ("" if len(finished.hops) == 1 else "s")
+    if finished.status == "running":
+        lines.append(Text.assemble(("running", "yellow"), f": {calls} so far, {fmt_ms(finished.latency_ms)}"))
+    else:
+        style = "green" if finished.status == "ok" else "red"
+        lines.append(Text.assemble((finished.status, style), f": {calls} in {fmt_ms(finished.latency_ms)}"))
+    if trace.parent_program_id:
+        lines.append(Text(f"started by program {trace.parent_program_id}", "dim"))
+    return lines
+
+
 def waterfall(trace: router_pb2.RunTrace, width: int = WIDTH) -> list[Text]:
     finished = trace.finished
     bar_w = width - 2 - NAME_W - 1 - DURATION_W
@@ -104,17 +121,20 @@ def waterfall(trace: router_pb2.RunTrace, width: int = WIDTH) -> list[Text]:
     total = max([finished.latency_ms, *(t.end_ms for t in trace.timings)])
     verdict = "met" if finished.slo_met else "missed"
     status_style = "green" if finished.status == "ok" else "red"
-    lines = [
-        Text.assemble(
-            (trace.chain, "bold"), f" v{finished.chain_version}  run {finished.run_id}  {trace.tier}"
-        ),
-        Text.assemble(
-            (finished.status, status_style),
-            f" in {fmt_ms(finished.latency_ms)}  (SLO {fmt_ms(finished.slo_ms)}: ",
-            (verdict, "green" if finished.slo_met else "red"),
-            ")" + (f"  retries {finished.retries_used}" if finished.retries_used else ""),
-        ),
-    ]
+    if finished.chain_version == 0:  # versions start at 1: a dynamic program
+        lines = _program_lines(trace)
+    else:
+        lines = [
+            Text.assemble(
+                (trace.chain, "bold"), f" v{finished.chain_version}  run {finished.run_id}  {trace.tier}"
+            ),
+            Text.assemble(
+                (finished.status, status_style),
+                f" in {fmt_ms(finished.latency_ms)}  (SLO {fmt_ms(finished.slo_ms)}: ",
+                (verdict, "green" if finished.slo_met else "red"),
+                ")" + (f"  retries {finished.retries_used}" if finished.retries_used else ""),
+            ),
+        ]
     if trace.started_unix_ms:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(trace.started_unix_ms / 1000))
         lines.append(Text(f"started {when}" + (f"  trace {trace.trace_id}" if trace.trace_id else ""), "dim"))
@@ -163,11 +183,10 @@ async def cmd_trace(args: argparse.Namespace) -> int:
 def stats_lines(stats: router_pb2.ChainStats, width: int = WIDTH) -> list[Text]:
     share = stats.slo_met / stats.runs if stats.runs else 0.0
     lat = stats.latency
+    # Dynamic programs declare no SLO (their latency includes the client's tool time).
+    slo = f"SLO {fmt_ms(stats.slo_ms)} met by {share:.1%}" if stats.slo_ms else "no SLO"
     lines = [
-        Text.assemble(
-            (stats.chain, "bold"),
-            f": {stats.runs} recent runs, {stats.ok} ok, SLO {fmt_ms(stats.slo_ms)} met by {share:.1%}",
-        ),
+        Text.assemble((stats.chain, "bold"), f": {stats.runs} recent runs, {stats.ok} ok, {slo}"),
         Text(
             f"chain  p50 {fmt_ms(lat.p50_ms)} · p90 {fmt_ms(lat.p90_ms)} · p99 {fmt_ms(lat.p99_ms)}"
             f" · max {fmt_ms(lat.max_ms)}"
@@ -233,7 +252,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     trace = sub.add_parser(
         "trace", parents=[common], help="a recent run as a waterfall: queue, run time, tokens, critical path"
     )
-    trace.add_argument("run_id", nargs="?", help="run id or a unique prefix (default: the latest run)")
+    trace.add_argument(
+        "run_id",
+        nargs="?",
+        help="run id or a unique prefix, or a program id (default: the latest run)",
+    )
     trace.add_argument("--chain", help="without RUN_ID: the latest run of this chain")
     trace.set_defaults(handler=cmd_trace)
 

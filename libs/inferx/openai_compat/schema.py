@@ -127,6 +127,11 @@ M = TypeVar("M", bound=CallRequest)
 
 def parse_body(model: type[M], raw: bytes) -> M:
     """The validated request, or InvalidField naming the first bad field."""
+    return validate_body(model, load_object(raw))
+
+
+def load_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object (its fields unchecked), or InvalidField("body")."""
     try:
         data = json.loads(raw)
     except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
@@ -139,6 +144,11 @@ def parse_body(model: type[M], raw: bytes) -> M:
         raise InvalidField(
             "body", "a string holds a lone UTF-16 surrogate (\\uD800-\\uDFFF): not valid Unicode"
         ) from None
+    return data
+
+
+def validate_body(model: type[M], data: dict[str, Any]) -> M:
+    """The validated request from a JSON object, or InvalidField naming the first bad field."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -1,0 +1,80 @@
+"""`inferx call MODEL PROMPT`: one model call of a dynamic program over `Router.CallModel`,
+the text streamed as it is generated, then its usage, worker and program record."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rich.console import Console
+
+from inferx.cli import connect
+
+TIERS = {"realtime": 1, "standard": 2, "batch": 3}
+
+err = Console(stderr=True, highlight=False)
+
+
+async def cmd_call(args: argparse.Namespace) -> int:
+    from google.protobuf import json_format
+
+    messages = []
+    if args.system is not None:
+        messages = [{"role": "system", "content": args.system}, {"role": "user", "content": args.prompt}]
+    finished = None
+    async with connect.client(args) as client:
+        async for event in client.call_model(
+            args.model,
+            "" if messages else args.prompt,
+            messages=messages,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            program_id=args.program or "",
+            program_name=args.name or "",
+            tier=TIERS.get(args.tier or "", 0),  # type: ignore[arg-type]
+            deadline_ms=args.deadline_ms,
+            program_end=args.end,
+        ):
+            if event.WhichOneof("event") == "text":
+                if not args.json:
+                    sys.stdout.write(event.text)
+                    sys.stdout.flush()
+            else:
+                finished = event.finished
+    if finished is None:
+        err.print("the router ended the call without a result")
+        return 1
+    if args.json:
+        print(json.dumps(json_format.MessageToDict(finished, preserving_proto_field_name=True), indent=2))
+        return 0
+    usage = finished.usage
+    program = f"program {finished.program_id} call {finished.call_index} · " if finished.program_id else ""
+    sys.stdout.write("\n")
+    err.print(
+        f"{finished.finish_reason} · tokens {usage.prompt_tokens} in ({usage.cached_prompt_tokens} cached) / "
+        f"{usage.completion_tokens} out · {finished.worker_id} · {finished.latency_ms:,.0f} ms · "
+        f"{program}run {finished.run_id} (inferx trace {finished.run_id[:8]})",
+        style="dim",
+        markup=False,
+    )
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    call = sub.add_parser(
+        "call", help="one model call of a dynamic program (Router.CallModel), streamed; see `inferx trace`"
+    )
+    connect.add_router_flags(call)
+    call.add_argument("--json", action="store_true", help="print the final event as JSON (no text)")
+    call.add_argument("model")
+    call.add_argument("prompt")
+    call.add_argument("--system", help="send a chat (this system message, then PROMPT as the user's)")
+    call.add_argument("--program", metavar="ID", help="program id: calls with one id are hops of one program")
+    call.add_argument("--name", metavar="NAME", help="the program's kind: its chain in `inferx stats`")
+    call.add_argument("--end", action="store_true", help="the program ends after this call")
+    call.add_argument("--tier", choices=sorted(TIERS))
+    call.add_argument("--deadline-ms", type=int, default=0, metavar="MS")
+    call.add_argument("--max-tokens", type=int, default=0, metavar="N")
+    call.add_argument("--temperature", type=float)
+    call.set_defaults(handler=cmd_call)
