@@ -92,3 +92,11 @@ def test_no_import_cycles_inside_a_package(package: str) -> None:
         if name not in state:
             visit(name, [name])
     assert cycles == []
+
+
+def test_test_module_names_are_unique_across_the_suite() -> None:
+    """pytest imports test modules by basename (rootdir-relative without packages): two
+    `test_x.py` in different folders break collection of the whole suite."""
+    root = Path(__file__).resolve().parents[1]
+    names = [path.name for path in root.rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
