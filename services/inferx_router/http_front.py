@@ -35,7 +35,7 @@ from inferx.limits import RequestLimits
 from inferx.openai_compat import schema
 from inferx.openai_compat.errors import BodyTooLarge, InvalidField, ModelNotFound, error_body, error_reply
 from inferx.openai_compat.identity import ProgramIdentity, parse_identity
-from inferx.openai_compat.render import render_chat
+from inferx.openai_compat.render import chat_json, render_chat
 from inferx.pools import PoolDirectory
 from inferx_router import metrics
 from inferx_router.access import AccessControl
@@ -211,6 +211,8 @@ class OpenAIFront:
             prompt=prompt,
             max_tokens=tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
+            # The chat itself, for the worker's chat template (`prompt` is the generic rendering).
+            chat_json=chat_json(body.messages, body.tools) if isinstance(body, schema.ChatCompletionRequest) else "",
         )
         hop, timeout_s = program_hop(
             call,
@@ -227,7 +229,13 @@ class OpenAIFront:
         usage = _usage(done)
         if chat:
             reply = schema.chat_completion(
-                call.call_id, created, body.model, done.text, done.finish_reason, usage
+                call.call_id,
+                created,
+                body.model,
+                done.text,
+                done.finish_reason,
+                usage,
+                parse_tool_calls=_parses_tool_calls(body),
             )
         else:
             reply = schema.text_completion(
@@ -265,21 +273,21 @@ class OpenAIFront:
         model, call_id = body.model, call.call_id
         object_ = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str | None, reason: str | None) -> dict[str, Any]:
-            if chat:
-                delta = {} if text is None else {"content": text}
-                return schema.chat_chunk(call_id, created, model, delta, reason)
-            return schema.text_completion(call_id, created, model, text or "", reason, None)
+        chat_chunks = schema.ChatChunks(call_id, created, model, parse_tool_calls=_parses_tool_calls(body))
+
+        def chunks(text: str | None, reason: str | None) -> list[dict[str, Any]]:
+            if chat:  # tool calls are read out of the text as it comes
+                return chat_chunks.text(text) if reason is None else chat_chunks.finish(reason)
+            return [schema.text_completion(call_id, created, model, text or "", reason, None)]
 
         async def events() -> AsyncIterator[str]:
             try:
                 if chat:
-                    yield schema.sse(
-                        schema.chat_chunk(call_id, created, model, {"role": "assistant", "content": ""})
-                    )
+                    yield schema.sse(chat_chunks.start())
                 piece = first
                 while piece is not None:
-                    yield schema.sse(chunk(piece, None))
+                    for payload in chunks(piece, None):
+                        yield schema.sse(payload)
                     piece = await pieces.get()
                 try:
                     done = task.result()
@@ -287,7 +295,8 @@ class OpenAIFront:
                     yield schema.sse(_error_response_body(exc))
                     return
                 release(done)
-                yield schema.sse(chunk(None, done.finish_reason))
+                for payload in chunks(None, done.finish_reason):
+                    yield schema.sse(payload)
                 if body.include_usage:
                     yield schema.sse(schema.usage_chunk(call_id, created, model, object_, _usage(done)))
                 yield schema.SSE_DONE
@@ -299,6 +308,10 @@ class OpenAIFront:
         return StreamingResponse(
             events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
+
+
+def _parses_tool_calls(body: schema.CallRequest) -> bool:
+    return isinstance(body, schema.ChatCompletionRequest) and body.parses_tool_calls
 
 
 def _usage(done: HopDone) -> dict[str, Any]:

@@ -51,6 +51,7 @@ class Call:
     prompt: str
     max_tokens: int
     temperature: float
+    chat_json: str = ""  # a chat call's messages and tools (inferx.openai_compat.render.chat_json)
 
 
 def program_hop(
@@ -84,5 +85,6 @@ def program_hop(
         prompt=call.prompt,
         max_tokens=call.max_tokens,
         temperature=call.temperature,
+        chat_json=call.chat_json,
     )
     return hop, timeout_ms / 1000
