@@ -53,7 +53,11 @@ class _Generation(jinja2.ext.Extension):
 
 
 def _tojson(
-    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
 ) -> str:
     # transformers' own: the built-in filter escapes HTML characters, this one does not.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
@@ -87,7 +91,9 @@ def _token_text(value: Any) -> str | None:
 
 
 class ChatTemplate:
-    def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None, origin: str = "") -> None:
+    def __init__(
+        self, source: str, special_tokens: Mapping[str, str] | None = None, origin: str = ""
+    ) -> None:
         """`source`: the Jinja text; `special_tokens`: bos_token, eos_token, ... as the
         template sees them; `origin`: where it was read from (for messages)."""
         self.source = source
@@ -111,7 +117,9 @@ class ChatTemplate:
         if (path / TOKENIZER_CONFIG).is_file():
             loaded = json.loads((path / TOKENIZER_CONFIG).read_text(encoding="utf-8"))
             config = loaded if isinstance(loaded, dict) else {}
-        tokens = {name: text for name in _SPECIAL_TOKENS if (text := _token_text(config.get(name))) is not None}
+        tokens = {
+            name: text for name in _SPECIAL_TOKENS if (text := _token_text(config.get(name))) is not None
+        }
         if (path / TEMPLATE_FILE).is_file():
             origin = path / TEMPLATE_FILE
             return cls(origin.read_text(encoding="utf-8"), tokens, str(origin))

@@ -34,9 +34,10 @@ MODEL_FILES = (
 # calls tools with <tool_call>{"name": ..., "arguments": {...}}</tool_call>; tool results
 # come back in a user turn inside <tool_response></tool_response>. The turn marks are
 # plain text to this tiny tokenizer (several tokens each), which is all a model with
-# random weights needs; the template writes the BOS itself, as Llama's do. A chat's rendering with the generation prompt is a prefix of
-# the rendering of the same chat continued (assistant reply, tool results, ...), so an
-# agent loop's calls extend each other and hit the prefix cache.
+# random weights needs; the template writes the BOS itself, as Llama's do. A chat's
+# rendering with the generation prompt is a prefix of the rendering of the same chat
+# continued (assistant reply, tool results, ...), so an agent loop's calls extend each
+# other and hit the prefix cache.
 CHAT_TEMPLATE = """\
 {{- bos_token }}
 {%- if tools %}

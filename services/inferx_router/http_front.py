@@ -211,8 +211,8 @@ class OpenAIFront:
             prompt=prompt,
             max_tokens=tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
-            # The chat itself, for the worker's chat template (`prompt` is the generic rendering).
-            chat_json=chat_json(body.messages, body.tools) if isinstance(body, schema.ChatCompletionRequest) else "",
+            # The chat itself, for the worker's chat template (`prompt`: its generic rendering).
+            chat_json=_chat_json(body),
         )
         hop, timeout_s = program_hop(
             call,
@@ -277,7 +277,7 @@ class OpenAIFront:
 
         def chunks(text: str | None, reason: str | None) -> list[dict[str, Any]]:
             if chat:  # tool calls are read out of the text as it comes
-                return chat_chunks.text(text) if reason is None else chat_chunks.finish(reason)
+                return chat_chunks.text(text or "") if reason is None else chat_chunks.finish(reason)
             return [schema.text_completion(call_id, created, model, text or "", reason, None)]
 
         async def events() -> AsyncIterator[str]:
@@ -308,6 +308,12 @@ class OpenAIFront:
         return StreamingResponse(
             events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
+
+
+def _chat_json(body: schema.CallRequest) -> str:
+    if not isinstance(body, schema.ChatCompletionRequest):
+        return ""
+    return chat_json(body.messages, body.tools)
 
 
 def _parses_tool_calls(body: schema.CallRequest) -> bool:

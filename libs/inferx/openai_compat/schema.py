@@ -280,11 +280,11 @@ class ChatChunks:
             if isinstance(event, Content):
                 chunks.append(self._chunk({"content": event.text}))
                 continue
-            head = {"index": event.index, "id": event.id, "type": "function"}
-            chunks.append(self._chunk({"tool_calls": [{**head, "function": {"name": event.name, "arguments": ""}}]}))
-            chunks.append(
-                self._chunk({"tool_calls": [{"index": event.index, "function": {"arguments": event.arguments}}]})
-            )
+            named = {"index": event.index, "id": event.id, "type": "function"}
+            named["function"] = {"name": event.name, "arguments": ""}
+            arguments = {"index": event.index, "function": {"arguments": event.arguments}}
+            chunks.append(self._chunk({"tool_calls": [named]}))
+            chunks.append(self._chunk({"tool_calls": [arguments]}))
         return chunks
 
 

@@ -161,9 +161,7 @@ class ToolCallParser:
         self._after_call = True
 
 
-def split_tool_calls(
-    text: str, new_id: Callable[[], str] = new_call_id
-) -> tuple[str | None, list[ToolCall]]:
+def split_tool_calls(text: str, new_id: Callable[[], str] = new_call_id) -> tuple[str | None, list[ToolCall]]:
     """The content (None when nothing but whitespace is left beside tool calls) and the
     tool calls of a whole reply."""
     parser = ToolCallParser(new_id)

@@ -307,7 +307,7 @@ def from_settings(settings: WorkerSettings) -> SimEngine:
     else:
         log.warning(
             "sim: %s has no chat template: chats run InferX's generic rendering "
-            "(inferx_worker_chat_renders_total{template=\"generic\"})",
+            '(inferx_worker_chat_renders_total{template="generic"})',
             settings.model_path,
         )
     script = SimScript.load(settings.sim_script) if settings.sim_script else None
