@@ -32,7 +32,7 @@ proto: $(STAMP)
 	$(PY) -m inferx.protogen
 
 model: $(STAMP)
-	@test -f $(MODEL_DIR)/config.json || $(PY) -m inferx.tinymodel $(MODEL_DIR)
+	@$(PY) -m inferx.tinymodel $(MODEL_DIR)  # an existing model is kept (an old one gets the chat template)
 
 etcd:
 	@bash deploy/scripts/ensure-command.sh etcd etcd-server

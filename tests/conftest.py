@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -75,15 +75,17 @@ def running_sim_stack(
     lease_ttl_s: int = TEST_LEASE_TTL_S,
     insecure: bool = True,
     tls_server_name: str | None = None,
+    worker_args: Sequence[str] = (),
 ) -> Iterator[LocalStack]:
-    """etcd + all services + `workers` sim workers, example models and chains loaded;
-    the logs are printed when start-up fails, and everything is stopped at the end."""
+    """etcd + all services + `workers` sim workers (with `worker_args` added to their
+    flags), example models and chains loaded; the logs are printed when start-up fails,
+    and everything is stopped at the end."""
     stack = make_stack(tmp, lease_ttl_s=lease_ttl_s, insecure=insecure, tls_server_name=tls_server_name)
     try:
         stack.start_core()
         stack.load_models(read_models_file(EXAMPLES / "models.yaml"))
         for _ in range(workers):
-            stack.start_worker("tiny-llama", "sim", ["--sim-speed", str(sim_speed)])
+            stack.start_worker("tiny-llama", "sim", ["--sim-speed", str(sim_speed), *worker_args])
         for worker in stack.workers:
             wait_serving(worker, 60)
         stack.put_chains(sorted((EXAMPLES / "chains").glob("*.yaml")))

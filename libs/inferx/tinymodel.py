@@ -29,6 +29,73 @@ MODEL_FILES = (
     "README.md",
 )
 
+# The chat template (Jinja, in tokenizer_config.json): Qwen2.5's ChatML with Hermes-style
+# tool calling. Tool specs go into the system turn inside <tools></tools>; the model
+# calls tools with <tool_call>{"name": ..., "arguments": {...}}</tool_call>; tool results
+# come back in a user turn inside <tool_response></tool_response>. The turn marks are
+# plain text to this tiny tokenizer (several tokens each), which is all a model with
+# random weights needs; the template writes the BOS itself, as Llama's do. A chat's
+# rendering with the generation prompt is a prefix of the rendering of the same chat
+# continued (assistant reply, tool results, ...), so an agent loop's calls extend each
+# other and hit the prefix cache.
+CHAT_TEMPLATE = """\
+{{- bos_token }}
+{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- (messages[0].content or '') + '\\n\\n' }}
+    {%- endif %}
+    {{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n' }}
+    {{- 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\\n' }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments ' }}
+    {{- 'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n' }}
+    {{- '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
+{%- elif messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' + (messages[0].content or '') + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'system' and loop.first %}
+    {%- elif message.role in ('user', 'system') or (message.role == 'assistant' and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' }}
+    {%- elif message.role == 'assistant' %}
+        {{- '<|im_start|>assistant' }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' + tool_call.name + '", "arguments": ' }}
+            {%- if tool_call.arguments is string %}
+                {{- tool_call.arguments }}
+            {%- else %}
+                {{- tool_call.arguments | tojson }}
+            {%- endif %}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' + (message.content or '') + '\\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- else %}
+        {{- raise_exception('unsupported role ' + message.role) }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
 CORPUS = """\
 The customer placed an order for two pairs of running shoes and a rain jacket. The order
 number is 48213 and it was paid by card. The agent checked the order status: the items
@@ -75,6 +142,10 @@ A tiny Llama-shaped model made by `python -m inferx.tinymodel` for development a
 - The tokenizer is a byte-level BPE trained on a small built-in English corpus (orders,
   shipping, refunds, support agents), so it is the same on every machine and
   round-trips any text.
+- `tokenizer_config.json` carries a chat template (`chat_template`): Qwen2.5's ChatML
+  with Hermes-style tool calling (tools in `<tools>`, calls as
+  `<tool_call>{{"name": ..., "arguments": {{...}}}}</tool_call>`, results in
+  `<tool_response>`). Its turn marks are plain text to this tokenizer.
 
 Use it to exercise streaming, batching, prefix caching and scheduling, never to judge
 output quality.
@@ -171,6 +242,7 @@ def make_tiny_model(
             "add_eos_token": False,
             "clean_up_tokenization_spaces": False,
             "model_max_length": max_position_embeddings,
+            "chat_template": CHAT_TEMPLATE,
         },
     )
     _write_json(path / "special_tokens_map.json", {"bos_token": BOS, "eos_token": EOS, "unk_token": UNK})
@@ -186,6 +258,20 @@ def make_tiny_model(
         encoding="utf-8",
     )
     return path
+
+
+def add_chat_template(path: Path) -> bool:
+    """Give a tiny model made before it had one the chat template (the tokenizer is
+    unchanged); True when it was added."""
+    config_path = Path(path) / "tokenizer_config.json"
+    if not config_path.is_file():
+        return False
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    if config.get("chat_template") or (Path(path) / "chat_template.jinja").exists():
+        return False
+    config["chat_template"] = CHAT_TEMPLATE
+    _write_json(config_path, config)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,7 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if (args.dir / "config.json").exists():
-        print(f"{args.dir}: a model already exists there (config.json found); left as is")
+        if add_chat_template(args.dir):
+            print(f"{args.dir}: a model already exists there; added the chat template it lacked")
+        else:
+            print(f"{args.dir}: a model already exists there (config.json found); left as is")
         return 0
     out = make_tiny_model(
         args.dir,

@@ -51,6 +51,7 @@ def hop_request(hop: ModelHop) -> scheduler_pb2.HopRequest:
             max_context_tokens=hop.max_context_tokens,
             truncate_context=hop.truncate_context,
         ),
+        chat_json=hop.chat_json,
     )
     if hop.remaining_hops is not None:  # unset = unknown (the scheduler's HopView gets None)
         request.context.remaining_hops = hop.remaining_hops

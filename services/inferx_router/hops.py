@@ -40,6 +40,7 @@ class ModelHop:
     temperature: float
     max_context_tokens: int = 0
     truncate_context: bool = False
+    chat_json: str = ""  # a chat for the worker's chat template (the OpenAI front's calls); "" = none
 
 
 @dataclass(frozen=True)

@@ -149,8 +149,20 @@ class OpenAIFront:
         result = await self._calls.call(who, identity, call, parent=parent)
         done = result.done
         usage = _usage(done)
-        make = schema.chat_completion if chat else schema.text_completion
-        reply = make(call.call_id, created, body.model, done.text, done.finish_reason, usage)
+        if chat:
+            reply = schema.chat_completion(
+                call.call_id,
+                created,
+                body.model,
+                done.text,
+                done.finish_reason,
+                usage,
+                parse_tool_calls=_parses_tool_calls(body),
+            )
+        else:
+            reply = schema.text_completion(
+                call.call_id, created, body.model, done.text, done.finish_reason, usage
+            )
         return JSONResponse(reply, headers=_call_headers(result))
 
     async def _stream(
@@ -176,28 +188,29 @@ class OpenAIFront:
         model, call_id = body.model, call.call_id
         object_ = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str | None, reason: str | None) -> dict[str, Any]:
-            if chat:
-                delta = {} if text is None else {"content": text}
-                return schema.chat_chunk(call_id, created, model, delta, reason)
-            return schema.text_completion(call_id, created, model, text or "", reason, None)
+        chat_chunks = schema.ChatChunks(call_id, created, model, parse_tool_calls=_parses_tool_calls(body))
+
+        def chunks(text: str | None, reason: str | None) -> list[dict[str, Any]]:
+            if chat:  # tool calls are read out of the text as it comes
+                return chat_chunks.text(text or "") if reason is None else chat_chunks.finish(reason)
+            return [schema.text_completion(call_id, created, model, text or "", reason, None)]
 
         async def events() -> AsyncIterator[str]:
             try:
                 if chat:
-                    yield schema.sse(
-                        schema.chat_chunk(call_id, created, model, {"role": "assistant", "content": ""})
-                    )
+                    yield schema.sse(chat_chunks.start())
                 piece = first
                 try:
                     while isinstance(piece, str):
-                        yield schema.sse(chunk(piece, None))
+                        for payload in chunks(piece, None):
+                            yield schema.sse(payload)
                         piece = await anext(pieces)
                 except Exception as exc:
                     yield schema.sse(_error_response_body(exc))
                     return
                 done = piece.done
-                yield schema.sse(chunk(None, done.finish_reason))
+                for payload in chunks(None, done.finish_reason):
+                    yield schema.sse(payload)
                 if body.include_usage:
                     yield schema.sse(schema.usage_chunk(call_id, created, model, object_, _usage(done)))
                 yield schema.SSE_DONE
@@ -211,6 +224,10 @@ class OpenAIFront:
 
 def _call_headers(result: CallDone) -> dict[str, str]:
     return {WORKER_HEADER: result.done.worker_id, RUN_HEADER: result.run_id}
+
+
+def _parses_tool_calls(body: schema.CallRequest) -> bool:
+    return isinstance(body, schema.ChatCompletionRequest) and body.parses_tool_calls
 
 
 def _usage(done: HopDone) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from inferx.limits import RequestLimits
 from inferx.openai_compat import schema
 from inferx.openai_compat.errors import InvalidField, ModelNotFound
 from inferx.openai_compat.identity import MAX_DEADLINE_MS, ProgramIdentity, identity_of_fields
-from inferx.openai_compat.render import render_chat
+from inferx.openai_compat.render import chat_json, render_chat
 from inferx.pools import PoolDirectory
 from inferx.v1 import common_pb2, router_pb2
 from inferx_router import metrics
@@ -92,8 +92,10 @@ class ProgramCalls:
         """The call a validated body asks for (chat messages rendered into its prompt)."""
         if body.model not in self.model_names():
             raise ModelNotFound(body.model)
+        chat = ""  # a chat call's messages and tools, for the worker's chat template
         if isinstance(body, schema.ChatCompletionRequest):
             prompt, prefix = render_chat(body.messages, body.tools, body.tool_choice), "chatcmpl"
+            chat = chat_json(body.messages, body.tools)
         elif isinstance(body, schema.CompletionRequest):
             prompt, prefix = body.prompt_text, "cmpl"
         else:  # pragma: no cover - the two request kinds are all there is
@@ -109,6 +111,7 @@ class ProgramCalls:
             prompt=prompt,
             max_tokens=tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
+            chat_json=chat,  # `prompt` is its generic rendering (token estimates, template-less models)
         )
 
     def _limits(self, tenant: str) -> TenantLimits:

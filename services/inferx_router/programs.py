@@ -57,6 +57,7 @@ class Call:
     prompt: str
     max_tokens: int
     temperature: float
+    chat_json: str = ""  # a chat call's messages and tools (inferx.openai_compat.render.chat_json)
 
 
 @dataclass
@@ -285,5 +286,6 @@ def program_hop(
         prompt=call.prompt,
         max_tokens=call.max_tokens,
         temperature=call.temperature,
+        chat_json=call.chat_json,
     )
     return hop, timeout_ms / 1000

@@ -140,7 +140,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             hop_context.CopyFrom(request.context)
             hop_context.priority = hop.engine_priority
             generate = worker_pb2.GenerateRequest(
-                context=hop_context, prompt=request.prompt, sampling=request.sampling
+                context=hop_context,
+                prompt=request.prompt,
+                sampling=request.sampling,
+                chat_json=request.chat_json,  # a chat for the worker's template, passed on as it came
             )
             try:
                 async for event in self._run_on_worker(

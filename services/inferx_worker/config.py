@@ -28,7 +28,8 @@ class WorkerSettings(ServiceSettings):
     model_path: str = Field(
         DEFAULT_MODEL_PATH,
         description="vllm: model directory or hub id (default: the generated tiny model); "
-        "openai: the model name the server serves",
+        "openai: the model name the server serves; sim: a model directory whose chat template "
+        "renders chats (the generic rendering when it has none)",
     )
     dummy_weights: Literal["auto", "yes", "no"] = Field(
         "auto", description="random weights (auto: yes when the directory has no weight files)"
@@ -47,6 +48,12 @@ class WorkerSettings(ServiceSettings):
     )
     sim_prefill_tokens_per_s: float | None = Field(
         None, gt=0, description="sim: prefill throughput (default: the profile's, 15k tokens/s)"
+    )
+    sim_script: str | None = Field(
+        None,
+        description="sim: SIMULATED replies, a YAML/JSON list of {when, reply} rules: the first rule "
+        "whose `when` occurs in the rendered prompt gives the reply (e.g. a tool call), at the sim's "
+        "speed; other prompts get the synthetic text (inferx.sim.script)",
     )
     sim_kv_capacity_tokens: int | None = Field(
         None, gt=0, description="sim: KV-cache size in tokens (default: the profile's)"

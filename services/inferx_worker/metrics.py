@@ -14,6 +14,12 @@ COMPLETION_TOKENS = Counter("inferx_worker_completion_tokens_total", "Tokens gen
 CONTEXT_TRUNCATIONS = Counter(
     "inferx_worker_context_truncations_total", "Prompts cut to fit max_context_tokens"
 )
+CHAT_RENDERS = Counter(
+    "inferx_worker_chat_renders_total",
+    "Chats rendered into a prompt, by whose rendering: template=model (the model's own chat "
+    "template) or generic (InferX's, for a model without one)",
+    ["template"],
+)
 ENGINE_SECONDS = Histogram(
     "inferx_worker_engine_seconds",
     "Engine time per request",

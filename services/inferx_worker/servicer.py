@@ -7,6 +7,7 @@ import uuid
 
 import grpc
 
+from inferx.chat_template import Chat
 from inferx.context_guard import ContextTooLong, check_or_truncate
 from inferx.errors import Internal, InvalidArgument, Unavailable
 from inferx.tokens import DEFAULT_MAX_TOKENS
@@ -24,7 +25,8 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServicer):
         if not request.prompt:
             raise InvalidArgument("prompt: must not be empty")
         max_tokens = request.sampling.max_tokens or DEFAULT_MAX_TOKENS
-        prompt = await self._guard_context(request.prompt, request.sampling, max_tokens)
+        prompt, templated = self._prompt(request)
+        prompt = await self._guard_context(prompt, request.sampling, max_tokens)
         engine_request = EngineRequest(
             request_id=":".join(
                 (
@@ -40,6 +42,7 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServicer):
             top_p=request.sampling.top_p or 1.0,
             seed=request.sampling.seed if request.sampling.HasField("seed") else None,
             priority=request.context.priority,
+            templated=templated,
         )
         started = time.perf_counter()
         first_token_at: float | None = None
@@ -69,6 +72,19 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServicer):
                 )
         finally:
             metrics.REQUESTS_RUNNING.dec()
+
+    def _prompt(self, request: worker_pb2.GenerateRequest) -> tuple[str, bool]:
+        """A chat rendered by the model's own template, where the engine has one; else
+        the prompt as it came (for a chat: the router's generic rendering of it). True
+        with a template's rendering."""
+        if not request.chat_json:
+            return request.prompt, False
+        try:
+            rendered = self._engine.render_chat(Chat.from_json(request.chat_json))
+        except ValueError as exc:  # a malformed chat_json, or ChatTemplateError (the template refused it)
+            raise InvalidArgument(str(exc)) from None
+        metrics.CHAT_RENDERS.labels("generic" if rendered is None else "model").inc()
+        return (request.prompt, False) if rendered is None else (rendered, True)
 
     async def _guard_context(self, prompt: str, sampling, max_tokens: int) -> str:
         if not sampling.max_context_tokens:

@@ -113,3 +113,63 @@ async def test_context_guard_truncates_with_the_models_tokenizer(vllm_stack: Loc
     hop = events[-1].chain_finished.hops[0]
     assert hop.status == "ok", hop.error
     assert 0 < hop.usage.prompt_tokens <= 128 - 8
+
+
+def test_a_chat_with_tools_renders_through_the_models_chat_template(
+    vllm_stack: LocalStack, tmp_path: Path
+) -> None:
+    """The OpenAI front's chat reaches the vLLM worker as a chat and is rendered by the
+    tiny model's own template (tools included), tokenized as vLLM's chat server does it
+    (the template writes the BOS): the prompt has exactly the template's tokens. The
+    weights are random, so the reply's text is not checked, only its shape; the next
+    call of the loop starts with this one and hits vLLM's prefix cache."""
+    import json
+
+    import openai
+    import transformers
+
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "lookup_order",
+            "description": "Look an order up by its number",
+            "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}}},
+        },
+    }
+    messages: list = [
+        {"role": "system", "content": "You are a support agent."},
+        {"role": "user", "content": "Where is order 7?"},
+    ]
+    client = openai.OpenAI(base_url=vllm_stack.router_http_url, api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(
+        model="qwen-7b",
+        messages=messages,
+        tools=[tool],  # type: ignore[list-item]
+        max_tokens=8,
+        extra_headers={"X-InferX-Program": "e2e-tools"},
+    )
+    choice = reply.choices[0]
+    assert reply.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.finish_reason in {"stop", "length", "tool_calls"}
+    assert reply.usage is not None and 1 <= reply.usage.completion_tokens <= 8
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(make_tiny_model(tmp_path / "tiny-llama")))
+    rendered = tokenizer.apply_chat_template(
+        messages, tools=[tool], tokenize=False, add_generation_prompt=True
+    )
+    assert isinstance(rendered, str) and rendered.startswith("<s>") and "<tools>" in rendered
+    assert reply.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
+
+    messages += [
+        {"role": "assistant", "content": choice.message.content or ""},
+        {"role": "tool", "tool_call_id": "c1", "content": json.dumps({"status": "shipped"})},
+    ]
+    again = client.chat.completions.create(
+        model="qwen-7b",
+        messages=messages,
+        tools=[tool],  # type: ignore[list-item]
+        max_tokens=4,
+        extra_headers={"X-InferX-Program": "e2e-tools", "X-InferX-Program-End": "true"},
+    )
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert (again.usage.prompt_tokens_details.cached_tokens or 0) >= 32  # whole 32-token blocks

@@ -1,7 +1,14 @@
-"""Messages (and tool specs) -> one prompt string: InferX's simple chat rendering.
+"""A chat as the front hands it to workers: the chat itself (`chat_json`, which a worker
+renders with its model's own chat template) and InferX's generic rendering of it
+(`render_chat`: what a worker whose model has no template runs, and what the
+scheduler's token estimates read).
 
-Workers do not apply the model's own chat template yet, so the router renders the chat
-itself, the same way for every model:
+`chat_json` is {"messages": [...], "tools": [...]} in OpenAI's shapes, made ready for
+templates as vLLM's server makes them: text parts joined into one string, a tool call's
+`arguments` given as an object where they are a JSON object's text, and the roles
+templates know (`developer` is sent as `system`, the old `function` as `tool`).
+
+The generic rendering, the same for every model:
 
     <|tools|>                       (only when `tools` is given: one JSON spec a line)
     {"function": {...}, "type": "function"}
@@ -45,6 +52,45 @@ def message_text(message: ChatMessage) -> str:
     if isinstance(message.content, str):
         return message.content
     return "".join(part.text for part in message.content)
+
+
+_TEMPLATE_ROLES = {"developer": "system", "function": "tool"}
+
+
+def template_message(message: ChatMessage) -> dict[str, Any]:
+    """One message as chat templates read it (see the module's docstring)."""
+    out: dict[str, Any] = {
+        "role": _TEMPLATE_ROLES.get(message.role, message.role),
+        "content": message.content if message.content is None else message_text(message),
+    }
+    if message.name:
+        out["name"] = message.name
+    if message.tool_call_id:
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        out["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
+    return out
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call  # not JSON: the template gets the text as it came
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+def chat_json(messages: Sequence[ChatMessage], tools: Sequence[dict[str, Any]] | None = None) -> str:
+    """The chat a worker renders with its model's template (HopRequest.chat_json)."""
+    chat: dict[str, Any] = {"messages": [template_message(m) for m in messages]}
+    if tools:
+        chat["tools"] = list(tools)
+    return json.dumps(chat, ensure_ascii=False, separators=(",", ":"))
 
 
 def render_chat(

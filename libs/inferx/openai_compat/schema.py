@@ -4,11 +4,13 @@ and stream chunks it sends, in OpenAI's shapes. Pure: dicts and pydantic models.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from inferx.openai_compat.errors import InvalidField
+from inferx.openai_compat.toolcalls import Content, Event, ToolCallParser, new_call_id, split_tool_calls
 from inferx.tokens import DEFAULT_MAX_TOKENS
 
 # Fields OpenAI defines that InferX accepts and ignores (documented in the README):
@@ -89,6 +91,12 @@ class ChatCompletionRequest(CallRequest):
     def output_tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Tool calls are read out of the reply when the call offers tools (and does not
+        say tool_choice "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
+
 
 class CompletionRequest(CallRequest):
     prompt: str | list[str]
@@ -160,8 +168,11 @@ def validate_body(model: type[M], data: dict[str, Any]) -> M:
 # ----- responses --------------------------------------------------------------------
 
 
-def finish_reason(engine_reason: str) -> str:
-    """An engine's finish reason as OpenAI's: 'length' (max_tokens reached) or 'stop'."""
+def finish_reason(engine_reason: str, tool_calls: bool = False) -> str:
+    """An engine's finish reason as OpenAI's: 'tool_calls' (the reply called tools),
+    'length' (max_tokens reached) or 'stop'."""
+    if tool_calls:
+        return "tool_calls"
     return "length" if engine_reason == "length" else "stop"
 
 
@@ -175,8 +186,26 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 def chat_completion(
-    call_id: str, created: int, model: str, text: str, reason: str, usage_: dict[str, Any]
+    call_id: str,
+    created: int,
+    model: str,
+    text: str,
+    reason: str,
+    usage_: dict[str, Any],
+    *,
+    parse_tool_calls: bool = False,
+    new_id: Callable[[], str] = new_call_id,
 ) -> dict[str, Any]:
+    """With `parse_tool_calls`, tool calls in the text (inferx.openai_compat.toolcalls)
+    become `message.tool_calls` and the finish reason 'tool_calls'."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    called = False
+    if parse_tool_calls:
+        content, calls = split_tool_calls(text, new_id)
+        message["content"] = content
+        if calls:
+            message["tool_calls"] = [call.as_openai() for call in calls]
+            called = True
     return {
         "id": call_id,
         "object": "chat.completion",
@@ -185,8 +214,8 @@ def chat_completion(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": finish_reason(reason),
+                "message": message,
+                "finish_reason": finish_reason(reason, called),
                 "logprobs": None,
             }
         ],
@@ -195,7 +224,13 @@ def chat_completion(
 
 
 def chat_chunk(
-    call_id: str, created: int, model: str, delta: dict[str, Any], reason: str | None = None
+    call_id: str,
+    created: int,
+    model: str,
+    delta: dict[str, Any],
+    reason: str | None = None,
+    *,
+    tool_calls: bool = False,
 ) -> dict[str, Any]:
     return {
         "id": call_id,
@@ -206,11 +241,61 @@ def chat_chunk(
             {
                 "index": 0,
                 "delta": delta,
-                "finish_reason": None if reason is None else finish_reason(reason),
+                "finish_reason": None if reason is None else finish_reason(reason, tool_calls),
                 "logprobs": None,
             }
         ],
     }
+
+
+class ChatChunks:
+    """The chunks of a streamed chat completion, as OpenAI sends them: the role first,
+    then content deltas as text arrives; with `parse_tool_calls`, each tool call as two
+    deltas (its index, id, type and name with empty arguments; then the arguments),
+    content held back only while it may be part of a call (ToolCallParser), and the
+    finish reason 'tool_calls' when the reply called tools."""
+
+    def __init__(
+        self,
+        call_id: str,
+        created: int,
+        model: str,
+        *,
+        parse_tool_calls: bool = False,
+        new_id: Callable[[], str] = new_call_id,
+    ) -> None:
+        self._head = (call_id, created, model)
+        self._parser = ToolCallParser(new_id) if parse_tool_calls else None
+
+    def _chunk(self, delta: dict[str, Any], reason: str | None = None) -> dict[str, Any]:
+        called = self._parser is not None and bool(self._parser.calls)
+        return chat_chunk(*self._head, delta, reason, tool_calls=called)
+
+    def start(self) -> dict[str, Any]:
+        return self._chunk({"role": "assistant", "content": ""})
+
+    def text(self, piece: str) -> list[dict[str, Any]]:
+        if self._parser is None:
+            return [self._chunk({"content": piece})] if piece else []
+        return self._deltas(self._parser.feed(piece))
+
+    def finish(self, engine_reason: str) -> list[dict[str, Any]]:
+        """The held-back rest, then the chunk with the finish reason."""
+        rest = self._deltas(self._parser.finish()) if self._parser is not None else []
+        return [*rest, self._chunk({}, engine_reason)]
+
+    def _deltas(self, events: list[Event]) -> list[dict[str, Any]]:
+        chunks: list[dict[str, Any]] = []
+        for event in events:
+            if isinstance(event, Content):
+                chunks.append(self._chunk({"content": event.text}))
+                continue
+            named = {"index": event.index, "id": event.id, "type": "function"}
+            named["function"] = {"name": event.name, "arguments": ""}
+            arguments = {"index": event.index, "function": {"arguments": event.arguments}}
+            chunks.append(self._chunk({"tool_calls": [named]}))
+            chunks.append(self._chunk({"tool_calls": [arguments]}))
+        return chunks
 
 
 def text_completion(

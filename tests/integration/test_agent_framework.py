@@ -1,0 +1,242 @@
+"""Tool-calling agents through the router's OpenAI-compatible front: a real agent
+framework (the OpenAI Agents SDK, `openai-agents`) runs a multi-step tool-calling loop,
+and the plain `openai` SDK gets `tool_calls` whole and streamed.
+
+The workers are SIMULATED sim workers with a script (`--sim-script`: when the rendered
+prompt holds X, reply Y, where Y may be a tool call in the chat template's format) and
+the generated tiny model's chat template (`--model-path`): the rules match text only the
+template writes (`<tool_response>`), so a reply proves the worker rendered the chat with
+it. The tool calls are the script's; what the test checks is InferX's part: the
+template, the parsing into OpenAI's shapes, one program on one worker, the prefix cache.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+from agents import (
+    Agent,
+    ModelSettings,
+    OpenAIChatCompletionsModel,
+    RunConfig,
+    Runner,
+    function_tool,
+    set_tracing_disabled,
+)
+from openai.types.chat import ChatCompletionFunctionToolParam
+
+from inferx.devstack import LocalStack
+from inferx.tinymodel import make_tiny_model
+from inferx_router.http_front import WORKER_HEADER
+from tests.conftest import running_sim_stack
+
+pytestmark = pytest.mark.integration
+
+MODEL = "qwen-7b"  # examples/models.yaml: served by the sim workers' pool
+PROGRAM_HEADER = "X-InferX-Program"
+
+
+def call(name: str, **arguments: str) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+# Later steps first: an agent loop's prompt still holds what earlier steps matched.
+SCRIPT = [
+    # The agent loop (Agents SDK): order -> tracking number -> parcel -> answer.
+    {
+        "when": "<tool_response>\nParcel TRK-42 is out for delivery",
+        "reply": "Order 7 is out for delivery and arrives today.",
+    },
+    {
+        "when": "<tool_response>\nOrder 7 was shipped with tracking number TRK-42",
+        "reply": call("track_parcel", tracking_number="TRK-42"),
+    },
+    {"when": "Where is order 7?", "reply": "Let me look that up.\n" + call("lookup_order", order_id="7")},
+    # The plain SDK's calls: two tool calls in one reply.
+    {
+        "when": "Compare orders 8 and 9",
+        "reply": call("lookup_order", order_id="8") + call("lookup_order", order_id="9"),
+    },
+]
+
+TOOL_SPEC: ChatCompletionFunctionToolParam = {
+    "type": "function",
+    "function": {
+        "name": "lookup_order",
+        "description": "Look an order up by its number",
+        "parameters": {
+            "type": "object",
+            "properties": {"order_id": {"type": "string"}},
+            "required": ["order_id"],
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def agent_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    root = tmp_path_factory.mktemp("agent-stack")
+    model_dir = make_tiny_model(root / "tiny-llama")
+    script = root / "script.yaml"
+    script.write_text(yaml.safe_dump(SCRIPT, sort_keys=False))
+    args = ["--model-path", str(model_dir), "--sim-script", str(script)]
+    with running_sim_stack(root / "stack", workers=2, sim_speed=20, worker_args=args) as stack:
+        yield stack
+
+
+class Recorder:
+    """Every call's program header, worker and usage, seen from the client's HTTP."""
+
+    def __init__(self) -> None:
+        self.programs: list[str | None] = []
+        self.workers: list[str] = []
+        self.cached: list[int] = []
+
+    async def on_response(self, response: httpx.Response) -> None:
+        if response.request.url.path.endswith("/chat/completions"):
+            self.programs.append(response.request.headers.get(PROGRAM_HEADER))
+            self.workers.append(response.headers.get(WORKER_HEADER, ""))
+            await response.aread()
+            usage = response.json().get("usage") or {}
+            self.cached.append((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+async def test_an_agent_framework_runs_a_tool_calling_loop_as_one_program(agent_stack: LocalStack) -> None:
+    set_tracing_disabled(True)  # the SDK would export traces to OpenAI
+    called: list[tuple[str, str]] = []
+
+    @function_tool
+    def lookup_order(order_id: str) -> str:
+        """Look an order up by its number."""
+        called.append(("lookup_order", order_id))
+        return f"Order {order_id} was shipped with tracking number TRK-42."
+
+    @function_tool
+    def track_parcel(tracking_number: str) -> str:
+        """Find a parcel by its tracking number."""
+        called.append(("track_parcel", tracking_number))
+        return f"Parcel {tracking_number} is out for delivery."
+
+    program = f"agent-{uuid.uuid4().hex[:8]}"
+    recorder = Recorder()
+    async with httpx.AsyncClient(event_hooks={"response": [recorder.on_response]}) as http:
+        client = openai.AsyncOpenAI(
+            base_url=agent_stack.router_http_url,
+            api_key="unused",
+            max_retries=0,
+            http_client=http,  # type: ignore[arg-type]  # openai takes httpx clients too (typed as httpx2's)
+            default_headers={PROGRAM_HEADER: program, "X-InferX-Tier": "realtime"},
+        )
+        agent = Agent(
+            name="support",
+            instructions="You are a support agent. Use the tools to answer.",
+            tools=[lookup_order, track_parcel],
+            model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+            model_settings=ModelSettings(max_tokens=96),
+        )
+        result = await Runner.run(
+            agent, "Where is order 7?", max_turns=6, run_config=RunConfig(tracing_disabled=True)
+        )
+
+    assert called == [("lookup_order", "7"), ("track_parcel", "TRK-42")]  # the scripted arguments
+    assert result.final_output == "Order 7 is out for delivery and arrives today."
+    assert recorder.programs == [program] * 3  # three model calls, one program
+    assert len(set(recorder.workers)) == 1 and recorder.workers[0], recorder.workers
+    assert recorder.cached[0] < recorder.cached[1] < recorder.cached[2], recorder.cached
+
+
+def sdk(stack: LocalStack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.router_http_url, api_key="unused", max_retries=0)
+
+
+def test_the_openai_sdk_gets_tool_calls(agent_stack: LocalStack) -> None:
+    reply = sdk(agent_stack).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Compare orders 8 and 9"}],
+        tools=[TOOL_SPEC],
+        max_tokens=96,
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = choice.message.tool_calls or []
+    assert [(c.type, c.function.name, json.loads(c.function.arguments)) for c in calls] == [  # type: ignore[union-attr]
+        ("function", "lookup_order", {"order_id": "8"}),
+        ("function", "lookup_order", {"order_id": "9"}),
+    ]
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+
+    # The same reply with tool_choice "none" (or no tools): the text, as the model wrote it.
+    plain = sdk(agent_stack).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Compare orders 8 and 9"}],
+        tools=[TOOL_SPEC],
+        tool_choice="none",
+        max_tokens=96,
+    )
+    assert plain.choices[0].finish_reason == "stop" and not plain.choices[0].message.tool_calls
+    assert plain.choices[0].message.content == SCRIPT[3]["reply"]
+
+
+async def test_the_openai_sdk_gets_tool_calls_streamed(agent_stack: LocalStack) -> None:
+    async with openai.AsyncOpenAI(
+        base_url=agent_stack.router_http_url, api_key="unused", max_retries=0
+    ) as client:
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Where is order 7?"}],
+            tools=[TOOL_SPEC],
+            max_tokens=96,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [chunk async for chunk in stream]
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == "Let me look that up."
+    pieces = [tc for d in deltas for tc in d.tool_calls or []]
+    assert pieces[0].id and pieces[0].type == "function" and pieces[0].function.name == "lookup_order"  # type: ignore[union-attr]
+    arguments = "".join(tc.function.arguments or "" for tc in pieces if tc.function)
+    assert json.loads(arguments) == {"order_id": "7"} and {tc.index for tc in pieces} == {0}
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        "tool_calls"
+    ]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+def test_the_stream_helper_of_the_sdk_assembles_the_calls(agent_stack: LocalStack) -> None:
+    with sdk(agent_stack).chat.completions.stream(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Compare orders 8 and 9"}],
+        tools=[TOOL_SPEC],
+        max_tokens=96,
+    ) as stream:
+        final = stream.get_final_completion()
+    calls = final.choices[0].message.tool_calls or []
+    assert [json.loads(c.function.arguments) for c in calls] == [{"order_id": "8"}, {"order_id": "9"}]
+    assert final.choices[0].finish_reason == "tool_calls"
+
+
+def test_the_script_is_matched_against_the_templates_rendering(tmp_path: Path) -> None:
+    """What the rules above rely on: the tool results reach the prompt inside the tiny
+    template's <tool_response> (InferX's generic rendering has no such mark)."""
+    from inferx.chat_template import Chat, ChatTemplate
+    from inferx.openai_compat.render import chat_json, render_chat
+    from inferx.openai_compat.schema import ChatMessage
+
+    template = ChatTemplate.from_model_dir(make_tiny_model(tmp_path / "m"))
+    assert template is not None
+    history = [
+        ChatMessage(role="user", content="Where is order 7?"),
+        ChatMessage(
+            role="tool", tool_call_id="c", content="Order 7 was shipped with tracking number TRK-42."
+        ),
+    ]
+    chat = Chat.from_json(chat_json(history))
+    assert str(SCRIPT[1]["when"]) in template.render(chat.messages)
+    assert str(SCRIPT[1]["when"]) not in render_chat(history)
