@@ -15,6 +15,7 @@ from typing import Any
 import aetcd
 import aetcd.exceptions
 import aetcd.rpc
+import aetcd.utils
 import aetcd.watcher
 import grpc
 
@@ -32,6 +33,7 @@ CHAINS = f"{ROOT}/chains/"
 MODELS = f"{ROOT}/models/"
 AUTH_TENANTS = f"{ROOT}/auth/tenants/"
 AUTH_TOKENS = f"{ROOT}/auth/tokens/"
+RUNS = f"{ROOT}/runs/"  # finished run records, <tenant>/<run id>, under leases (retention)
 
 
 def service_key(kind: str, instance_id: str) -> str:
@@ -48,6 +50,15 @@ def tool_key(tool: str, instance_id: str) -> str:
 
 def model_key(model: str) -> str:
     return f"{MODELS}{model}"
+
+
+def runs_prefix(tenant: str) -> str:
+    """Where a tenant's finished run records are (tenant names hold no '/')."""
+    return f"{RUNS}{tenant}/"
+
+
+def run_key(tenant: str, run_id: str) -> str:
+    return f"{runs_prefix(tenant)}{run_id}"
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -319,3 +330,25 @@ async def _quiet_cancel(watch: object) -> None:
         await watch.cancel()  # type: ignore[attr-defined]
     except Exception:  # the stream may already be gone
         pass
+
+
+async def get_prefix_newest(client: aetcd.Client, prefix: str, limit: int) -> list[tuple[str, bytes]]:
+    """The newest `limit` keys under `prefix` (by creation revision) with their values,
+    newest first: a bounded listing (aetcd's get_prefix has no limit)."""
+    await client.connect()
+    key = prefix.encode()
+    request = aetcd.rpc.RangeRequest(
+        key=key,
+        range_end=aetcd.utils.prefix_range_end(key),
+        limit=limit,
+        sort_order=aetcd.rpc.RangeRequest.DESCEND,
+        sort_target=aetcd.rpc.RangeRequest.CREATE,
+    )
+    try:
+        reply = await client.kvstub.Range(
+            request, timeout=getattr(client, "_timeout", None), metadata=client.metadata
+        )
+    except aetcd.rpc.AioRpcError as exc:
+        aetcd.exceptions._handle_exception(exc)  # raises the ClientError it maps to
+        raise
+    return [(kv.key.decode(), kv.value) for kv in reply.kvs]

@@ -18,7 +18,7 @@ from inferx.pools import PoolDirectory
 from inferx.server import ServiceComponent, ServiceRuntime, run_service
 from inferx.settings import ServiceSettings
 from inferx.v1 import router_pb2, router_pb2_grpc
-from inferx_router import metrics, records
+from inferx_router import metrics, records, shared_runs
 from inferx_router.access import AccessControl
 from inferx_router.chain_store import ChainStore
 from inferx_router.executors import SchedulerExecutor
@@ -56,6 +56,17 @@ class RouterSettings(ServiceSettings):
     )
     recent_runs: int = Field(
         1000, ge=0, description="finished runs kept for `inferx trace` and `inferx stats`"
+    )
+    run_retention_s: int = Field(
+        shared_runs.DEFAULT_RETENTION_S,
+        ge=0,
+        description="finished runs are shared with every router (in etcd) for this long, so any router "
+        "answers `inferx trace` and `inferx stats` for them; 0 = not shared (this router's memory only)",
+    )
+    shared_runs: int = Field(
+        shared_runs.DEFAULT_PER_ROUTER,
+        ge=0,
+        description="finished runs this router keeps shared in etcd at most (its oldest is deleted past it)",
     )
     http_port: int = Field(
         0,
@@ -142,6 +153,10 @@ class RouterComponent(ServiceComponent):
             runtime.etcd, self.services, self.channels, knowledge, error, caching=settings.tool_cache
         )
         records.RECENT.capacity = settings.recent_runs
+        self.shared = shared_runs.SharedRuns(
+            runtime.etcd, retention_s=settings.run_retention_s, per_router=settings.shared_runs
+        )
+        records.RECENT.publish = self.shared.publish
         metrics.watch_breakers(self.tools.breakers.states)
         self.mirrors = [
             self.store.mirror,
@@ -197,6 +212,7 @@ class RouterComponent(ServiceComponent):
                 etcd_client=runtime.etcd,
                 request_limits=settings.request_limits,
                 calls=self.calls,
+                shared=self.shared,
             ),
             runtime.server,
         )
@@ -207,6 +223,7 @@ class RouterComponent(ServiceComponent):
         for mirror in self.mirrors:
             await mirror.wait_synced(timeout_s=30)
         self.load.start()
+        self.shared.start()
         self._sweeper = asyncio.create_task(self._sweep_programs(), name="program-sweep")
         if self.http is not None:  # after the mirrors: the models are known from the first call
             try:
@@ -229,6 +246,7 @@ class RouterComponent(ServiceComponent):
         if self._sweeper is not None:
             self._sweeper.cancel()
         await self.load.close()
+        await self.shared.close()  # what is queued is put first (up to 2 s)
         for mirror in self.mirrors:
             await mirror.close()
         await self.channels.close()

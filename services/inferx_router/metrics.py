@@ -88,6 +88,12 @@ PROGRAMS_ENDED = Counter(
     "Dynamic programs whose record ended (reason=end|idle|evicted|full)",
     ["chain", "reason"],
 )
+# Finished run records shared in etcd (shared_runs): op=put|read, result=ok|failed|dropped|too_large.
+SHARED_RUN_RECORDS = Counter(
+    "inferx_shared_run_records_total",
+    "Finished run records put in (or read from) the routers' shared store in etcd",
+    ["op", "result"],
+)
 PROGRAM_NAME_LABELS = 64  # program names come from clients: the first 64 seen, then "other"
 _program_names: set[str] = set()
 PROGRAM_CALL_NODE = "call"  # the node label of every call of a program (never its index)

@@ -259,6 +259,7 @@ class ProgramBook:
             finished.status = "error"
         finished.slo_met = finished.status == "ok"  # no SLO (slo_ms 0): every call within its deadline
         finished.error = "; ".join(f"{hop.node_id}: {hop.error}" for hop in failed if hop.error)
+        self.store.finished(program.record)  # ended: shared with every router (records.RunStore.publish)
         if self.on_end is not None:
             self.on_end(program)
 

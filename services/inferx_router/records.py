@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from inferx.auth.model import DEFAULT_TENANT
@@ -236,11 +236,25 @@ def timings_of(record: RunRecord) -> list[NodeTiming]:
 
 
 class RunStore:
-    """The last `capacity` finished runs, oldest evicted first."""
+    """The last `capacity` finished runs, oldest evicted first.
+
+    `publish`, when set, is given every record that has finished (a chain run when it is
+    added, a dynamic program when it ends): the router sets it to put the record in the
+    shared store (`shared_runs`), so that every router can answer for it."""
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         self._runs: OrderedDict[str, RunRecord] = OrderedDict()
         self._capacity = capacity
+        self.publish: Callable[[RunRecord], None] | None = None
+
+    def finished(self, record: RunRecord) -> None:
+        """`record` will not change any more: hand it to `publish`."""
+        if self.publish is not None:
+            self.publish(record)
+
+    def of_tenant(self, tenant: str) -> list[RunRecord]:
+        """The tenant's kept records, oldest first."""
+        return [r for r in self._runs.values() if r.tenant == tenant]
 
     @property
     def capacity(self) -> int:
@@ -336,6 +350,7 @@ def record_run(
         tenant=tenant,
     )
     store.add(record)
+    store.finished(record)
     return record
 
 

@@ -27,7 +27,7 @@ from inferx.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from inferx_router import metrics, program_calls, records
+from inferx_router import metrics, program_calls, records, shared_runs
 from inferx_router.access import AccessControl, audit, caller
 from inferx_router.chain_store import ChainStore, StoredVersion
 from inferx_router.executors import SchedulerExecutor
@@ -55,6 +55,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         etcd_client: aetcd.Client,
         calls: ProgramCalls,
         request_limits: RequestLimits | None = None,
+        shared: shared_runs.SharedRuns | None = None,
     ) -> None:
         self._store = store
         self._directory = directory
@@ -69,6 +70,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._access = access
         self._etcd = etcd_client  # tenants and tokens are written straight to etcd
         self._quotas = quotas
+        self._shared = shared  # finished runs of every router (None: this router's only)
         self._calls = calls  # dynamic programs' calls: CallModel and the HTTP front share them
         # Expected node latencies, learned from this router's finished nodes.
         self._latency = LearnedLatency()
@@ -329,17 +331,22 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     # ----- recent runs (observability) ----------------------------------------------
 
+    # This router's records first, then those every router shares in etcd (shared_runs).
+
     async def GetRun(self, request, context):
-        return records.run_trace_message(
-            records.RECENT.find(request.run_id, request.chain, tenant=caller().tenant)
+        record = await shared_runs.find_run(
+            records.RECENT, self._shared, request.run_id, request.chain, caller().tenant
         )
+        return records.run_trace_message(record)
 
     async def GetChainStats(self, request, context):
         if not request.chain:
             raise InvalidArgument("chain: required")
-        kept = records.RECENT.of_chain(request.chain, request.last, tenant=caller().tenant)
+        kept = await shared_runs.chain_runs(
+            records.RECENT, self._shared, request.chain, request.last, caller().tenant
+        )
         if not kept:
-            raise NotFound(f"no recent runs of chain '{request.chain}' are kept by this router")
+            raise NotFound(f"no recent runs of chain '{request.chain}' are kept by any router")
         return records.chain_stats_message(records.chain_stats(request.chain, kept))
 
     # ----- access: tenants and tokens (admin) ----------------------------------------

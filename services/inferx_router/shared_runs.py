@@ -1,0 +1,342 @@
+"""Finished run records shared by every router, in etcd: any router answers any run's
+trace (`GetRun`) and any chain's stats (`GetChainStats`), and a client that reconnects
+to another router -- or whose router died -- still finds its runs.
+
+Why etcd (and not the cache service): etcd is already every service's replicated store
+(a record survives the loss of an etcd member and of the router that ran it), leases give
+the retention bound for free (a record is gone when its lease ends, whoever wrote it),
+and a tenant's records can be listed by key prefix, newest first and bounded. The cache
+service keeps each key on one replica (consistent hashing, no copies) and cannot list.
+What etcd asks in return is respected: one put per finished run (never per hop), records
+already shortened (outputs cut to 200 characters, `records.shorten`) and capped at
+`MAX_RECORD_BYTES` (hop outputs dropped first, then the record is not shared), and a
+count bound per router (`per_router`: its oldest shared record is deleted past it).
+
+Layout: `/inferx/v1/runs/<tenant>/<run id>` = the record as JSON (`encode`), with a
+format version `v`; the ChainFinished message as protobuf JSON (json_format), so
+`etcdctl get` shows it. Each record is put under a lease of `retention_s` that is
+never refreshed; a router grants a new one every `retention_s / 10` (at least 1 s), so
+a record lives between 0.9x and 1x the retention, and a router holds about ten leases.
+
+etcd unreachable: the put fails, is counted (`inferx_shared_run_records_total`) and
+logged once until a put succeeds again; the run itself is never failed by it. A read
+that fails is counted too and answers with this router's own records only.
+
+Pure parts (`encode`, `decode`, `merge`, `find_in`, `of_chain`) are tested alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+import aetcd
+import grpc
+from google.protobuf import json_format
+
+from inferx import etcd
+from inferx.errors import InvalidArgument, NotFound
+from inferx.v1 import router_pb2
+from inferx_router import metrics
+from inferx_router.records import RUNNING, RunRecord, RunStore
+
+log = logging.getLogger("inferx.router.shared_runs")
+
+FORMAT_VERSION = 1
+MAX_RECORD_BYTES = 512 * 1024  # etcd refuses requests over 1.5 MiB by default; stay well below
+DEFAULT_RETENTION_S = 3600
+DEFAULT_PER_ROUTER = 10_000
+LIST_LIMIT = 2000  # records read from etcd per listing (the tenant's newest)
+QUEUE_SIZE = 1000  # records waiting for their put; more are dropped (counted)
+PREFIX_MATCHES = 16  # records read for a run id prefix
+
+FAILURES = (*etcd.ETCD_DOWN_ERRORS, grpc.RpcError)
+
+
+# ----- pure: the record on the wire, and merging ------------------------------------------
+
+
+def encode(record: RunRecord, *, keep_outputs: bool = True) -> bytes:
+    finished = record.finished
+    if not keep_outputs:
+        finished = router_pb2.ChainFinished()
+        finished.CopyFrom(record.finished)
+        finished.output = ""
+        for hop in finished.hops:
+            hop.output = ""
+    document = {
+        "v": FORMAT_VERSION,
+        "chain": record.chain,
+        "tier": record.tier,
+        "tenant": record.tenant,
+        "started_unix_ms": record.started_unix_ms,
+        "trace_id": record.trace_id,
+        "program_id": record.program_id,
+        "parent_program_id": record.parent_program_id,
+        "depends_on": {node: list(deps) for node, deps in record.depends_on.items()},
+        "starts_ms": dict(record.starts_ms),
+        "finished": json_format.MessageToDict(finished, preserving_proto_field_name=True),
+    }
+    return json.dumps(document, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def encode_bounded(record: RunRecord, max_bytes: int = MAX_RECORD_BYTES) -> bytes | None:
+    """The record within `max_bytes`: whole, else without its outputs, else None."""
+    value = encode(record)
+    if len(value) <= max_bytes:
+        return value
+    value = encode(record, keep_outputs=False)
+    return value if len(value) <= max_bytes else None
+
+
+def decode(value: bytes) -> RunRecord:
+    """A record from `encode`'s bytes; ValueError for anything else (a newer format too)."""
+    try:
+        document = json.loads(value)
+        if not isinstance(document, dict):
+            raise ValueError("not an object")
+        if document.get("v") != FORMAT_VERSION:
+            raise ValueError(f"format version {document.get('v')!r}, this router reads {FORMAT_VERSION}")
+        finished = json_format.ParseDict(document["finished"], router_pb2.ChainFinished())
+        return RunRecord(
+            chain=str(document["chain"]),
+            tier=str(document["tier"]),
+            started_unix_ms=int(document["started_unix_ms"]),
+            trace_id=str(document.get("trace_id", "")),
+            depends_on={str(n): tuple(str(d) for d in deps) for n, deps in document["depends_on"].items()},
+            finished=finished,
+            tenant=str(document["tenant"]),
+            program_id=str(document.get("program_id", "")),
+            parent_program_id=str(document.get("parent_program_id", "")),
+            starts_ms={str(n): float(ms) for n, ms in document.get("starts_ms", {}).items()},
+        )
+    except ValueError:
+        raise
+    except (KeyError, TypeError, AttributeError, json_format.ParseError) as exc:
+        raise ValueError(f"not a run record: {exc}") from None
+
+
+def ended_unix_ms(record: RunRecord) -> float:
+    return record.started_unix_ms + record.finished.latency_ms
+
+
+def merge(local: Iterable[RunRecord], shared: Iterable[RunRecord]) -> list[RunRecord]:
+    """One record per run id (this router's own copy wins: it may be newer, e.g. a program
+    still running), oldest end first."""
+    by_id: dict[str, RunRecord] = {}
+    for record in shared:
+        by_id[record.finished.run_id] = record
+    for record in local:
+        by_id[record.finished.run_id] = record
+    return sorted(by_id.values(), key=ended_unix_ms)
+
+
+def find_in(records: Sequence[RunRecord], run_id: str, chain: str, tenant: str) -> RunRecord:
+    """`RunStore.find`'s answer (full id, unique prefix, program id, latest of a chain)
+    over `records`, the tenant's only; NotFound says no router keeps it."""
+    store = RunStore(capacity=len(records))
+    for record in records:
+        store.add(record)
+    try:
+        return store.find(run_id, chain, tenant=tenant)
+    except NotFound:
+        if not run_id:
+            where = f" of chain '{chain}'" if chain else ""
+            raise NotFound(f"no recent run{where} is kept by any router") from None
+        raise NotFound(
+            f"run '{run_id}' is not kept by any router (finished runs are shared for --run-retention-s)"
+        ) from None
+
+
+def of_chain(records: Sequence[RunRecord], chain: str, last: int, tenant: str) -> list[RunRecord]:
+    """The tenant's ended runs of `chain` in `records` (merged, oldest first); the newest `last`."""
+    runs = [r for r in records if r.chain == chain and r.tenant == tenant and r.finished.status != RUNNING]
+    return runs[-last:] if last > 0 else runs
+
+
+# ----- the store ----------------------------------------------------------------------------
+
+
+class SharedRuns:
+    """This router's writer and reader of the shared records (see the module's doc).
+
+    `publish` is synchronous and never fails (it queues); a task puts the records."""
+
+    def __init__(
+        self,
+        client: aetcd.Client,
+        *,
+        retention_s: int = DEFAULT_RETENTION_S,
+        per_router: int = DEFAULT_PER_ROUTER,
+        list_limit: int = LIST_LIMIT,
+        max_record_bytes: int = MAX_RECORD_BYTES,
+    ) -> None:
+        self._client = client
+        self.retention_s = retention_s
+        self.per_router = per_router
+        self.list_limit = list_limit
+        self.max_record_bytes = max_record_bytes
+        self._queue: asyncio.Queue[RunRecord] = asyncio.Queue(QUEUE_SIZE)
+        self._mine: deque[str] = deque()  # keys this router put, oldest first
+        self._lease: int | None = None
+        self._lease_at = 0.0
+        self._task: asyncio.Task[None] | None = None
+        self._put_failing = False
+        self._read_failing = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.retention_s > 0 and self.per_router > 0
+
+    @property
+    def lease_every_s(self) -> float:
+        return max(self.retention_s / 10, 1.0)
+
+    # ----- writing ------------------------------------------------------------------------
+
+    def publish(self, record: RunRecord) -> None:
+        if not self.enabled:
+            return
+        try:
+            self._queue.put_nowait(record)
+        except asyncio.QueueFull:
+            metrics.SHARED_RUN_RECORDS.labels("put", "dropped").inc()
+
+    def start(self) -> None:
+        if self._task is None and self.enabled:
+            self._task = asyncio.create_task(self._run(), name="shared-runs")
+
+    async def close(self, flush_s: float = 2.0) -> None:
+        """Put what is queued (for up to `flush_s`), then stop."""
+        if self._task is None:
+            return
+        deadline = time.monotonic() + flush_s
+        while not self._queue.empty() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+        self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            record = await self._queue.get()
+            await self.put(record)
+
+    async def put(self, record: RunRecord) -> bool:
+        """Share one record now; False (counted, logged once) when it could not be."""
+        value = encode_bounded(record, self.max_record_bytes)
+        if value is None:
+            metrics.SHARED_RUN_RECORDS.labels("put", "too_large").inc()
+            log.warning(
+                "run %s is too large to share (over %d bytes)", record.finished.run_id, self.max_record_bytes
+            )
+            return False
+        key = etcd.run_key(record.tenant, record.finished.run_id)
+        try:
+            lease = await self._current_lease()
+            await self._client.put(key.encode(), value, lease=lease)
+            if not self._mine or self._mine[-1] != key:
+                self._mine.append(key)
+            while len(self._mine) > self.per_router:
+                await self._client.delete(self._mine.popleft().encode())
+        except asyncio.CancelledError:
+            raise
+        except FAILURES as exc:
+            metrics.SHARED_RUN_RECORDS.labels("put", "failed").inc()
+            self._lease = None  # it may be gone (etcd restarted): grant another
+            if not self._put_failing:
+                log.warning(
+                    "cannot share finished runs in etcd (%s); kept in this router only until it answers", exc
+                )
+                self._put_failing = True
+            return False
+        metrics.SHARED_RUN_RECORDS.labels("put", "ok").inc()
+        if self._put_failing:
+            log.info("finished runs are shared in etcd again")
+            self._put_failing = False
+        return True
+
+    async def _current_lease(self) -> int:
+        now = time.monotonic()
+        if self._lease is None or now - self._lease_at >= self.lease_every_s:
+            lease = await self._client.lease(self.retention_s)
+            self._lease, self._lease_at = lease.id, now
+        return self._lease
+
+    # ----- reading ------------------------------------------------------------------------
+
+    async def lookup(self, tenant: str, run_id: str) -> list[RunRecord]:
+        """The tenant's shared records that `run_id` may name: the run itself, runs whose id
+        starts with it, else (a program id) the tenant's newest. [] when etcd fails."""
+        if not self.enabled:
+            return []
+        try:
+            found = await etcd.get_prefix_newest(self._client, etcd.run_key(tenant, run_id), PREFIX_MATCHES)
+            if not found:
+                found = await etcd.get_prefix_newest(self._client, etcd.runs_prefix(tenant), self.list_limit)
+        except FAILURES as exc:
+            self._read_failed(exc)
+            return []
+        return self._decoded(tenant, found)
+
+    async def listing(self, tenant: str) -> list[RunRecord]:
+        """The tenant's newest `list_limit` shared records; [] when etcd fails."""
+        if not self.enabled:
+            return []
+        try:
+            found = await etcd.get_prefix_newest(self._client, etcd.runs_prefix(tenant), self.list_limit)
+        except FAILURES as exc:
+            self._read_failed(exc)
+            return []
+        return self._decoded(tenant, found)
+
+    def _read_failed(self, exc: BaseException) -> None:
+        metrics.SHARED_RUN_RECORDS.labels("read", "failed").inc()
+        if not self._read_failing:
+            log.warning("cannot read shared runs from etcd (%s); answering with this router's own", exc)
+            self._read_failing = True
+
+    def _decoded(self, tenant: str, found: Sequence[tuple[str, bytes]]) -> list[RunRecord]:
+        metrics.SHARED_RUN_RECORDS.labels("read", "ok").inc()
+        self._read_failing = False
+        decoded = []
+        for key, value in found:
+            try:
+                record = decode(value)
+            except ValueError as exc:
+                log.warning("skipping shared run record %s: %s", key, exc)
+                continue
+            if record.tenant == tenant:  # the key says so too; never trust one alone
+                decoded.append(record)
+        return decoded
+
+
+async def find_run(
+    local: RunStore, shared: SharedRuns | None, run_id: str, chain: str, tenant: str
+) -> RunRecord:
+    """GetRun: this router's records first, then the shared ones."""
+    if run_id:
+        try:
+            return local.find(run_id, chain, tenant=tenant)
+        except (NotFound, InvalidArgument):  # too short a prefix may still be a program id elsewhere
+            if shared is None:
+                raise
+        found = await shared.lookup(tenant, run_id)
+    else:
+        found = await shared.listing(tenant) if shared is not None else []
+    return find_in(merge(local.of_tenant(tenant), found), run_id, chain, tenant)
+
+
+async def chain_runs(
+    local: RunStore, shared: SharedRuns | None, chain: str, last: int, tenant: str
+) -> list[RunRecord]:
+    """GetChainStats: the tenant's ended runs of `chain`, this router's and the shared ones."""
+    found = await shared.listing(tenant) if shared is not None else []
+    return of_chain(merge(local.of_chain(chain, tenant=tenant), found), chain, last, tenant)

@@ -1,0 +1,218 @@
+"""Finished run records shared between routers (inferx_router.shared_runs): the record's
+wire form and its bounds, merging a router's own records with the shared ones, tenant
+scoping, and a store whose etcd is down never failing anything."""
+
+from __future__ import annotations
+
+import json
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from inferx import etcd
+from inferx.errors import InvalidArgument, NotFound
+from inferx.v1 import router_pb2
+from inferx_router import metrics, shared_runs
+from inferx_router.records import RUNNING, RunRecord, RunStore
+from inferx_router.shared_runs import SharedRuns, decode, encode, encode_bounded, find_in, merge, of_chain
+
+DEPS = {"a": (), "b": ("a",)}
+
+
+def record(run_id: str, ended_ms: int, *, tenant: str = "acme", chain: str = "demo", **kw) -> RunRecord:
+    latency = kw.pop("latency_ms", 100.0)
+    hops = [
+        router_pb2.NodeFinished(node_id="a", status="ok", latency_ms=40, output="x" * 200, model="m"),
+        router_pb2.NodeFinished(node_id="b", status="ok", latency_ms=60, output="answer"),
+    ]
+    finished = router_pb2.ChainFinished(
+        run_id=run_id,
+        status=kw.pop("status", "ok"),
+        latency_ms=latency,
+        slo_ms=1000,
+        hops=hops,
+        output="answer",
+    )
+    return RunRecord(chain, "standard", int(ended_ms - latency), "trace", DEPS, finished, tenant=tenant, **kw)
+
+
+# ----- the wire form ------------------------------------------------------------------------
+
+
+def test_a_record_round_trips_with_its_version() -> None:
+    original = record(
+        "0123456789abcdef", 5000, program_id="p1", parent_program_id="p0", starts_ms={"a": 0.0, "b": 40.5}
+    )
+    value = encode(original)
+    assert json.loads(value)["v"] == shared_runs.FORMAT_VERSION
+    assert decode(value) == original
+
+
+def test_a_record_of_another_format_version_or_not_a_record_is_refused() -> None:
+    document = json.loads(encode(record("r1", 1000)))
+    document["v"] = shared_runs.FORMAT_VERSION + 1
+    for value in (json.dumps(document).encode(), b"[]", b"not json", b'{"v": 1}'):
+        with pytest.raises(ValueError):
+            decode(value)
+
+
+def test_a_record_over_the_bound_loses_its_outputs_then_is_not_shared() -> None:
+    big = record("r1", 1000)
+    whole = len(encode(big))
+    bare = encode_bounded(big, max_bytes=whole - 1)
+    assert bare is not None and len(bare) < whole
+    kept = decode(bare)
+    assert kept.finished.output == "" and all(h.output == "" for h in kept.finished.hops)
+    assert [h.latency_ms for h in kept.finished.hops] == [40, 60]
+    assert big.finished.hops[0].output == "x" * 200  # the router's own copy is untouched
+    assert encode_bounded(big, max_bytes=100) is None
+
+
+# ----- merging and finding ---------------------------------------------------------------
+
+
+def test_merge_keeps_one_record_per_run_the_routers_own_and_orders_by_end() -> None:
+    shared = [record("r3", 3000), record("r1", 1000), record("r2", 2000, status="error")]
+    local = [record("r2", 2000), record("r4", 4000)]
+    merged = merge(local, shared)
+    assert [r.finished.run_id for r in merged] == ["r1", "r2", "r3", "r4"]
+    assert merged[1].finished.status == "ok"  # the local copy won
+
+
+def test_find_in_is_scoped_to_the_tenant() -> None:
+    records = [record("aaaa1111", 1000), record("bbbb2222", 2000, tenant="other")]
+    assert find_in(records, "aaaa1111", "", "acme").finished.run_id == "aaaa1111"
+    assert find_in(records, "aaaa", "", "acme").finished.run_id == "aaaa1111"
+    with pytest.raises(NotFound):
+        find_in(records, "bbbb2222", "", "acme")
+    assert find_in(records, "", "", "acme").finished.run_id == "aaaa1111"  # the tenant's latest
+    assert find_in(records, "", "", "other").finished.run_id == "bbbb2222"
+
+
+def test_find_in_takes_a_program_id_and_says_when_a_prefix_is_ambiguous() -> None:
+    records = [record("aaaa1111", 1000, program_id="agent-7"), record("aaaa2222", 2000, program_id="agent-7")]
+    assert find_in(records, "agent-7", "", "acme").finished.run_id == "aaaa2222"  # its latest record
+    with pytest.raises(InvalidArgument):
+        find_in(records, "aaaa", "", "acme")
+
+
+def test_of_chain_leaves_out_other_chains_tenants_and_running_programs() -> None:
+    records = [
+        record("r1", 1000),
+        record("r2", 2000, chain="other"),
+        record("r3", 3000, tenant="other"),
+        record("r4", 4000, status=RUNNING),
+        record("r5", 5000),
+        record("r6", 6000),
+    ]
+    assert [r.finished.run_id for r in of_chain(records, "demo", 0, "acme")] == ["r1", "r5", "r6"]
+    assert [r.finished.run_id for r in of_chain(records, "demo", 2, "acme")] == ["r5", "r6"]
+
+
+# ----- the store, with etcd faked --------------------------------------------------------
+
+
+class FakeEtcd:
+    def __init__(self) -> None:
+        self.kv: dict[str, tuple[bytes, int]] = {}
+        self.leases: list[int] = []
+        self.down = False
+
+    def _check(self) -> None:
+        if self.down:
+            raise ConnectionError("etcd is down")
+
+    async def lease(self, ttl: int) -> SimpleNamespace:
+        self._check()
+        self.leases.append(ttl)
+        return SimpleNamespace(id=len(self.leases))
+
+    async def put(self, key: bytes, value: bytes, lease: int | None = None) -> None:
+        self._check()
+        self.kv[key.decode()] = (value, len(self.kv))
+
+    async def delete(self, key: bytes) -> None:
+        self._check()
+        self.kv.pop(key.decode(), None)
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> FakeEtcd:
+    client = FakeEtcd()
+
+    async def newest(_client, prefix: str, limit: int) -> list[tuple[str, bytes]]:
+        client._check()
+        found = sorted(
+            ((k, v) for k, v in client.kv.items() if k.startswith(prefix)), key=lambda kv: -kv[1][1]
+        )
+        return [(k, v) for k, (v, _) in found[:limit]]
+
+    monkeypatch.setattr(etcd, "get_prefix_newest", newest)
+    return client
+
+
+def counted(op: str, result: str) -> float:
+    return metrics.SHARED_RUN_RECORDS.labels(op, result)._value.get()
+
+
+async def test_records_are_put_under_their_tenant_and_bounded_per_router(fake: FakeEtcd) -> None:
+    store = SharedRuns(fake, retention_s=60, per_router=2)  # type: ignore[arg-type]
+    for i in range(3):
+        assert await store.put(record(f"run{i}", 1000 * i))
+    assert sorted(fake.kv) == [etcd.run_key("acme", "run1"), etcd.run_key("acme", "run2")]
+    assert fake.leases == [60]  # one lease for records put within a tenth of the retention
+
+
+async def test_get_run_and_stats_merge_the_shared_records_of_the_tenant_only(fake: FakeEtcd) -> None:
+    store = SharedRuns(fake, retention_s=60)  # type: ignore[arg-type]
+    for r in (
+        record("elsewhere1", 1000),
+        record("elsewhere2", 3000),
+        record("theirs01", 2000, tenant="other"),
+    ):
+        await store.put(r)
+    local = RunStore()
+    local.add(record("mine0001", 2000))
+    found = await shared_runs.find_run(local, store, "elsewhere1", "", "acme")
+    assert found.finished.run_id == "elsewhere1"
+    with pytest.raises(InvalidArgument):  # a prefix of two shared runs
+        await shared_runs.find_run(local, store, "else", "", "acme")
+    assert (
+        await shared_runs.find_run(local, store, "elsewhere2", "", "acme")
+    ).finished.run_id == "elsewhere2"
+    with pytest.raises(NotFound):
+        await shared_runs.find_run(local, store, "theirs01", "", "acme")
+    assert (await shared_runs.find_run(local, store, "", "", "acme")).finished.run_id == "elsewhere2"
+    runs = await shared_runs.chain_runs(local, store, "demo", 0, "acme")
+    assert [r.finished.run_id for r in runs] == ["elsewhere1", "mine0001", "elsewhere2"]
+
+
+async def test_etcd_down_fails_nothing_counts_and_logs_once(
+    fake: FakeEtcd, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = SharedRuns(fake, retention_s=60)  # type: ignore[arg-type]
+    fake.down = True
+    failed_before = counted("put", "failed")
+    with caplog.at_level(logging.WARNING, logger="inferx.router.shared_runs"):
+        assert not await store.put(record("r1000000", 1000))
+        assert not await store.put(record("r2", 2000))
+    assert counted("put", "failed") == failed_before + 2
+    assert len([m for m in caplog.messages if "cannot share" in m]) == 1
+    local = RunStore()
+    local.add(record("mine0001", 1000))
+    assert (await shared_runs.find_run(local, store, "mine0001", "", "acme")).finished.run_id == "mine0001"
+    with pytest.raises(NotFound):
+        await shared_runs.find_run(local, store, "r1000000", "", "acme")
+    assert len(await shared_runs.chain_runs(local, store, "demo", 0, "acme")) == 1
+    fake.down = False
+    assert await store.put(record("r3", 3000))
+
+
+async def test_a_router_that_shares_nothing_answers_from_its_own_records(fake: FakeEtcd) -> None:
+    store = SharedRuns(fake, retention_s=0)  # type: ignore[arg-type]
+    store.publish(record("r1", 1000))
+    assert not store.enabled and fake.kv == {}
+    local = RunStore()
+    local.add(record("mine0001", 1000))
+    assert (await shared_runs.find_run(local, None, "mine", "", "acme")).finished.run_id == "mine0001"
