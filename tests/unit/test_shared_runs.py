@@ -157,7 +157,7 @@ def counted(op: str, result: str) -> float:
 
 
 async def test_records_are_put_under_their_tenant_and_bounded_per_router(fake: FakeEtcd) -> None:
-    store = SharedRuns(fake, retention_s=60, per_router=2)  # type: ignore[arg-type]
+    store = SharedRuns(fake, retention_s=60, per_router=2)
     for i in range(3):
         assert await store.put(record(f"run{i}", 1000 * i))
     assert sorted(fake.kv) == [etcd.run_key("acme", "run1"), etcd.run_key("acme", "run2")]
@@ -165,7 +165,7 @@ async def test_records_are_put_under_their_tenant_and_bounded_per_router(fake: F
 
 
 async def test_get_run_and_stats_merge_the_shared_records_of_the_tenant_only(fake: FakeEtcd) -> None:
-    store = SharedRuns(fake, retention_s=60)  # type: ignore[arg-type]
+    store = SharedRuns(fake, retention_s=60)
     for r in (
         record("elsewhere1", 1000),
         record("elsewhere2", 3000),
@@ -191,7 +191,7 @@ async def test_get_run_and_stats_merge_the_shared_records_of_the_tenant_only(fak
 async def test_etcd_down_fails_nothing_counts_and_logs_once(
     fake: FakeEtcd, caplog: pytest.LogCaptureFixture
 ) -> None:
-    store = SharedRuns(fake, retention_s=60)  # type: ignore[arg-type]
+    store = SharedRuns(fake, retention_s=60)
     fake.down = True
     failed_before = counted("put", "failed")
     with caplog.at_level(logging.WARNING, logger="inferx.router.shared_runs"):
@@ -210,7 +210,7 @@ async def test_etcd_down_fails_nothing_counts_and_logs_once(
 
 
 async def test_a_router_that_shares_nothing_answers_from_its_own_records(fake: FakeEtcd) -> None:
-    store = SharedRuns(fake, retention_s=0)  # type: ignore[arg-type]
+    store = SharedRuns(fake, retention_s=0)
     store.publish(record("r1", 1000))
     assert not store.enabled and fake.kv == {}
     local = RunStore()
