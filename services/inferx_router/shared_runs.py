@@ -214,9 +214,10 @@ class SharedRuns:
         """Put what is queued (for up to `flush_s`), then stop."""
         if self._task is None:
             return
-        deadline = time.monotonic() + flush_s
-        while not self._queue.empty() and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        try:  # every queued record put, the one being put included
+            await asyncio.wait_for(self._queue.join(), flush_s)
+        except TimeoutError:
+            log.warning("%d finished runs were not shared before stopping", self._queue.qsize())
         self._task.cancel()
         try:
             await self._task
@@ -227,7 +228,10 @@ class SharedRuns:
     async def _run(self) -> None:
         while True:
             record = await self._queue.get()
-            await self.put(record)
+            try:
+                await self.put(record)
+            finally:
+                self._queue.task_done()
 
     async def put(self, record: RunRecord) -> bool:
         """Share one record now; False (counted, logged once) when it could not be."""

@@ -216,3 +216,12 @@ async def test_a_router_that_shares_nothing_answers_from_its_own_records(fake: F
     local = RunStore()
     local.add(record("mine0001", 1000))
     assert (await shared_runs.find_run(local, None, "mine", "", "acme")).finished.run_id == "mine0001"
+
+
+async def test_published_records_are_put_by_the_writer_and_flushed_on_close(fake: FakeEtcd) -> None:
+    store = SharedRuns(fake, retention_s=60)
+    store.start()
+    store.publish(record("run00001", 1000))
+    store.publish(record("run00002", 2000, tenant="other"))
+    await store.close()
+    assert sorted(fake.kv) == [etcd.run_key("acme", "run00001"), etcd.run_key("other", "run00002")]
