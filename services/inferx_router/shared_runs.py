@@ -148,7 +148,8 @@ def find_in(records: Sequence[RunRecord], run_id: str, chain: str, tenant: str) 
             where = f" of chain '{chain}'" if chain else ""
             raise NotFound(f"no recent run{where} is kept by any router") from None
         raise NotFound(
-            f"run '{run_id}' is not kept by any router (finished runs are shared for --run-retention-s)"
+            f"run '{run_id}' is not kept by any router (finished runs are shared for "
+            "--run-retention-s, and each router keeps its last --recent-runs in memory)"
         ) from None
 
 
