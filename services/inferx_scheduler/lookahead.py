@@ -65,6 +65,7 @@ class LookAhead:
         self._budget = budget
         self._held: dict[HopKey, AheadHold] = {}
         self._pending: set[HopKey] = set()  # being reserved (a re-dispatch must not repeat it)
+        self._arrived: set[HopKey] = set()  # pending ones whose hop came first: released when made
         self._tasks: set[asyncio.Task[None]] = set()
 
     def wanted(self, hop: HopView, next_hops: list[HopView]) -> list[HopView]:
@@ -96,6 +97,7 @@ class LookAhead:
             await self._reserve_each(views, lease_s)
         finally:
             self._pending.difference_update(view.key for view in views)
+            self._arrived.difference_update(view.key for view in views)
 
     async def _reserve_each(self, views: list[HopView], lease_s: float) -> None:
         stub = None
@@ -116,10 +118,14 @@ class LookAhead:
                     hop_id=view.hop_id,
                 )
                 if local is not None:
+                    metrics.LOOKAHEAD.labels(view.pool, "reserved").inc()
+                    if view.key in self._arrived:  # its hop came first and reserved for itself
+                        self._budget.release(local.reservation_id)
+                        self._late(view)
+                        continue
                     self._held[view.key] = AheadHold(
                         worker_id, local.reservation_id, now + lease_s, local=True
                     )
-                    metrics.LOOKAHEAD.labels(view.pool, "reserved").inc()
                     continue
             if stub is None:
                 address = self._services.pick("memory-pool")
@@ -146,11 +152,28 @@ class LookAhead:
                 metrics.LOOKAHEAD.labels(view.pool, "refused").inc()
                 log.info("look-ahead for %s/%s refused: %s", view.run_id, view.hop_id, exc.details())
                 continue
-            self._held[view.key] = AheadHold(worker_id, reply.reservation_id, time.monotonic() + lease_s)
             metrics.LOOKAHEAD.labels(view.pool, "reserved").inc()
+            if view.key in self._arrived:  # its hop came first and reserved for itself
+                self._late(view)
+                try:
+                    await stub.Release(
+                        memory_pool_pb2.ReleaseRequest(reservation_id=reply.reservation_id), timeout=2.0
+                    )
+                except grpc.aio.AioRpcError as exc:
+                    log.info("release of late look-ahead %s failed (%s)", reply.reservation_id, exc.details())
+                continue
+            self._held[view.key] = AheadHold(worker_id, reply.reservation_id, time.monotonic() + lease_s)
+
+    def _late(self, view: HopView) -> None:
+        self._queue.drop_ahead(view)
+        metrics.LOOKAHEAD.labels(view.pool, "late").inc()
 
     def take(self, hop: HopView) -> AheadHold | None:
-        """The hop arrived: the hold kept for it, if any (its reservation is replaced)."""
+        """The hop arrived: the hold kept for it, if any (its reservation is replaced).
+        A look-ahead still being made for it is released as soon as it is made: the
+        hop reserves for itself (it used to be held, unused, for the whole lease)."""
+        if hop.key in self._pending:
+            self._arrived.add(hop.key)
         now = time.monotonic()
         for key in [k for k, hold in self._held.items() if hold.expires_at <= now]:
             del self._held[key]

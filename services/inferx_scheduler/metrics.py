@@ -31,7 +31,8 @@ REDISPATCHES = Counter(
 LOOKAHEAD = Counter(
     "inferx_scheduler_lookahead_total",
     "Look-ahead reservations for a chain's next hop, by outcome: reserved, no_room, "
-    "refused (by the memory-pool), used (the hop ran where room was kept), moved (it ran elsewhere)",
+    "refused (by the memory-pool), used (the hop ran where room was kept), moved (it ran elsewhere), "
+    "late (made after its hop arrived: released at once)",
     ["pool", "outcome"],
 )
 
