@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from inferx import telemetry
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.errors import InvalidArgument, ResourceExhausted, Unavailable, from_rpc_error
 from inferx.pools import no_worker_message
@@ -92,6 +93,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._lookahead = lookahead if reserve_kv else None
         self._max_kv_wait_s = max_kv_wait_s
         self._budget = budget if reserve_kv else None
+        # A reservation from the budget makes no call, so no RPC span shows it: with
+        # tracing on, a "kv reserve" span does (off: not even a no-op span per hop).
+        self._traced = telemetry.enabled()
         self._releases: set[asyncio.Task[None]] = set()  # releases still on their way
 
     async def SubmitHop(self, request: scheduler_pb2.HopRequest, context: grpc.aio.ServicerContext):
@@ -191,7 +195,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         ahead=None,
     ):
         pool = view.pool
-        reservation = await self._reserve(worker_id, view, context, ahead)
+        if self._traced:
+            with telemetry.span(
+                "kv reserve", {"inferx.worker": worker_id, "inferx.kv_tokens": view.kv_tokens}
+            ) as span:
+                reservation = await self._reserve(worker_id, view, context, ahead)
+                source = "none" if reservation is None else "budget" if reservation.local else "memory-pool"
+                span.set_attribute("inferx.kv.reserved_from", source)
+        else:
+            reservation = await self._reserve(worker_id, view, context, ahead)
         stub = worker_pb2_grpc.ModelWorkerStub(self._channels.get(address))
         remaining = context.time_remaining()
         try:

@@ -23,11 +23,11 @@ from tests.polling import poll_until
 pytestmark = pytest.mark.integration
 
 HOPS = 4
-CHAIN = f"""
+CHAIN = """
 agent_chain:
   name: four_hops
   tier: standard
-  slo: {{end_to_end_latency_p99: 60s}}
+  slo: {end_to_end_latency_p99: 60s}
   nodes:
 """ + "".join(
     f"""    - {{id: hop{k}, type: model_inference, model: budget-sim, timeout: 30s, max_tokens: 8,
