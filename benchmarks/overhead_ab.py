@@ -64,6 +64,7 @@ class SideResult:
     cpu_ms_per_hop: dict[str, float] = field(default_factory=dict)
     pool_calls_per_hop: float = math.nan
     pool_calls_how: str = ""
+    pool_calls_by_method: dict[str, float] = field(default_factory=dict)  # per hop
 
 
 def wrapper(root: Path, state: Path, name: str) -> str:
@@ -108,15 +109,18 @@ def cpu_ticks(stack: LocalStack) -> dict[str, int]:
     return ticks
 
 
-async def pool_calls(stack: LocalStack) -> tuple[float, str]:
-    """Reserve + Release + SyncBudget answered so far, and how it was counted."""
+HOP_METHODS = ("Reserve", "Release", "SyncBudget")
+
+
+async def pool_calls(stack: LocalStack) -> tuple[dict[str, float], str]:
+    """Reserve, Release and SyncBudget calls answered so far, and how they were counted."""
     address = stack.services["memory-pool"].address
     async with stack.transport.aio_channel(address) as channel:
         usage = await memory_pool_pb2_grpc.MemoryPoolStub(channel).GetUsage(
             memory_pool_pb2.GetUsageRequest(), timeout=5
         )
     if usage.calls:
-        return float(sum(usage.calls.get(m, 0) for m in ("Reserve", "Release", "SyncBudget"))), "counted"
+        return {m: float(usage.calls.get(m, 0)) for m in HOP_METHODS}, "counted"
     async with stack.client() as client:  # where its /metrics is: as `inferx status` says
         status = await client.status()
     metrics = next(s.metrics_address for s in status.services if s.kind == "memory-pool")
@@ -128,7 +132,7 @@ async def pool_calls(stack: LocalStack) -> tuple[float, str]:
         for line in body.splitlines()
         if line.startswith("inferx_memory_reservations_total{")
     )
-    return 2 * reserves, "Reserve x2 (metrics)"
+    return {"Reserve": reserves, "Release": reserves}, "Reserve from metrics, as many Releases"
 
 
 async def until_ready(call: Call) -> None:
@@ -220,7 +224,10 @@ async def measure(stacks: list[LocalStack], sides: list[SideResult], args: argpa
                         for proc in after
                     }
                     count, how = await pool_calls(stack)
-                    sides[k].pool_calls_per_hop = (count - before_calls[k][0]) / done_hops
+                    sides[k].pool_calls_by_method = {
+                        m: (count.get(m, 0) - before_calls[k][0].get(m, 0)) / done_hops for m in HOP_METHODS
+                    }
+                    sides[k].pool_calls_per_hop = sum(sides[k].pool_calls_by_method.values())
                     sides[k].pool_calls_how = how
     finally:
         for channel in channels:
@@ -280,10 +287,12 @@ def report(sides: list[SideResult], args: argparse.Namespace) -> str:
         cpu_a, cpu_b = a.cpu_ms_per_hop.get(proc, math.nan), b.cpu_ms_per_hop.get(proc, math.nan)
         lines.append(f"| {proc} | {cpu_a:.2f} | {cpu_b:.2f} |")
     lines.append(f"| total | {sum(a.cpu_ms_per_hop.values()):.2f} | {sum(b.cpu_ms_per_hop.values()):.2f} |")
-    lines.append(
-        f"\nmemory-pool calls per hop: A {a.pool_calls_per_hop:.3f} ({a.pool_calls_how}), "
-        f"B {b.pool_calls_per_hop:.3f} ({b.pool_calls_how})"
-    )
+    for side in sides:
+        methods = ", ".join(f"{m} {v:.3f}" for m, v in side.pool_calls_by_method.items())
+        lines.append(
+            f"\n{side.name}: memory-pool calls per hop {side.pool_calls_per_hop:.3f} ({methods}; "
+            f"{side.pool_calls_how})"
+        )
     errors = {s.name: sum(p.errors + p.load_errors for p in s.paths.values()) for s in sides}
     lines.append(f"errors: {errors}")
     return "\n".join(lines)
