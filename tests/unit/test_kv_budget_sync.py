@@ -298,3 +298,12 @@ async def test_lookahead_reserves_from_the_budget_with_no_call(pool) -> None:
     assert held is not None and held.local and len(servicer.reserves) == 1
     local = budget.budget.get(held.reservation_id)
     assert local is not None and local.kind == LOOKAHEAD and local.tokens == 1000
+
+
+def test_inferx_status_shows_the_leased_budget() -> None:
+    from inferx.cli.main import _reserved_cell
+
+    row = SimpleNamespace(reserved_tokens=1200, lookahead_tokens=200, leased_tokens=4096)
+    assert _reserved_cell(row) == "1,200 (200 look-ahead), 4,096 budget leased"
+    row = SimpleNamespace(reserved_tokens=0, lookahead_tokens=0, leased_tokens=0)
+    assert _reserved_cell(row) == "0"
