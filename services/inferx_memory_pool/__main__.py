@@ -1,5 +1,11 @@
 """`inferx-memory-pool`: the cluster-wide KV-capacity ledger the scheduler reserves from.
 
+Schedulers lease a budget of KV tokens per worker (`SyncBudget`, every
+--kv-budget-sync-s and when a budget runs low) and reserve hops from it locally; they
+call `Reserve`/`Release` only for hops beyond their budget. The budget's holder is the
+scheduler instance, so the rule below returns a dead scheduler's budget too; a budget
+not renewed within --budget-ttl-s is returned as well.
+
 Holders: a reservation may name its holder, the registered instance id of the
 scheduler that made it. The pool mirrors the schedulers' registrations
 (`/inferx/v1/services/scheduler/<instance-id>`) and drops a holder's reservations when
@@ -32,6 +38,7 @@ from inferx_memory_pool import metrics
 from inferx_memory_pool.ledger import (
     HOP,
     LOOKAHEAD,
+    BudgetWant,
     InsufficientCapacity,
     KvLedger,
     ReservationKind,
@@ -71,16 +78,28 @@ class MemoryPoolSettings(ServiceSettings):
     lookahead_lease_s: float = Field(
         30.0, gt=0, description="a look-ahead reservation not released expires after this (request lease_s 0)"
     )
+    budget_ttl_s: float = Field(
+        10.0,
+        gt=0,
+        description="a scheduler's KV budget (SyncBudget) not renewed by then is returned; the default "
+        "and the longest lease a scheduler may ask for",
+    )
 
 
 class MemoryPoolServicer(memory_pool_pb2_grpc.MemoryPoolServicer):
     def __init__(self, ledger: KvLedger) -> None:
         self.ledger = ledger
+        self.calls: dict[str, int] = dict.fromkeys(metrics.METHODS, 0)  # answered, by method
+
+    def _count(self, method: str) -> None:
+        self.calls[method] += 1
+        metrics.CALLS.labels(method).inc()
 
     def _publish(self) -> None:
         metrics.publish(self.ledger.snapshot(time.monotonic()))
 
     async def Reserve(self, request, context):
+        self._count("Reserve")
         if request.tokens <= 0:
             raise InvalidArgument("tokens: must be positive")
         if not (math.isfinite(request.lease_s) and request.lease_s >= 0):
@@ -118,14 +137,48 @@ class MemoryPoolServicer(memory_pool_pb2_grpc.MemoryPoolServicer):
         )
 
     async def Release(self, request, context):
+        self._count("Release")
         released = self.ledger.release(request.reservation_id)
         self._publish()
         return memory_pool_pb2.ReleaseResponse(released=released)
 
+    async def SyncBudget(self, request, context):
+        self._count("SyncBudget")
+        if not request.holder:
+            raise InvalidArgument("holder: must name the scheduler instance that holds the budget")
+        if not (math.isfinite(request.ttl_s) and request.ttl_s >= 0):
+            raise InvalidArgument("ttl_s: must be >= 0 and finite (0 = the pool's default)")
+        wants = [
+            BudgetWant(
+                row.worker_id,
+                row.target_tokens,
+                row.reserved_tokens,
+                row.reservations,
+                row.lookahead_tokens,
+                row.lookahead_reservations,
+            )
+            for row in request.workers
+        ]
+        ttl_s = min(request.ttl_s or self.ledger.budget_ttl_s, self.ledger.budget_ttl_s)
+        grants = self.ledger.sync_budget(
+            request.holder, wants, time.monotonic(), ttl_s=ttl_s, seq=request.seq
+        )
+        self._publish()
+        reply = memory_pool_pb2.SyncBudgetReply(ttl_s=ttl_s, high_usage_ratio=self.ledger.high_usage_ratio)
+        for worker_id, granted in grants.items():
+            reply.workers.add(
+                worker_id=worker_id,
+                granted_tokens=granted,
+                engine_kv_usage_ratio=self.ledger.engine_usage(worker_id),
+            )
+        return reply
+
     async def GetUsage(self, request, context):
+        self._count("GetUsage")
         reply = memory_pool_pb2.PoolUsage(
             headroom_ratio=self.ledger.headroom_ratio, high_usage_ratio=self.ledger.high_usage_ratio
         )
+        reply.calls.update(self.calls)
         for row in self.ledger.snapshot(time.monotonic()):
             reply.workers.add(
                 worker_id=row.worker_id,
@@ -137,6 +190,8 @@ class MemoryPoolServicer(memory_pool_pb2_grpc.MemoryPoolServicer):
                 engine_kv_usage_ratio=row.engine_usage_ratio,
                 lookahead_tokens=row.lookahead_tokens,
                 lookahead_reservations=row.lookahead_reservations,
+                leased_tokens=row.leased_tokens,
+                budget_holders=row.budget_holders,
             )
         return reply
 
@@ -151,6 +206,7 @@ class MemoryPoolComponent(ServiceComponent):
                 settings.reservation_ttl_s,
                 settings.high_usage_ratio,
                 lookahead_ttl_s=settings.lookahead_lease_s,
+                budget_ttl_s=settings.budget_ttl_s,
             )
         )
         self.directory = PoolDirectory()
@@ -176,12 +232,20 @@ class MemoryPoolComponent(ServiceComponent):
         gone, self._holders_seen = self._holders_seen - live, live
         dropped = 0
         for holder in sorted(gone):
+            leased = sum(b.granted for b in self.servicer.ledger.budgets() if b.holder == holder)
             count = self.servicer.ledger.drop_holder(holder)
-            if count:
-                log.info("holder %s is gone (its registration ended): dropped %d reservations", holder, count)
+            if count or leased:
+                log.info(
+                    "holder %s is gone (its registration ended): dropped %d reservations and %d "
+                    "tokens of budget",
+                    holder,
+                    count,
+                    leased,
+                )
             dropped += count
         if dropped:
             metrics.HOLDER_DROPPED.inc(dropped)
+        if gone:
             self.servicer._publish()
 
     async def _poll_usage(self) -> None:

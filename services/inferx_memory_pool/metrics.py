@@ -1,7 +1,7 @@
 """Prometheus metrics of the memory-pool: KV capacity, reservations and how full each
 pool and worker is (the `> 85%` alert reads the usage ratios), the room kept by look-ahead
-reservations, and reservations dropped because their holder died. Labels: pool, worker,
-result, kind."""
+reservations, and reservations dropped because their holder died, the budgets leased to schedulers, and
+the calls answered by method. Labels: pool, worker, result, kind, method."""
 
 from __future__ import annotations
 
@@ -36,6 +36,15 @@ RESERVATIONS = Counter(
 for _result in ("granted", "refused"):  # every series exists from the start: rate() needs them
     for _kind in KINDS:
         RESERVATIONS.labels(_result, _kind)
+WORKER_LEASED = Gauge(
+    "inferx_memory_worker_leased_tokens",
+    "KV tokens of each worker leased to schedulers as budgets (used or not)",
+    ["pool", "worker"],
+)
+METHODS = ("Reserve", "Release", "SyncBudget", "GetUsage")
+CALLS = Counter("inferx_memory_calls_total", "Calls the memory-pool answered, by method", ["method"])
+for _method in METHODS:
+    CALLS.labels(_method)
 HOLDER_DROPPED = Counter(
     "inferx_memory_holder_dropped_reservations_total",
     "Reservations dropped because their holder's registration ended (it died) before releasing them",
@@ -59,11 +68,13 @@ def publish(rows: Iterable[WorkerLedger]) -> None:
         WORKER_KV_USAGE.labels(row.pool, row.worker_id).set(_ratio(row.reserved_tokens, row.capacity_tokens))
         ENGINE_KV_USAGE.labels(row.pool, row.worker_id).set(row.engine_usage_ratio)
         WORKER_LOOKAHEAD.labels(row.pool, row.worker_id).set(row.lookahead_tokens)
+        WORKER_LEASED.labels(row.pool, row.worker_id).set(row.leased_tokens)
     # A worker that left must not keep alerting with its last value.
     for gone in _workers_seen - workers:
         WORKER_KV_USAGE.remove(*gone)
         ENGINE_KV_USAGE.remove(*gone)
         WORKER_LOOKAHEAD.remove(*gone)
+        WORKER_LEASED.remove(*gone)
     _workers_seen.clear()
     _workers_seen.update(workers)
     for pool, tokens in capacity.items():

@@ -316,6 +316,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         reserved_tokens=row.reserved_tokens,
                         engine_kv_usage_ratio=row.engine_kv_usage_ratio,
                         lookahead_tokens=row.lookahead_tokens,
+                        leased_tokens=row.leased_tokens,
                     )
             except grpc.aio.AioRpcError as exc:
                 reply.problems.append(f"memory-pool at {address}: {exc.code().name}")

@@ -7,6 +7,7 @@ from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.pools import PoolDirectory
 from inferx.server import ServiceComponent, ServiceRuntime, run_service
 from inferx.v1 import scheduler_pb2, scheduler_pb2_grpc
+from inferx_scheduler.budget_sync import KvBudget
 from inferx_scheduler.config import SchedulerSettings
 from inferx_scheduler.dispatcher import HopDispatcher
 from inferx_scheduler.health import WorkerHealth
@@ -33,6 +34,18 @@ class SchedulerComponent(ServiceComponent):
         )
         self.services = ServiceLocator(runtime.etcd)
         self._health_interval_s = settings.health_check_interval_s
+        self.budget = (
+            KvBudget(
+                self.services,
+                self.channels,
+                holder=runtime.instance_id,
+                sync_s=settings.kv_budget_sync_s,
+                ttl_s=settings.kv_budget_ttl_s,
+                on_reachable=lambda ok, why: self.servicer._set_conservative(not ok, why),
+            )
+            if settings.reserve_kv and settings.kv_budget
+            else None
+        )
         self.lookahead = (
             LookAhead(
                 self.dispatcher.queue,
@@ -41,6 +54,7 @@ class SchedulerComponent(ServiceComponent):
                 holder=runtime.instance_id,
                 lease_s=settings.lookahead_lease_s / settings.time_scale,
                 growth=settings.lookahead_growth,
+                budget=self.budget,
             )
             # Only policies that plan ahead (chain-aware) use it; peers do not look ahead.
             if settings.lookahead and settings.policy == "chain-aware"
@@ -63,6 +77,7 @@ class SchedulerComponent(ServiceComponent):
             holder=runtime.instance_id,
             lookahead=self.lookahead,
             max_kv_wait_s=settings.max_kv_wait_s,
+            budget=self.budget,
         )
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(self.servicer, runtime.server)
 
@@ -72,9 +87,13 @@ class SchedulerComponent(ServiceComponent):
         for mirror in (self.workers, self.models, self.services.mirror):
             await mirror.wait_synced(timeout_s=30)
         self.health.start(self._health_interval_s)
+        if self.budget is not None:
+            self.budget.start()
 
     async def stop(self) -> None:
         await self.servicer.drain_releases()  # before the channels close under them
+        if self.budget is not None:
+            await self.budget.close()  # hands the budget back
         if self.lookahead is not None:
             await self.lookahead.close()
         await self.health.close()

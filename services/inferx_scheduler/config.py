@@ -9,7 +9,28 @@ from inferx.settings import ServiceSettings
 
 class SchedulerSettings(ServiceSettings):
     max_queued_per_pool: int = Field(1024, gt=0, description="bound of each pool's hop queue")
-    reserve_kv: bool = Field(True, description="reserve KV capacity in the memory-pool per hop")
+    reserve_kv: bool = Field(
+        True, description="reserve KV capacity per hop (from the leased budget, or in the memory-pool)"
+    )
+    kv_budget: bool = Field(
+        True,
+        description="reserve each hop's KV from a budget per worker leased from the memory-pool, with "
+        "no call per hop (renewed, grown and returned in the background; hops beyond it reserve at the "
+        "memory-pool); off: one Reserve and one Release call per hop (needs --reserve-kv)",
+    )
+    kv_budget_sync_s: float = Field(
+        0.5,
+        gt=0,
+        le=60,
+        description="how often the budget is renewed and what is reserved from it reported to the "
+        "memory-pool (also as soon as it runs low)",
+    )
+    kv_budget_ttl_s: float = Field(
+        0.0,
+        ge=0,
+        description="the budget's lease asked for: not renewed by then (this scheduler died or cannot "
+        "reach the memory-pool), the memory-pool takes it back; 0 = the memory-pool's --budget-ttl-s",
+    )
     max_kv_wait_s: float = Field(
         120.0,
         gt=0,

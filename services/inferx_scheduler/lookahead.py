@@ -8,6 +8,10 @@ own reservation replaces the look-ahead one atomically, so it cannot be refused 
 room kept for it. A hop that never comes (its router died, the chain failed) costs
 the room only until the lease ends; a scheduler that dies loses its holds with its
 etcd registration.
+
+With a leased KV budget (`budget_sync.KvBudget`) the hold is reserved from it locally,
+with the same lease, when it fits (no call; the hop then takes it over locally); only
+what does not fit becomes a LOOKAHEAD reservation at the memory-pool.
 """
 
 from __future__ import annotations
@@ -22,10 +26,12 @@ import grpc
 
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.scheduling.queue import DispatchQueue
-from inferx.scheduling.views import HopKey, HopView
+from inferx.scheduling.views import HopKey, HopView, Tier
 from inferx.v1 import memory_pool_pb2, memory_pool_pb2_grpc
 from inferx.wire import tier_to_proto
 from inferx_scheduler import metrics
+from inferx_scheduler.budget import LOOKAHEAD
+from inferx_scheduler.budget_sync import KvBudget
 
 log = logging.getLogger("inferx.scheduler")
 
@@ -35,6 +41,7 @@ class AheadHold:
     worker_id: str
     reservation_id: str
     expires_at: float  # monotonic
+    local: bool = False  # reserved from the local budget, not at the memory-pool
 
 
 class LookAhead:
@@ -47,6 +54,7 @@ class LookAhead:
         holder: str,
         lease_s: float,
         growth: float,
+        budget: KvBudget | None = None,
     ) -> None:
         self._queue = queue
         self._services = services
@@ -54,8 +62,10 @@ class LookAhead:
         self._holder = holder
         self._lease_s = lease_s
         self._growth = growth
+        self._budget = budget
         self._held: dict[HopKey, AheadHold] = {}
         self._pending: set[HopKey] = set()  # being reserved (a re-dispatch must not repeat it)
+        self._arrived: set[HopKey] = set()  # pending ones whose hop came first: released when made
         self._tasks: set[asyncio.Task[None]] = set()
 
     def wanted(self, hop: HopView, next_hops: list[HopView]) -> list[HopView]:
@@ -87,18 +97,42 @@ class LookAhead:
             await self._reserve_each(views, lease_s)
         finally:
             self._pending.difference_update(view.key for view in views)
+            self._arrived.difference_update(view.key for view in views)
 
     async def _reserve_each(self, views: list[HopView], lease_s: float) -> None:
-        address = self._services.pick("memory-pool")
-        if address is None:
-            return
-        stub = memory_pool_pb2_grpc.MemoryPoolStub(self._channels.get(address))
+        stub = None
         for view in views:
             now = time.monotonic()
             worker_id = self._queue.plan_ahead(view, now + lease_s, now)
             if worker_id is None:
                 metrics.LOOKAHEAD.labels(view.pool, "no_room").inc()
                 continue
+            if self._budget is not None:
+                local = self._budget.reserve(
+                    worker_id,
+                    view.kv_tokens,
+                    kind=LOOKAHEAD,
+                    protected=view.tier == Tier.REALTIME,
+                    lease_s=lease_s,
+                    run_id=view.run_id,
+                    hop_id=view.hop_id,
+                )
+                if local is not None:
+                    metrics.LOOKAHEAD.labels(view.pool, "reserved").inc()
+                    if view.key in self._arrived:  # its hop came first and reserved for itself
+                        self._budget.release(local.reservation_id)
+                        self._late(view)
+                        continue
+                    self._held[view.key] = AheadHold(
+                        worker_id, local.reservation_id, now + lease_s, local=True
+                    )
+                    continue
+            if stub is None:
+                address = self._services.pick("memory-pool")
+                if address is None:
+                    self._queue.drop_ahead(view)
+                    return
+                stub = memory_pool_pb2_grpc.MemoryPoolStub(self._channels.get(address))
             try:
                 reply = await stub.Reserve(
                     memory_pool_pb2.ReserveRequest(
@@ -118,11 +152,28 @@ class LookAhead:
                 metrics.LOOKAHEAD.labels(view.pool, "refused").inc()
                 log.info("look-ahead for %s/%s refused: %s", view.run_id, view.hop_id, exc.details())
                 continue
-            self._held[view.key] = AheadHold(worker_id, reply.reservation_id, time.monotonic() + lease_s)
             metrics.LOOKAHEAD.labels(view.pool, "reserved").inc()
+            if view.key in self._arrived:  # its hop came first and reserved for itself
+                self._late(view)
+                try:
+                    await stub.Release(
+                        memory_pool_pb2.ReleaseRequest(reservation_id=reply.reservation_id), timeout=2.0
+                    )
+                except grpc.aio.AioRpcError as exc:
+                    log.info("release of late look-ahead %s failed (%s)", reply.reservation_id, exc.details())
+                continue
+            self._held[view.key] = AheadHold(worker_id, reply.reservation_id, time.monotonic() + lease_s)
+
+    def _late(self, view: HopView) -> None:
+        self._queue.drop_ahead(view)
+        metrics.LOOKAHEAD.labels(view.pool, "late").inc()
 
     def take(self, hop: HopView) -> AheadHold | None:
-        """The hop arrived: the hold kept for it, if any (its reservation is replaced)."""
+        """The hop arrived: the hold kept for it, if any (its reservation is replaced).
+        A look-ahead still being made for it is released as soon as it is made: the
+        hop reserves for itself (it used to be held, unused, for the whole lease)."""
+        if hop.key in self._pending:
+            self._arrived.add(hop.key)
         now = time.monotonic()
         for key in [k for k, hold in self._held.items() if hold.expires_at <= now]:
             del self._held[key]

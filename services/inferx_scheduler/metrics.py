@@ -31,6 +31,40 @@ REDISPATCHES = Counter(
 LOOKAHEAD = Counter(
     "inferx_scheduler_lookahead_total",
     "Look-ahead reservations for a chain's next hop, by outcome: reserved, no_room, "
-    "refused (by the memory-pool), used (the hop ran where room was kept), moved (it ran elsewhere)",
+    "refused (by the memory-pool), used (the hop ran where room was kept), moved (it ran elsewhere), "
+    "late (made after its hop arrived: released at once)",
     ["pool", "outcome"],
 )
+
+# The leased KV budget (issue #14): hops reserved from it locally vs beyond it (those go
+# to the memory-pool's Reserve), the budget syncs, and the budget per worker.
+KV_RESERVATIONS = Counter(
+    "inferx_scheduler_kv_reservations_total",
+    "KV reservations by where they were made: budget (locally, no call) or beyond_budget (the "
+    "memory-pool's Reserve), and kind (hop|lookahead)",
+    ["path", "kind"],
+)
+KV_BUDGET_SYNCS = Counter(
+    "inferx_scheduler_kv_budget_syncs_total", "SyncBudget calls to the memory-pool by result", ["result"]
+)
+KV_BUDGET_GRANTED = Gauge(
+    "inferx_scheduler_kv_budget_tokens", "KV budget the memory-pool granted this scheduler", ["worker"]
+)
+KV_BUDGET_USED = Gauge(
+    "inferx_scheduler_kv_budget_reserved_tokens",
+    "KV tokens reserved from this scheduler's budget",
+    ["worker"],
+)
+_budget_workers: set[str] = set()
+
+
+def publish_budget(rows: dict[str, tuple[int, int]]) -> None:
+    """`rows`: worker -> (granted, reserved) after a sync."""
+    for worker, (granted, used) in rows.items():
+        KV_BUDGET_GRANTED.labels(worker).set(granted)
+        KV_BUDGET_USED.labels(worker).set(used)
+    for gone in _budget_workers - set(rows):
+        KV_BUDGET_GRANTED.remove(gone)
+        KV_BUDGET_USED.remove(gone)
+    _budget_workers.clear()
+    _budget_workers.update(rows)

@@ -1,5 +1,8 @@
 """Scheduler gRPC servicer: queue a hop, wait for a worker slot, reserve KV, stream
-the worker's output back, release everything on the way out (also on failure)."""
+the worker's output back, release everything on the way out (also on failure).
+
+A hop's KV is reserved from the scheduler's leased budget (`budget_sync.KvBudget`) with
+no call when it fits, and from the memory-pool (Reserve, then Release) when it does not."""
 
 from __future__ import annotations
 
@@ -10,11 +13,12 @@ from dataclasses import dataclass
 
 import grpc
 
+from inferx import telemetry
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.errors import InvalidArgument, ResourceExhausted, Unavailable, from_rpc_error
 from inferx.pools import no_worker_message
 from inferx.scheduling.queue import QueueFull, Rejected
-from inferx.scheduling.views import HopView
+from inferx.scheduling.views import HopView, Tier
 from inferx.v1 import (
     common_pb2,
     memory_pool_pb2,
@@ -26,6 +30,8 @@ from inferx.v1 import (
 )
 from inferx.wire import tier_to_proto
 from inferx_scheduler import metrics
+from inferx_scheduler.budget import HOP
+from inferx_scheduler.budget_sync import KvBudget
 from inferx_scheduler.codec import hop_view, next_hop_views
 from inferx_scheduler.dispatcher import HopDispatcher
 from inferx_scheduler.health import WorkerHealth
@@ -34,6 +40,16 @@ from inferx_scheduler.lookahead import AheadHold, LookAhead
 log = logging.getLogger("inferx.scheduler")
 
 Event = scheduler_pb2.HopEvent
+
+
+@dataclass(frozen=True)
+class Hold:
+    """A hop's KV reservation: from the local budget, or made at the memory-pool
+    `address` (released there)."""
+
+    reservation_id: str
+    local: bool = False
+    address: str = ""
 
 
 @dataclass
@@ -64,6 +80,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         holder: str = "",
         lookahead: LookAhead | None = None,
         max_kv_wait_s: float = 120.0,
+        budget: KvBudget | None = None,
     ) -> None:
         self._dispatcher = dispatcher
         self._directory = dispatcher.directory
@@ -75,6 +92,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._holder = holder  # this instance: the memory-pool drops our reservations if it dies
         self._lookahead = lookahead if reserve_kv else None
         self._max_kv_wait_s = max_kv_wait_s
+        self._budget = budget if reserve_kv else None
+        # A reservation from the budget makes no call, so no RPC span shows it: with
+        # tracing on, a "kv reserve" span does (off: not even a no-op span per hop).
+        self._traced = telemetry.enabled()
         self._releases: set[asyncio.Task[None]] = set()  # releases still on their way
 
     async def SubmitHop(self, request: scheduler_pb2.HopRequest, context: grpc.aio.ServicerContext):
@@ -177,7 +198,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         ahead=None,
     ):
         pool = view.pool
-        reservation = await self._reserve(worker_id, view, context, ahead)
+        if self._traced:
+            with telemetry.span(
+                "kv reserve", {"inferx.worker": worker_id, "inferx.kv_tokens": view.kv_tokens}
+            ) as span:
+                reservation = await self._reserve(worker_id, view, context, ahead)
+                source = "none" if reservation is None else "budget" if reservation.local else "memory-pool"
+                span.set_attribute("inferx.kv.reserved_from", source)
+        else:
+            reservation = await self._reserve(worker_id, view, context, ahead)
         stub = worker_pb2_grpc.ModelWorkerStub(self._channels.get(address))
         remaining = context.time_remaining()
         try:
@@ -214,17 +243,24 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def _reserve(
         self, worker_id: str, view: HopView, context, ahead: AheadHold | None = None
-    ) -> str | None:
+    ) -> Hold | None:
         """Reserve the hop's KV before it runs (replacing the look-ahead reservation kept
-        for it, if any). A refusal (no room, or usage above the high mark for
-        non-realtime work) makes the hop wait for room within its deadline, then gives
-        up with RESOURCE_EXHAUSTED; a memory-pool that cannot be reached makes the scheduler
+        for it, if any): from the leased budget when it fits, else at the memory-pool. A
+        refusal there (no room, or usage above the high mark for non-realtime work)
+        makes the hop wait for room within its deadline, then gives up with
+        RESOURCE_EXHAUSTED; a memory-pool that cannot be reached makes the scheduler
         conservative (half concurrency) but does not stop the hop."""
         if not self._reserve_kv:
             return None
+        local_ahead = ahead.reservation_id if ahead is not None and ahead.local else ""
+        remote_ahead = ahead.reservation_id if ahead is not None and not ahead.local else ""
+        hold = self._reserve_local(worker_id, view, local_ahead, remote_ahead)
+        if hold is not None:
+            return hold
         address = self._services.pick("memory-pool")
         if address is None:
             self._set_conservative(True, "no memory-pool is registered")
+            self._release_local(local_ahead)
             return None
         stub = memory_pool_pb2_grpc.MemoryPoolStub(self._channels.get(address))
         message = memory_pool_pb2.ReserveRequest(
@@ -235,17 +271,19 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             tier=tier_to_proto(view.tier),
             holder=self._holder,
             kind=memory_pool_pb2.RESERVATION_KIND_HOP,
-            replaces=ahead.reservation_id if ahead is not None else "",
+            replaces=remote_ahead,
         )
         waited, delay = 0.0, 0.05
         while True:
             try:
                 reply = await stub.Reserve(message, timeout=2.0)
                 self._set_conservative(False, "")
-                return reply.reservation_id
+                self._release_local(local_ahead)  # the hop's own reservation covers it now
+                return Hold(reply.reservation_id, address=address)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     self._set_conservative(True, f"memory-pool: {exc.code().name}")
+                    self._release_local(local_ahead)
                     return None
                 # No room now: wait for it, as an engine queues a request it has no
                 # KV for, for as long as the hop's own deadline allows (bounded by
@@ -260,6 +298,35 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 await asyncio.sleep(delay)
                 waited += delay
                 delay = min(delay * 2, 0.5)
+                # Room may have come back to the budget meanwhile (a release, a grant).
+                hold = self._reserve_local(worker_id, view, local_ahead, remote_ahead)
+                if hold is not None:
+                    return hold
+
+    def _reserve_local(
+        self, worker_id: str, view: HopView, local_ahead: str, remote_ahead: str
+    ) -> Hold | None:
+        """The hop's KV from the leased budget (no call), or None when it does not fit."""
+        if self._budget is None:
+            return None
+        res = self._budget.reserve(
+            worker_id,
+            view.kv_tokens,
+            kind=HOP,
+            protected=view.tier == Tier.REALTIME,
+            replaces=local_ahead,
+            run_id=view.run_id,
+            hop_id=view.hop_id,
+        )
+        if res is None:
+            return None
+        if remote_ahead:  # room kept at the memory-pool that this hop no longer needs
+            self._release_soon(Hold(remote_ahead))
+        return Hold(res.reservation_id, local=True)
+
+    def _release_local(self, reservation_id: str) -> None:
+        if reservation_id and self._budget is not None:
+            self._budget.release(reservation_id)
 
     def _set_conservative(self, on: bool, why: str) -> None:
         if on != self._dispatcher.conservative:
@@ -269,16 +336,20 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 log.info("memory-pool reachable again: full concurrency")
             self._dispatcher.conservative = on
 
-    def _release_soon(self, reservation_id: str | None) -> None:
-        """Release the hop's reservation without holding the hop's stream open for the
-        memory-pool's reply: the router reads a hop's stream to its end, so an awaited
-        Release was one more round trip on every hop's critical path (issue #14: ~0.9 ms
-        of ~4.3 ms per hop on a 2-core box). The request is sent at once, before the
-        chain's next hop can reserve, and a refusal in the meantime only makes that hop
-        wait for room. `drain_releases` lets the scheduler's shutdown finish them."""
-        if not reservation_id:
+    def _release_soon(self, hold: Hold | None) -> None:
+        """Release the hop's reservation: a local one at once (no call); one made at the
+        memory-pool without holding the hop's stream open for its reply: the router
+        reads a hop's stream to its end, so an awaited Release was one more round trip
+        on every hop's critical path (issue #14: ~0.9 ms of ~4.3 ms per hop on a 2-core
+        box). The request is sent at once, before the chain's next hop can reserve, and
+        a refusal in the meantime only makes that hop wait for room.
+        `drain_releases` lets the scheduler's shutdown finish them."""
+        if hold is None or not hold.reservation_id:
             return
-        task = asyncio.create_task(self._release(reservation_id))
+        if hold.local:
+            self._release_local(hold.reservation_id)
+            return
+        task = asyncio.create_task(self._release(hold))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
@@ -287,17 +358,19 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if self._releases:
             await asyncio.gather(*list(self._releases), return_exceptions=True)
 
-    async def _release(self, reservation_id: str | None) -> None:
-        if not reservation_id:
-            return
-        address = self._services.pick("memory-pool")
+    async def _release(self, hold: Hold) -> None:
+        address = hold.address or self._services.pick("memory-pool")  # where it was made
         if address is None:
             return
         stub = memory_pool_pb2_grpc.MemoryPoolStub(self._channels.get(address))
         try:
-            await stub.Release(memory_pool_pb2.ReleaseRequest(reservation_id=reservation_id), timeout=2.0)
+            await stub.Release(
+                memory_pool_pb2.ReleaseRequest(reservation_id=hold.reservation_id), timeout=2.0
+            )
         except grpc.aio.AioRpcError as exc:
-            log.warning("release of %s failed (%s); it expires on its own", reservation_id, exc.details())
+            log.warning(
+                "release of %s failed (%s); it expires on its own", hold.reservation_id, exc.details()
+            )
 
     async def GetSchedulerStatus(self, request, context):
         queue = self._dispatcher.queue

@@ -211,3 +211,47 @@ async def test_replaces_swaps_the_lookahead_for_the_hop_on_a_full_worker(registr
     assert released.released
     row = await usage_of(pool, worker_id)
     assert (row.reserved_tokens, row.reservations) == (500, 1)
+
+
+async def sync_budget(pool, holder: str, seq: int, wants: dict[str, int], ttl_s: float = 0.0, **reported):
+    request = memory_pool_pb2.SyncBudgetRequest(holder=holder, seq=seq, ttl_s=ttl_s)
+    for worker_id, target in wants.items():
+        request.workers.add(worker_id=worker_id, target_tokens=target, **reported)
+    reply = await pool.SyncBudget(request, timeout=5)
+    return {grant.worker_id: grant.granted_tokens for grant in reply.workers}, reply
+
+
+async def test_budgets_share_capacity_across_schedulers_and_end_with_them(registry: Registry, pool) -> None:
+    """Issue #14: budgets of several schedulers and reservations together never exceed a
+    worker's usable KV; a budget goes when its holder's registration ends, or when it
+    is not renewed within its TTL."""
+    worker_id = await new_worker(registry, pool)
+    revoked, revoked_lease = await registry.holder(ttl_s=30)
+    lapsing, _ = await registry.holder(ttl_s=30)
+    calls_before = (await pool.GetUsage(memory_pool_pb2.GetUsageRequest(), timeout=5)).calls
+    grants, reply = await sync_budget(
+        pool, revoked, 1, {worker_id: 500}, reserved_tokens=120, reservations=2, lookahead_tokens=20
+    )
+    assert grants == {worker_id: 500} and reply.ttl_s > 0 and reply.high_usage_ratio == pytest.approx(0.85)
+    grants, _ = await sync_budget(pool, lapsing, 1, {worker_id: 500}, ttl_s=2)
+    assert grants == {worker_id: 300}  # what was free of the 800 usable
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # and nothing is left for a Reserve
+        await reserve(pool, worker_id, 1)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    row = await usage_of(pool, worker_id)
+    assert (row.leased_tokens, row.budget_holders) == (800, 2)
+    assert (row.reserved_tokens, row.reservations, row.lookahead_tokens) == (120, 2, 20)  # as reported
+    calls = (await pool.GetUsage(memory_pool_pb2.GetUsageRequest(), timeout=5)).calls
+    assert calls["SyncBudget"] - calls_before["SyncBudget"] == 2
+    assert calls["Reserve"] - calls_before["Reserve"] == 1
+
+    await registry.revoke(revoked_lease)  # the scheduler died: its budget comes back at once
+    row = await wait_for(pool, worker_id, lambda row: row.leased_tokens == 300, timeout_s=5)
+    assert row.reserved_tokens == 0  # what it reported went with it
+    # The other one is not renewed: its 2 s lease ends by itself (its registration lives).
+    row = await wait_for(pool, worker_id, lambda row: row.leased_tokens == 0, timeout_s=5)
+    assert row.budget_holders == 0
+    for bad in ({"holder": ""}, {"holder": lapsing, "ttl_s": float("nan")}):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pool.SyncBudget(memory_pool_pb2.SyncBudgetRequest(**bad), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -15,7 +15,7 @@ from inferx.scheduling.views import HopView, Tier
 from inferx.tls import Transport
 from inferx.v1 import memory_pool_pb2, memory_pool_pb2_grpc
 from inferx_scheduler.dispatcher import HopDispatcher
-from inferx_scheduler.servicer import SchedulerServicer
+from inferx_scheduler.servicer import Hold, SchedulerServicer
 from tests.polling import poll_until
 
 
@@ -93,7 +93,7 @@ async def test_a_refused_hop_waits_for_room_beyond_the_old_two_seconds(memory_po
         reservation = await scheduler(address, channels, 60.0)._reserve("w1", HOP, Deadline(30.0))
     finally:
         await channels.close()
-    assert reservation == "r8"
+    assert reservation == Hold("r8", address=address)  # made at the memory-pool: released there
     assert len(pool.requests) == 8
     assert {r.tokens for r in pool.requests} == {HOP.kv_tokens} == {1024}
     assert pool.requests[0].tier == Tier.BATCH and pool.requests[0].hop_id == "answer"
@@ -146,7 +146,7 @@ async def test_a_release_is_sent_without_holding_up_the_hop_and_drained_at_shutd
     channels = ChannelPool(Transport.plaintext())
     try:
         servicer = scheduler(f"127.0.0.1:{port}", channels, max_kv_wait_s=1.0)
-        servicer._release_soon("r1")  # returns at once, while the pool holds its answer
+        servicer._release_soon(Hold("r1"))  # returns at once, while the pool holds its answer
         servicer._release_soon(None)  # no reservation (KV reservation off): nothing to send
         drained = asyncio.create_task(servicer.drain_releases())
         await poll_until(lambda: pool.received == ["r1"], timeout_s=5, what="the Release to arrive")

@@ -253,3 +253,26 @@ async def test_same_pool_grown_context_is_reserved_after_dispatch(clock) -> None
     await settle(la)
     assert [request.hop_id for _, request, _ in channels.calls] == ["d"]
     assert la.take(grown) == AheadHold("w1", "res-d", NOW + 5.0)
+
+
+async def test_a_lookahead_made_after_its_hop_arrived_is_released_at_once(clock) -> None:
+    """The hop came while its look-ahead was still being reserved: it reserves for
+    itself, so the look-ahead is released as soon as it is made, not held for its lease."""
+
+    def reply(method, request):
+        if method.endswith("/Release"):
+            return memory_pool_pb2.ReleaseResponse(released=True)
+        return granted(method, request)
+
+    queue, channels = chain_aware_queue(), FakeChannels(reply)
+    la = make(queue, channels=channels)
+    view = nxt("b", "pool-big", 900, max_tokens=100)
+    la.start(CURRENT, [view], deadline_s=None)
+    assert la.take(view) is None  # the reservation has not been made yet
+    await settle(la)
+    assert [method for method, _, _ in channels.calls] == [
+        "/inferx.v1.MemoryPool/Reserve",
+        "/inferx.v1.MemoryPool/Release",
+    ]
+    assert channels.calls[1][1].reservation_id == "res-b"
+    assert la._held == {} and la._arrived == set() and policy_of(queue).resident("w1") == 0

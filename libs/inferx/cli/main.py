@@ -275,9 +275,12 @@ async def cmd_chain_rollback(args: argparse.Namespace) -> int:
 def _reserved_cell(row) -> str:
     if row is None:
         return "?"
+    cell = f"{row.reserved_tokens:,}"
     if row.lookahead_tokens:
-        return f"{row.reserved_tokens:,} ({row.lookahead_tokens:,} look-ahead)"
-    return f"{row.reserved_tokens:,}"
+        cell += f" ({row.lookahead_tokens:,} look-ahead)"
+    if row.leased_tokens:
+        cell += f", {row.leased_tokens:,} budget leased"
+    return cell
 
 
 async def cmd_status(args: argparse.Namespace) -> int:
