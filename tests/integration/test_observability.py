@@ -259,9 +259,9 @@ async def test_metric_values_after_a_known_run(traced) -> None:
     finished = await run_as_agent(stack, f"How do I return item {secrets.token_hex(3)}?")
     after = {kind: [scrape(a) for a in addresses[kind]] for kind in pages}
 
-    def delta(kind: str, name: str, **labels: str) -> float:
-        return sum(total(page, name, **labels) for page in after[kind]) - sum(
-            total(page, name, **labels) for page in before[kind]
+    def delta(service: str, name: str, **labels: str) -> float:
+        return sum(total(page, name, **labels) for page in after[service]) - sum(
+            total(page, name, **labels) for page in before[service]
         )
 
     hops = {hop.node_id: hop for hop in finished.hops}
@@ -289,7 +289,10 @@ async def test_metric_values_after_a_known_run(traced) -> None:
     assert delta("router", "inferx_tool_cache_lookups_total", tool="vector_search", result="miss") == 1
     # The same hops, counted by the services that ran them.
     assert delta("scheduler", "inferx_scheduler_dispatches_total", pool="tiny-llama") == 2
-    assert delta("memory-pool", "inferx_memory_reservations_total", result="granted") == 2
+    # Each hop's KV room: from the scheduler's leased budget, or the memory-pool's Reserve beyond it.
+    local = delta("scheduler", "inferx_scheduler_kv_reservations_total", path="budget", kind="hop")
+    granted = delta("memory-pool", "inferx_memory_reservations_total", result="granted")
+    assert local + granted == 2
     assert delta("worker", "inferx_worker_prompt_tokens_total") == prompt
     assert delta("worker", "inferx_worker_cached_prompt_tokens_total") == cached
     assert delta("worker", "inferx_worker_completion_tokens_total") == completion
