@@ -17,6 +17,21 @@ from typing import Any
 import uvicorn
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket whose connections send small writes at once (TCP_NODELAY).
+
+    `socket.create_server` makes sockets with proto 0, and asyncio sets TCP_NODELAY only
+    on transports whose socket says IPPROTO_TCP; without it a response written in two
+    parts (headers, then body) on a kept-alive connection waits for the client's delayed
+    ACK: ~40 ms per call on Linux. Set on the listener, the option is inherited by the
+    accepted connections."""
+    sock = socket.create_server(
+        (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=1024
+    )
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
 class _EmbeddedServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -37,8 +52,7 @@ class EmbeddedHttpServer:
 
     async def start(self) -> str:
         """Bind and serve; the HOST:PORT it listens on. OSError when it cannot bind."""
-        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-        sock = socket.create_server((self._host, self._port), family=family, backlog=1024)
+        sock = listen_socket(self._host, self._port)
         config = uvicorn.Config(
             self._app,
             log_config=None,
