@@ -115,8 +115,13 @@ def _pct(value: float | None) -> str:
 def _table(title: str, columns: list[str]) -> Table:
     t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     for i, column in enumerate(columns):
-        t.add_column(column, justify="left" if i == 0 else "right")
+        t.add_column(column, justify="left" if i == 0 else "right", no_wrap=i == 0)
     return t
+
+
+def _short(front: str) -> str:
+    """Table labels: "vllm-router consistent_hash" -> "vr consistent_hash"."""
+    return front.replace("vllm-router ", "vr ")
 
 
 def overhead_table(rows: list[dict[str, Any]]) -> Table:
@@ -140,8 +145,8 @@ def overhead_table(rows: list[dict[str, Any]]) -> Table:
 def capacity_table(seed: dict[str, Any]) -> Table:
     t = _table(
         f"capacity at SLO, trace seed {seed['trace_seed']} (chains/s; >= 99% realtime and >= 95% of all "
-        "chains within SLO)",
-        ["front", "capacity", "first miss", "P99 chain s", "TTFT p50 s", "TTFT p99 s", "cached", "probes"],
+        "chains within SLO; at capacity: P99 chain, TTFT in trace s)",
+        ["front", "capacity", "1st miss", "P99", "TTFT p50", "TTFT p99", "cached"],
     )
     for result in seed["fronts"]:
         at = next((p for p in result.probes if p.meets and p.rate_per_s == result.rate_per_s), None)
@@ -149,16 +154,27 @@ def capacity_table(seed: dict[str, Any]) -> Table:
             f"{'>= ' if result.at_least else ''}{result.rate_per_s:.3f}" if result.rate_per_s else "< lowest"
         )
         t.add_row(
-            result.front,
+            _short(result.front),
             capacity,
             "-" if result.failing_rate_per_s is None else f"{result.failing_rate_per_s:.3f}",
             _s(at.p99_latency_s) if at else "-",
             _s(at.ttft_p50_s) if at else "-",
             _s(at.ttft_p99_s) if at else "-",
             _pct(at.cached_ratio) if at else "-",
-            " ".join(f"{p.rate_per_s:.3f}{'+' if p.meets else 'x'}" for p in result.probes),
         )
     return t
+
+
+def probes_lines(seed: dict[str, Any]) -> list[str]:
+    """Every probe: rate, met (+) or missed (x), realtime and overall attainment."""
+    lines = []
+    for result in seed["fronts"]:
+        probes = ", ".join(
+            f"{p.rate_per_s:.3f}{'+' if p.meets else 'x'} ({_pct(p.realtime)} rt, {_pct(p.overall)} all)"
+            for p in result.probes
+        )
+        lines.append(f"  {_short(result.front)}: {probes}")
+    return lines
 
 
 def same_rate_table(seed: dict[str, Any]) -> Table | None:
@@ -186,7 +202,7 @@ def same_rate_table(seed: dict[str, Any]) -> Table | None:
             continue
         errors = ", ".join(f"{k}: {v}" for k, v in probe.errors.items()) or "0"
         t.add_row(
-            result.front,
+            _short(result.front),
             _pct(probe.overall),
             _pct(probe.realtime),
             _s(probe.p50_latency_s),
@@ -297,6 +313,9 @@ async def cmd_peer(args: argparse.Namespace, progress, out: Console, err: Consol
     out.print(overhead_table(result["overhead"]))
     for seed in result["seeds"]:
         out.print(capacity_table(seed))
+        out.print("probes (chains/s; + met the SLO, x missed):", style="dim")
+        for line in probes_lines(seed):
+            out.print(line, style="dim")
         same = same_rate_table(seed)
         if same is not None:
             out.print(same)
