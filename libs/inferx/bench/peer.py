@@ -61,6 +61,7 @@ from inferx.devstack import LocalStack, ManagedProcess, StackError, StackPorts, 
 from inferx.errors import FailedPrecondition, InvalidArgument
 from inferx.sim.capacity import OVERALL_TARGET, REALTIME_TARGET, attainment, meets_slo
 from inferx.sim.profile import EngineProfile
+from inferx.sim.records import ChainRecord
 from inferx.sim.trace import Trace, TraceChain, TraceHop
 from inferx.stats import percentile
 
@@ -624,10 +625,26 @@ async def run_peer_bench(
         keep("overhead", overhead)
 
         seeds: list[dict[str, Any]] = []
+        raw: list[dict[str, Any]] = []  # every probe with its chains, saved as it ends
+
+        def saver(seed: int) -> Callable[[Probe, list[ChainRecord]], None]:
+            def save(probe: Probe, records: list[ChainRecord]) -> None:
+                raw.append({"trace_seed": seed, "probe": probe, "chains": records})
+                keep("probes", raw)
+
+            return save
+
         for trace in traces:
             seed = trace.meta.config.seed
             results = await _capacity_for_trace(
-                trace, profile, options, binary, root / f"seed-{seed}", progress_chains, note
+                trace,
+                profile,
+                options,
+                binary,
+                root / f"seed-{seed}",
+                progress_chains,
+                note,
+                saver(seed),
             )
             seeds.append({"trace_seed": seed, "fronts": results, "comparison": compare(results, overhead)})
             keep("seeds", seeds)
@@ -642,6 +659,7 @@ async def _capacity_for_trace(
     root: Path,
     progress: ProgressFactory,
     note: Callable[[str], None],
+    on_probe: Callable[[Probe, list[ChainRecord]], None],
 ) -> list[FrontCapacity]:
     ladder = options.ladder
     loop = asyncio.get_running_loop()
@@ -677,6 +695,7 @@ async def _capacity_for_trace(
         finally:
             env.stop()
         probe = summarize_probe(front, rate, index, records, replay.stats, wall)
+        on_probe(probe, records)
         verdict = "meets the SLO" if probe.meets else "misses the SLO"
         realtime = "-" if probe.realtime is None else f"{probe.realtime:.0%}"
         note(
