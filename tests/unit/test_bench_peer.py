@@ -274,3 +274,14 @@ def test_report_renders_every_table() -> None:
     text = console.export_text()
     assert ">= 0.600" in text and "vr consistent_hash" in text
     assert "1.20x (a lower bound" in text and "+4.60 ms" in text and "not met" in text
+
+
+def test_no_ratio_when_the_best_peer_never_missed() -> None:
+    def run_probe(front: str, rate: float, index: int) -> peer.Probe:
+        return probe(True, index, rate)  # everyone meets the SLO at every rate
+
+    options = peer.LadderOptions(start_rate=0.5, max_probes=2)
+    results = peer.capacity_ladder(["consistent_hash"], run_probe, options, lambda r: None)
+    comparison = peer.compare(results, [])
+    assert comparison["capacity_ratio"] is None and comparison["capacity_target_met"] is None
+    assert "every rate it tried" in comparison["capacity_ratio_undefined_because"]

@@ -547,8 +547,12 @@ def compare(results: list[FrontCapacity], overhead: list[dict[str, Any]]) -> dic
     inferx = next(r for r in results if r.front == INFERX)
     peers = [r for r in results if r.front != INFERX]
     best = max(peers, key=lambda r: r.rate_per_s, default=None)
-    ratio = None
-    if best is not None and best.rate_per_s > 0:
+    ratio, why = None, ""
+    if best is None or best.rate_per_s <= 0:
+        why = "no vllm-router mode met the SLO at the lowest rate probed (lower --rate)"
+    elif best.at_least:
+        why = f"{best.front} met the SLO at every rate it tried (raise --rate or --max-probes)"
+    else:
         ratio = inferx.rate_per_s / best.rate_per_s
     added = {row["path"]: row for row in overhead}
     peer_added = [
@@ -564,6 +568,7 @@ def compare(results: list[FrontCapacity], overhead: list[dict[str, Any]]) -> dic
         "inferx_capacity_per_s": inferx.rate_per_s,
         "inferx_capacity_is_lower_bound": inferx.at_least,
         "capacity_ratio": ratio,
+        "capacity_ratio_undefined_because": why or None,
         "capacity_target": 1.5,
         "capacity_target_met": None if ratio is None else ratio >= 1.5,
         "added_latency_gap_p50_ms": gap,

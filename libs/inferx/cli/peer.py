@@ -219,7 +219,8 @@ def verdict_lines(comparison: dict[str, Any], summary: dict[str, Any]) -> list[s
     lines = []
     ratio = summary.get("capacity_ratio_median")
     if ratio is None:
-        lines.append("capacity ratio: undefined (no vllm-router mode met the SLO at the lowest rate probed)")
+        why = comparison.get("capacity_ratio_undefined_because") or "no seed gave one"
+        lines.append(f"capacity ratio: undefined ({why})")
     else:
         bound = (
             " (a lower bound: InferX met the SLO at every rate it tried)"
