@@ -33,9 +33,10 @@ output length, the number of calls left or the tool delays:
 Time is compressed by `speed` as in the live replay (`inferx.bench.live`): workers run
 `speed` times faster, arrivals and delays are divided by it, and every figure is
 multiplied back (trace seconds). A call refused with 429/503 is retried after the
-front's Retry-After; one cut at its deadline (504) is sent again without the deadline
-(the chain is late either way; it goes on so that its latency is known). Every retry
-is counted in `errors`.
+front's Retry-After; one cut at its deadline (a 504, or a `deadline_exceeded` error
+event once the stream has started) is sent again without the deadline (the chain is
+late either way; it goes on so that its latency is known). Every retry is counted in
+`errors`.
 """
 
 from __future__ import annotations
@@ -348,8 +349,8 @@ class HttpAgentReplay:
                 self.stats.count(f"{outcome.error} (retried)")
                 await asyncio.sleep(min(outcome.retry_after_s or 1.0, 5.0))
                 continue
-            if outcome.error == "http 504" and send_deadline:
-                self.stats.count("http 504 at the deadline (sent again without it)")
+            if outcome.error in ("http 504", "stream error: deadline_exceeded") and send_deadline:
+                self.stats.count(f"{outcome.error} at the deadline (sent again without it)")
                 send_deadline = False
                 continue
             return outcome
