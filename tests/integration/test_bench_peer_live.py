@@ -61,7 +61,7 @@ def test_peer_bench_runs_both_fronts_on_a_tiny_trace(vllm_router: str, tmp_path:
         (probe,) = front["probes"]
         assert probe["chains"] == 3 and probe["rate_per_s"] == pytest.approx(0.5)
         assert probe["errors"] == {}, (front["front"], probe["errors"])
-        assert probe["overall"] > 0 and probe["p50_latency_s"] is not None
+        assert probe["p99_latency_s"] is not None  # every chain finished (in SLO or not: no timing here)
         assert probe["cached_ratio"] > 0.3  # each program's calls found its prefix on their worker
         assert probe["ttft_p50_s"] is not None
     comparison = seed["comparison"]
