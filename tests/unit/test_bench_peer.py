@@ -285,3 +285,15 @@ def test_no_ratio_when_the_best_peer_never_missed() -> None:
     comparison = peer.compare(results, [])
     assert comparison["capacity_ratio"] is None and comparison["capacity_target_met"] is None
     assert "every rate it tried" in comparison["capacity_ratio_undefined_because"]
+
+
+def test_inferx_diagnostics_differ_from_the_benchmark_only_as_named() -> None:
+    chain = chains("bfcl", 1)[0]
+    last = len(chain.hops) - 1
+    for k in range(len(chain.hops)):
+        plain = identity("inferx", chain, k, 5.0)[0]
+        assert "X-InferX-Program-End" not in plain
+        ended = identity("inferx-end-marks", chain, k, 5.0)[0]
+        assert ended == ({**plain, "X-InferX-Program-End": "true"} if k == last else plain)
+        no_deadline = identity("inferx-no-deadline", chain, k, 5.0)[0]
+        assert no_deadline == {h: v for h, v in plain.items() if h != "X-InferX-Deadline-Ms"}

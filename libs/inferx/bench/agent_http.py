@@ -66,7 +66,11 @@ _FILLER = (
     "query and writes the patch for the failing function before it checks the log "
 )
 
-Identity = Literal["inferx", "session", "agentic", "none"]
+Identity = Literal["inferx", "session", "agentic", "none", "inferx-end-marks", "inferx-no-deadline"]
+# Diagnostics, never the benchmark's fronts: what InferX gets from an end mark on each
+# program's last call (an ORACLE: a client learns that a call was its last only from
+# its answer), and from no deadline header (its calls are then never cut).
+DIAGNOSTICS: tuple[Identity, ...] = ("inferx-end-marks", "inferx-no-deadline")
 # vllm-router's program scheduling resumes larger priorities first.
 TIER_PRIORITY = {"realtime": 2, "standard": 1, "batch": 0}
 
@@ -97,10 +101,12 @@ def identity(
     """(headers, extra body fields) of call k for a front that understands `identity`.
     `deadline_left_s`: wall seconds to the chain's deadline (None or <= 0: none sent)."""
     left = deadline_left_s if deadline_left_s is not None and deadline_left_s > 0 else None
-    if identity == "inferx":
+    if identity.startswith("inferx"):
         headers = {"X-InferX-Program": chain.chain_id, "X-InferX-Tier": chain.tier}
-        if left is not None:
+        if left is not None and identity != "inferx-no-deadline":
             headers["X-InferX-Deadline-Ms"] = str(max(1, int(left * 1000)))
+        if identity == "inferx-end-marks" and k == len(chain.hops) - 1:
+            headers["X-InferX-Program-End"] = "true"  # the oracle of this diagnostic
         return headers, {}
     if identity == "session":
         return {"X-Session-ID": chain.chain_id}, {}

@@ -55,7 +55,7 @@ from typing import Any
 
 import httpx
 
-from inferx.bench.agent_http import Front, HttpAgentReplay, Identity, http_client, identity
+from inferx.bench.agent_http import DIAGNOSTICS, Front, HttpAgentReplay, Identity, http_client, identity
 from inferx.bench.runner import ProgressFactory
 from inferx.devstack import LocalStack, ManagedProcess, StackError, StackPorts, free_port, wait_serving
 from inferx.errors import FailedPrecondition, InvalidArgument
@@ -591,6 +591,10 @@ class PeerOptions:
     warmup: int
     overhead_speed: float = 10_000.0
     state_dir: Path | None = None
+    # After the ladder, InferX once more at the best mode's capacity with each of
+    # agent_http.DIAGNOSTICS (an end mark on each program's last call: an oracle; no
+    # deadline header): what each costs InferX. Reported apart, never in the ratio.
+    diagnostics: bool = False
 
 
 def machine() -> str:
@@ -641,7 +645,7 @@ async def run_peer_bench(
 
         for trace in traces:
             seed = trace.meta.config.seed
-            results = await _capacity_for_trace(
+            results, diagnostics = await _capacity_for_trace(
                 trace,
                 profile,
                 options,
@@ -651,7 +655,14 @@ async def run_peer_bench(
                 note,
                 saver(seed),
             )
-            seeds.append({"trace_seed": seed, "fronts": results, "comparison": compare(results, overhead)})
+            seeds.append(
+                {
+                    "trace_seed": seed,
+                    "fronts": results,
+                    "comparison": compare(results, overhead),
+                    "diagnostics": diagnostics,
+                }
+            )
             keep("seeds", seeds)
     return {"overhead": overhead, "seeds": seeds, "summary": median_summary(seeds)}
 
@@ -665,12 +676,13 @@ async def _capacity_for_trace(
     progress: ProgressFactory,
     note: Callable[[str], None],
     on_probe: Callable[[Probe, list[ChainRecord]], None],
-) -> list[FrontCapacity]:
+) -> tuple[list[FrontCapacity], list[Probe]]:
+    """The fronts' capacities, and the diagnostic probes (`options.diagnostics`)."""
     ladder = options.ladder
     loop = asyncio.get_running_loop()
     counter = iter(range(1_000_000))
 
-    def run_probe(front: str, rate: float, index: int) -> Probe:
+    def run_probe(front: str, rate: float, index: int, diagnostic: Identity | None = None) -> Probe:
         mode = None if front == INFERX else front.removeprefix(f"{PEER} ")
         spec = EnvSpec(
             options.workers,
@@ -686,12 +698,17 @@ async def _capacity_for_trace(
         env = start_environment(state, spec)
         try:
             kind: Identity = "inferx" if mode is None else PEER_MODES[mode].identity
+            label = front if diagnostic is None else f"{front} [{diagnostic}]"
             replay = HttpAgentReplay(
-                Front(front, env.fronts[front], kind), probe_chains, profile, options.speed, MODEL
+                Front(label, env.fronts[front], diagnostic or kind),
+                probe_chains,
+                profile,
+                options.speed,
+                MODEL,
             )
             started = time.perf_counter()
             with progress(
-                f"{front} at {rate:.3f} chains/s (x{options.speed:g})", len(probe_chains.chains)
+                f"{label} at {rate:.3f} chains/s (x{options.speed:g})", len(probe_chains.chains)
             ) as advance:
                 records = asyncio.run_coroutine_threadsafe(
                     replay.run(ladder.timeout_s, advance), loop
@@ -699,18 +716,25 @@ async def _capacity_for_trace(
             wall = time.perf_counter() - started
         finally:
             env.stop()
-        probe = summarize_probe(front, rate, index, records, replay.stats, wall)
+        probe = summarize_probe(label, rate, index, records, replay.stats, wall)
         on_probe(probe, records)
         verdict = "meets the SLO" if probe.meets else "misses the SLO"
         realtime = "-" if probe.realtime is None else f"{probe.realtime:.0%}"
         note(
-            f"  {front} at {rate:.3f}/s: {verdict} (all {probe.overall:.0%}, realtime {realtime}, "
+            f"  {label} at {rate:.3f}/s: {verdict} (all {probe.overall:.0%}, realtime {realtime}, "
             f"P99 {_s(probe.p99_latency_s)}, {wall:.0f} s wall)"
         )
         return probe
 
-    def ladder_walk() -> list[FrontCapacity]:
-        return capacity_ladder(options.modes, run_probe, ladder, lambda r: None)
+    def ladder_walk() -> tuple[list[FrontCapacity], list[Probe]]:
+        results = capacity_ladder(options.modes, run_probe, ladder, lambda r: None)
+        diagnostics = []
+        best = max((r for r in results if r.front != INFERX), key=lambda r: r.rate_per_s, default=None)
+        if options.diagnostics and best is not None and best.rate_per_s > 0:
+            at = next(p for p in best.probes if p.rate_per_s == best.rate_per_s)
+            for variant in DIAGNOSTICS:
+                diagnostics.append(run_probe(INFERX, at.rate_per_s, at.ladder_index, variant))
+        return results, diagnostics
 
     note(
         f"capacity at SLO (trace seed {trace.meta.config.seed}): {ladder.probe_chains} chains per probe, "

@@ -167,6 +167,13 @@ def _peer_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-probes", type=int, default=4, help="--peer: probes (arrival rates) per front and seed (4)"
     )
     group.add_argument(
+        "--inferx-diagnostics",
+        action="store_true",
+        help="--peer: after the ladder, probe InferX once more at the best vllm-router mode's capacity "
+        "with an end mark on each program's last call (an ORACLE) and with no deadline header: what "
+        "each costs; reported apart, never in the capacity ratio",
+    )
+    group.add_argument(
         "--rate-step",
         type=float,
         default=1.5**0.5,

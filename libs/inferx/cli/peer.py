@@ -279,6 +279,7 @@ async def cmd_peer(args: argparse.Namespace, progress, out: Console, err: Consol
         count=args.count,
         warmup=args.warmup,
         state_dir=Path(args.state_dir) if args.state_dir else None,
+        diagnostics=args.inferx_diagnostics,
     )
     note = (lambda s: None) if args.json else (lambda s: err.print(s, style="dim"))
     context = {
@@ -320,6 +321,13 @@ async def cmd_peer(args: argparse.Namespace, progress, out: Console, err: Consol
         same = same_rate_table(seed)
         if same is not None:
             out.print(same)
+        for probe in seed.get("diagnostics", ()):
+            out.print(
+                f"diagnostic {probe.front} at {probe.rate_per_s:.3f}/s: "
+                f"{'meets' if probe.meets else 'misses'} the SLO ({_pct(probe.realtime)} realtime, "
+                f"{_pct(probe.overall)} all, P99 {_s(probe.p99_latency_s)} s); not in the ratio",
+                style="dim",
+            )
     for line in verdict_lines(last, result["summary"]):
         out.print(line)
     return 0
