@@ -278,6 +278,7 @@ class HttpServer:
         """Bind and serve; the address it listens on. OSError when it cannot bind."""
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
         sock = socket.create_server((self._host, self._port), family=family)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # see inferx.httpserve.listen_socket
         config = uvicorn.Config(
             self._app,
             log_config=None,

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from inferx import etcd
+from inferx.httpserve import EmbeddedHttpServer
 from inferx.server import ServiceComponent, ServiceRuntime, run_service, to_json_bytes
 from inferx.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from inferx_worker.config import WorkerSettings
 from inferx_worker.engines.base import Engine, EngineRequest
 from inferx_worker.engines.registry import make_engine
 from inferx_worker.servicer import ModelWorkerServicer
+
+if TYPE_CHECKING:
+    from inferx_worker.http_api import WorkerHttpApi
 
 log = logging.getLogger("inferx.worker")
 
@@ -22,6 +27,18 @@ class WorkerComponent(ServiceComponent):
         self._runtime = runtime
         self._settings = settings
         self._engine = engine
+        self._http_api: WorkerHttpApi | None = None
+        self._http: EmbeddedHttpServer | None = None
+        if settings.openai_http_port:
+            from inferx_worker.http_api import WorkerHttpApi
+
+            self._http_api = WorkerHttpApi(engine, settings.model, runtime.instance_id)
+            self._http = EmbeddedHttpServer(
+                self._http_api.app(),
+                settings.host,
+                settings.openai_http_port,
+                drain_timeout_s=settings.drain_timeout_s,
+            )
 
     async def ready(self) -> None:
         await self._engine.start()
@@ -29,6 +46,13 @@ class WorkerComponent(ServiceComponent):
             request = EngineRequest(request_id="warm-up", prompt="warm up the engine", max_tokens=4)
             async for _ in self._engine.generate(request):
                 pass
+        if self._http is not None and self._http_api is not None:
+            try:
+                address = await self._http.start()
+            except OSError as exc:
+                raise RuntimeError(f"cannot serve HTTP on --openai-http-port: {exc}") from None
+            self._http_api.serving = True
+            print(f"inferx-worker OpenAI-compatible HTTP on http://{address}/v1", flush=True)
         capacity = self._engine.capacity()
         info = common_pb2.WorkerInfo(
             worker_id=self._runtime.instance_id,
@@ -45,6 +69,9 @@ class WorkerComponent(ServiceComponent):
         log.info("worker registered at %s: %s", key, info)
 
     async def stop(self) -> None:
+        if self._http is not None and self._http_api is not None:
+            self._http_api.serving = False  # /health says so; calls in flight finish
+            await self._http.stop()
         await self._engine.stop()
 
 

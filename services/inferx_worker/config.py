@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from inferx.settings import ServiceSettings
 
@@ -62,6 +62,14 @@ class WorkerSettings(ServiceSettings):
         True, description="vllm, sim: automatic prefix caching (off: for A/B benchmarks)"
     )
     warm_up: bool = Field(True, description="run one short request before reporting ready")
+    openai_http_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="sim: also serve OpenAI-compatible HTTP on this port (/v1/chat/completions, "
+        "/v1/completions, /v1/models, /health, /metrics with vLLM's names, /get_load, "
+        "/get_server_info), from the same engine as gRPC; 0 = off",
+    )
 
     @field_validator("engine")
     @classmethod
@@ -75,4 +83,14 @@ class WorkerSettings(ServiceSettings):
     def _pool_name(cls, value: str) -> str:
         if not value or "/" in value or value.strip() != value:
             raise ValueError("must be a pool name without '/' or spaces, e.g. qwen-7b")
+        return value
+
+    @field_validator("openai_http_port")
+    @classmethod
+    def _http_needs_sim(cls, value: int, info: ValidationInfo) -> int:
+        if value and info.data.get("engine") != "sim":
+            raise ValueError(
+                "only the sim engine serves HTTP here (vLLM serves its own with `vllm serve`; "
+                "put a worker in front of it with --engine openai)"
+            )
         return value

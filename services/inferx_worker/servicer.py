@@ -9,7 +9,7 @@ import grpc
 
 from inferx.chat_template import Chat
 from inferx.context_guard import ContextTooLong, check_or_truncate
-from inferx.errors import Internal, InvalidArgument, Unavailable
+from inferx.errors import InferxError, Internal, InvalidArgument, Unavailable
 from inferx.tokens import DEFAULT_MAX_TOKENS
 from inferx.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from inferx_worker import metrics
@@ -113,15 +113,7 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServicer):
             async for chunk in self._engine.generate(request):
                 yield chunk
         except EngineError as exc:
-            if _rejected_request(exc.__cause__):
-                raise InvalidArgument(str(exc)) from None
-            if not self._engine_alive():
-                raise Unavailable(str(exc)) from None
-            raise Internal(str(exc)) from None
-
-    def _engine_alive(self) -> bool:
-        check = getattr(self._engine, "alive", None)
-        return bool(check()) if callable(check) else True
+            raise engine_failure(self._engine, exc) from None
 
     async def GetLoad(self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext):
         load = self._engine.load()
@@ -133,6 +125,18 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServicer):
             kv_capacity_tokens=capacity.kv_capacity_tokens,
             kv_usage_ratio=load.kv_usage_ratio,
         )
+
+
+def engine_failure(engine: Engine, exc: EngineError) -> InferxError:
+    """An engine's failure as a status (the gRPC and the sim worker's HTTP paths alike):
+    a request the engine rejects is INVALID_ARGUMENT, a dead engine UNAVAILABLE,
+    anything else INTERNAL."""
+    if _rejected_request(exc.__cause__):
+        return InvalidArgument(str(exc))
+    check = getattr(engine, "alive", None)
+    if callable(check) and not check():
+        return Unavailable(str(exc))
+    return Internal(str(exc))
 
 
 def _rejected_request(cause: BaseException | None) -> bool:

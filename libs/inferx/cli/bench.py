@@ -7,6 +7,8 @@
                                   (SIMULATED sim workers, time-compressed by --speed)
   inferx bench --overhead         what a hop through router + scheduler adds to a
                                   direct worker call (one SIMULATED sim worker)
+  inferx bench --peer vllm-router InferX's OpenAI-compatible front against vllm-router,
+                                  each in front of identical SIMULATED sim workers
   inferx bench --scenario seed-agent --engine vllm
                                   the seed-shaped agent chain on real vLLM workers,
                                   InferX on vs the reference: round-robin in front
@@ -272,6 +274,14 @@ async def cmd_router(args: argparse.Namespace) -> int:
 
 
 async def cmd_bench(args: argparse.Namespace) -> int:
+    if args.peer:
+        from inferx.cli.peer import check_args as check_peer_args
+        from inferx.cli.peer import cmd_peer
+
+        check_peer_args(args)
+        saved = _Results(args, "peer")
+        progress = (_progress_factory(not args.json, "calls"), _progress_factory(not args.json, "chains"))
+        return await cmd_peer(args, progress, out, err, saved)
     if args.overhead:
         from inferx.cli.overhead import DEFAULT_SPEED, check_args, cmd_overhead
 

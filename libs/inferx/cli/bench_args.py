@@ -143,6 +143,46 @@ def _overhead_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _peer_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("--peer")
+    group.add_argument(
+        "--peer",
+        choices=("vllm-router",),
+        help="InferX's OpenAI-compatible front against vllm-router, each in front of identical "
+        "SIMULATED sim workers serving HTTP: the same agent programs over HTTP through both; capacity "
+        "at SLO, P99 chain latency, TTFT and the added latency per call of each front (vs calling a "
+        "worker directly), in one run. Uses --workload (mix) or --trace, --workers (2), --speed (4), "
+        "--rate (where the rate ladder starts), --seeds, --count/--warmup (calls per path for the "
+        "added latency), --timeout (per probe)",
+    )
+    group.add_argument(
+        "--peer-modes",
+        nargs="+",
+        metavar="MODE",
+        help="--peer: vllm-router modes to measure (default: consistent_hash program; also "
+        "cache_aware, power_of_two, round_robin, sticky_least_loaded, random)",
+    )
+    group.add_argument(
+        "--probe-chains", type=int, default=40, help="--peer: agent programs replayed per probe (40)"
+    )
+    group.add_argument(
+        "--max-probes", type=int, default=4, help="--peer: probes (arrival rates) per front and seed (4)"
+    )
+    group.add_argument(
+        "--inferx-diagnostics",
+        action="store_true",
+        help="--peer: after the ladder, probe InferX once more at the best vllm-router mode's capacity "
+        "with an end mark on each program's last call (an ORACLE) and with no deadline header: what "
+        "each costs; reported apart, never in the capacity ratio",
+    )
+    group.add_argument(
+        "--rate-step",
+        type=float,
+        default=1.5**0.5,
+        help="--peer: ratio of successive rates of the ladder (sqrt(1.5): two steps are 1.5x)",
+    )
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     sim = sub.add_parser("sim", help="replay a trace through the policies in virtual time")
     _common(sim)
@@ -186,6 +226,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     _seed_arguments(bench)
     _overhead_arguments(bench)
+    _peer_arguments(bench)
     bench.set_defaults(handler=_handler("cmd_bench"))
 
     trace = sub.add_parser("workload", help="generate a JSONL agent-chain workload trace")

@@ -52,6 +52,16 @@ class EngineLoad:
     kv_usage_ratio: float
 
 
+@dataclass(frozen=True)
+class EngineCounters:
+    """Totals since the engine started (what vLLM's /metrics counts)."""
+
+    prompt_tokens: int
+    cached_prompt_tokens: int  # prompt tokens found in the prefix cache
+    generation_tokens: int
+    preemptions: int
+
+
 class Engine(abc.ABC):
     name: str = ""
     model_path: str = ""
@@ -80,6 +90,10 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def load(self) -> EngineLoad: ...
+
+    def counters(self) -> EngineCounters | None:
+        """Token and preemption totals, where the engine keeps them (None: it does not)."""
+        return None
 
     async def stop(self) -> None:  # noqa: B027 - optional hook, default no-op
         """Free the engine's resources."""

@@ -14,7 +14,12 @@ Vidur's Llama-3-8B/A100 profile by default), against the wall clock:
     budget, preempts when KV runs out, and costs `EngineProfile.step_ms(...)`;
   * every generated token is exactly `chars_per_token` characters, and finished
     sequences leave their prompt + output blocks in the cache, so a client that sends
-    "previous prompt + completion + new input" hits the prefix as on vLLM.
+    "previous prompt + completion + new input" hits the prefix as on vLLM;
+  * the completion has `max_tokens` tokens, unless the prompt says where the "model"
+    stops: the LAST `<|sim-eos N|>` in the prompt ends it after N tokens (finish
+    reason "stop"), as a real model's EOS would. Replays put it in a call's newest
+    message, so every front and router in between sees only a request's `max_tokens`
+    cap, never the output length (no oracle input to a scheduler).
 
 Chats (the OpenAI front's calls) are rendered with the chat template of the model
 directory given as `--model-path`, when it has one, as a vLLM worker of that model
@@ -59,6 +64,7 @@ from inferx_worker.engines.base import (
     Engine,
     EngineCapacity,
     EngineChunk,
+    EngineCounters,
     EngineLoad,
     EngineRequest,
 )
@@ -91,6 +97,26 @@ class SimParams:
         prof = {k: v for k, v in overrides.items() if k not in own and v is not None}
         base = profile or EngineProfile()
         return cls(profile=base.model_copy(update=prof) if prof else base, **own)  # type: ignore[arg-type]
+
+
+EOS_MARK = "<|sim-eos "
+
+
+def eos_directive(tokens: int) -> str:
+    """The text that makes the sim engine stop after `tokens` tokens."""
+    return f"{EOS_MARK}{tokens}|>"
+
+
+def eos_after(prompt: str) -> int | None:
+    """N of the last `<|sim-eos N|>` in `prompt` (None: there is none, or N is not a
+    positive whole number)."""
+    at = prompt.rfind(EOS_MARK)
+    if at < 0:
+        return None
+    start = at + len(EOS_MARK)
+    end = prompt.find("|>", start, start + 12)
+    digits = prompt[start:end] if end >= 0 else ""
+    return int(digits) if digits.isdigit() and int(digits) > 0 else None
 
 
 def split_tokens(text: str, chars_per_token: int) -> list[str]:
@@ -146,6 +172,7 @@ class SimEngine(Engine):
         self._kick: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._origin = 0.0
+        self.generated_tokens = 0
 
     # ----- lifecycle ------------------------------------------------------------------
 
@@ -176,6 +203,19 @@ class SimEngine(Engine):
     def load(self) -> EngineLoad:
         m = self.model
         return EngineLoad(len(m.running), len(m.waiting), min(1.0, m.kv.pinned / m.kv.capacity))
+
+    def counters(self) -> EngineCounters:
+        m = self.model
+        return EngineCounters(
+            prompt_tokens=m.prompt_tokens_total,
+            cached_prompt_tokens=m.cached_tokens_total,
+            generation_tokens=self.generated_tokens,
+            preemptions=m.preemptions,
+        )
+
+    @property
+    def started(self) -> bool:
+        return self._task is not None and not self._task.done()
 
     def count_tokens(self, prompt: str) -> int:
         return max(1, math.ceil(len(prompt) / max(1, self.params.chars_per_token)))
@@ -233,6 +273,7 @@ class SimEngine(Engine):
             result = self.model.commit(plan, steps, clock)
             PREEMPTIONS.inc(self.model.preemptions - before)
             finished = {r.request_id for r in result.finished}
+            self.generated_tokens += sum(result.tokens.values())
             for request_id, count in result.tokens.items():
                 stream = self._streams.get(request_id)
                 if stream is not None:
@@ -252,7 +293,11 @@ class SimEngine(Engine):
             reason = "stop" if "".join(out) == scripted else "length"
             wanted = len(out)
         else:
-            out, reason = output_tokens(len(tokens), wanted, p.chars_per_token), "length"
+            eos = eos_after(request.prompt)  # a replay's <|sim-eos N|>: the "model" stops after N tokens
+            reason = "stop" if eos is not None and eos < wanted else "length"
+            if eos is not None:
+                wanted = min(wanted, eos)
+            out = output_tokens(len(tokens), wanted, p.chars_per_token)
         if p.prefix_caching:
             prompt_segments = block_segments(tokens, block)
             # Blocks completed by the output (from the prompt's partial block on) stay cached.

@@ -1,0 +1,348 @@
+"""OpenAI-compatible HTTP on the model-worker (`--openai-http-port`, sim engine only), so
+any OpenAI-compatible router (vllm-router, ...) can stand in front of the SIMULATED GPUs.
+
+The same engine object serves this and the gRPC `ModelWorker`: a call over HTTP and one
+over gRPC share the batch, the KV pool and the prefix cache. Endpoints:
+
+  POST /v1/chat/completions   (stream or not; messages rendered by inferx.openai_compat)
+  POST /v1/completions        (stream or not)
+  GET  /v1/models             the pool name and the engine's model path
+  GET  /health                200 once the engine serves, 503 before and while draining
+  GET  /metrics               the engine's state under vLLM's metric names (vllm:
+                              num_requests_running/waiting, kv_cache_usage_perc, ...):
+                              what vllm-router's program scheduling reads
+  GET  /get_load              {"load": running + waiting, ...}: vllm-router's power_of_two
+  GET  /get_server_info, /get_model_info, /version
+
+Request bodies, the chat rendering, response shapes and errors are
+`inferx.openai_compat`'s, as on the router's front; `priority` (vLLM's extension, lower
+runs first) is honoured. `usage.prompt_tokens_details.cached_tokens` is the engine's
+prefix-cache hit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from pydantic import Field
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from inferx import __version__
+from inferx.errors import InferxError, Internal, Unavailable
+from inferx.openai_compat import schema
+from inferx.openai_compat.errors import InvalidField, ModelNotFound, error_body, error_reply
+from inferx.openai_compat.render import render_chat
+from inferx_worker import metrics
+from inferx_worker.engines.base import Engine, EngineChunk, EngineError, EngineRequest
+from inferx_worker.servicer import engine_failure
+
+log = logging.getLogger("inferx.worker.http")
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class WorkerChatRequest(schema.ChatCompletionRequest):
+    priority: int = Field(0, description="vLLM's extension: lower runs first")
+
+
+class WorkerCompletionRequest(schema.CompletionRequest):
+    priority: int = Field(0, description="vLLM's extension: lower runs first")
+
+
+def _error_response(exc: BaseException) -> JSONResponse:
+    if not isinstance(exc, InferxError | TimeoutError):
+        log.error("unhandled error in the worker's HTTP API", exc_info=exc)
+        exc = Internal("internal error in the model-worker")
+    reply = error_reply(exc)
+    return JSONResponse(reply.body, status_code=reply.status, headers=reply.headers)
+
+
+def _guarded(handler: Handler) -> Handler:
+    async def guarded(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            return _error_response(exc)
+
+    return guarded
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    message = f"{request.method} {request.url.path}: " + (
+        exc.detail if isinstance(exc, HTTPException) else "internal error"
+    )
+    return JSONResponse(error_body(message, "invalid_request_error"), status_code=status)
+
+
+class WorkerHttpApi:
+    def __init__(self, engine: Engine, pool: str, worker_id: str) -> None:
+        self._engine = engine
+        self._pool = pool
+        self._worker_id = worker_id
+        self._created = int(time.time())
+        self.serving = False  # /health: set once the engine is up, cleared on drain
+
+    @property
+    def model_names(self) -> list[str]:
+        names = [self._pool]
+        if self._engine.model_path and self._engine.model_path not in names:
+            names.append(self._engine.model_path)
+        return names
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt + completion tokens one request may take: the KV pool (a sequence
+        longer than that could never be scheduled)."""
+        return self._engine.capacity().kv_capacity_tokens
+
+    def app(self) -> Starlette:
+        return Starlette(
+            routes=[
+                Route("/v1/chat/completions", _guarded(self.chat_completions), methods=["POST"]),
+                Route("/v1/completions", _guarded(self.completions), methods=["POST"]),
+                Route("/v1/models", _guarded(self.models), methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.metrics, methods=["GET"]),
+                Route("/get_load", self.get_load, methods=["GET"]),
+                Route("/get_server_info", self.server_info, methods=["GET"]),
+                Route("/get_model_info", self.model_info, methods=["GET"]),
+                Route("/version", self.version, methods=["GET"]),
+            ],
+            exception_handlers={HTTPException: _http_error},
+        )
+
+    # ----- model calls --------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = schema.parse_body(WorkerChatRequest, await request.body())
+        prompt = render_chat(body.messages, body.tools, body.tool_choice)
+        return await self._serve(body, prompt, body.priority, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        body = schema.parse_body(WorkerCompletionRequest, await request.body())
+        if not body.prompt_text:
+            raise InvalidField("prompt", "must not be empty")
+        return await self._serve(body, body.prompt_text, body.priority, chat=False)
+
+    async def _serve(self, body: schema.CallRequest, prompt: str, priority: int, *, chat: bool) -> Response:
+        if body.model not in self.model_names:
+            raise ModelNotFound(body.model)
+        if not self.serving:
+            raise Unavailable("the engine is not serving (starting or draining)", retry_after_s=1.0)
+        max_tokens = body.output_tokens()
+        prompt_tokens = self._engine.count_tokens(prompt)
+        if prompt_tokens + max_tokens > self.max_model_len:
+            raise InvalidField(
+                "messages" if chat else "prompt",
+                f"this model's maximum context length is {self.max_model_len:,} tokens; the prompt "
+                f"has {prompt_tokens:,} and max_tokens asks for {max_tokens:,} more",
+            )
+        call_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        engine_request = EngineRequest(
+            request_id=f"http:{call_id}",
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            priority=priority,
+        )
+        created = int(time.time())
+        if body.stream:
+            return self._stream(engine_request, body, call_id, created, chat=chat)
+        text: list[str] = []
+        final: EngineChunk | None = None
+        async for chunk in self._generate(engine_request):
+            text.append(chunk.text)
+            if chunk.finished:
+                final = chunk
+        assert final is not None  # _generate always ends with the finished chunk
+        usage = _usage(final)
+        if chat:
+            reply = schema.chat_completion(
+                call_id, created, body.model, "".join(text), final.finish_reason, usage
+            )
+        else:
+            reply = schema.text_completion(
+                call_id, created, body.model, "".join(text), final.finish_reason, usage
+            )
+        return JSONResponse(reply)
+
+    def _stream(
+        self,
+        engine_request: EngineRequest,
+        body: schema.CallRequest,
+        call_id: str,
+        created: int,
+        *,
+        chat: bool,
+    ) -> Response:
+        model = body.model
+        object_ = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str | None, reason: str | None) -> dict[str, Any]:
+            if chat:
+                delta = {} if text is None else {"content": text}
+                return schema.chat_chunk(call_id, created, model, delta, reason)
+            return schema.text_completion(call_id, created, model, text or "", reason, None)
+
+        async def events() -> AsyncIterator[str]:
+            if chat:
+                yield schema.sse(
+                    schema.chat_chunk(call_id, created, model, {"role": "assistant", "content": ""})
+                )
+            final: EngineChunk | None = None
+            try:
+                async for piece in self._generate(engine_request):
+                    if piece.text:
+                        yield schema.sse(chunk(piece.text, None))
+                    if piece.finished:
+                        final = piece
+            except InferxError as exc:
+                yield schema.sse(error_reply(exc).body)
+                return
+            assert final is not None
+            yield schema.sse(chunk(None, final.finish_reason))
+            if body.include_usage:
+                yield schema.sse(schema.usage_chunk(call_id, created, model, object_, _usage(final)))
+            yield schema.SSE_DONE
+
+        # Leaving the generator early (the client went away) aborts the engine request.
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+
+    async def _generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+        """The engine's chunks, with the gRPC path's metrics and error statuses."""
+        started = time.perf_counter()
+        metrics.REQUESTS_RUNNING.inc()
+        try:
+            async for chunk in self._engine.generate(request):
+                if chunk.finished:
+                    metrics.observe_finished(chunk, (time.perf_counter() - started) * 1000)
+                yield chunk
+        except EngineError as exc:
+            raise engine_failure(self._engine, exc) from None
+        finally:
+            metrics.REQUESTS_RUNNING.dec()
+
+    # ----- what routers read ----------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        data = schema.model_list(self.model_names, self._created)
+        for entry in data["data"]:
+            entry["max_model_len"] = self.max_model_len
+        return JSONResponse(data)
+
+    async def health(self, request: Request) -> Response:
+        if self.serving:
+            return Response(status_code=200)
+        return PlainTextResponse("engine not serving", status_code=503)
+
+    async def get_load(self, request: Request) -> Response:
+        load = self._engine.load()
+        return JSONResponse(
+            {
+                "load": load.running + load.waiting,
+                "num_requests_running": load.running,
+                "num_requests_waiting": load.waiting,
+                "kv_cache_usage_perc": load.kv_usage_ratio,
+            }
+        )
+
+    async def server_info(self, request: Request) -> Response:
+        capacity = self._engine.capacity()
+        return JSONResponse(
+            {
+                "engine": self._engine.name,
+                "simulated": True,
+                "worker_id": self._worker_id,
+                "served_model_names": self.model_names,
+                "model_path": self._engine.model_path,
+                "max_model_len": self.max_model_len,
+                "max_num_seqs": capacity.max_concurrency,
+                "kv_capacity_tokens": capacity.kv_capacity_tokens,
+                "block_size": capacity.block_size,
+                "enable_prefix_caching": True,
+                "version": __version__,
+            }
+        )
+
+    async def model_info(self, request: Request) -> Response:
+        return JSONResponse(
+            {
+                "model_path": self._engine.model_path,
+                "served_model_names": self.model_names,
+                "is_generation": True,
+            }
+        )
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": __version__})
+
+    async def metrics(self, request: Request) -> Response:
+        return PlainTextResponse(
+            vllm_metrics(self._engine, self._pool), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+
+def _usage(final: EngineChunk) -> dict[str, Any]:
+    return schema.usage(final.prompt_tokens, final.completion_tokens, final.cached_prompt_tokens)
+
+
+# (name, type, help) of the vLLM metrics served, in vLLM's names; the values come from
+# the engine's own state (load and counters), read when /metrics is called.
+_VLLM_METRICS = (
+    ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches."),
+    ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed."),
+    ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage."),
+    ("vllm:gpu_cache_usage_perc", "gauge", "GPU KV-cache usage (the name before vLLM V1)."),
+    ("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed."),
+    ("vllm:generation_tokens_total", "counter", "Number of generation tokens processed."),
+    ("vllm:prefix_cache_queries_total", "counter", "Prefix-cache queries, in tokens."),
+    ("vllm:prefix_cache_hits_total", "counter", "Prefix-cache hits, in tokens."),
+    ("vllm:num_preemptions_total", "counter", "Cumulative number of preemptions."),
+)
+
+
+def vllm_metrics(engine: Engine, model_name: str) -> str:
+    """Prometheus text with the engine's state under vLLM's metric names (engine "0",
+    one engine per worker)."""
+    load = engine.load()
+    counters = engine.counters()
+    values: dict[str, float] = {
+        "vllm:num_requests_running": load.running,
+        "vllm:num_requests_waiting": load.waiting,
+        "vllm:kv_cache_usage_perc": load.kv_usage_ratio,
+        "vllm:gpu_cache_usage_perc": load.kv_usage_ratio,
+    }
+    if counters is not None:
+        values |= {
+            "vllm:prompt_tokens_total": counters.prompt_tokens,
+            "vllm:generation_tokens_total": counters.generation_tokens,
+            "vllm:prefix_cache_queries_total": counters.prompt_tokens,
+            "vllm:prefix_cache_hits_total": counters.cached_prompt_tokens,
+            "vllm:num_preemptions_total": counters.preemptions,
+        }
+    labels = f'{{engine="0",model_name="{model_name}"}}'
+    lines = []
+    for name, kind, help_ in _VLLM_METRICS:
+        if name not in values:
+            continue
+        family = name.removesuffix("_total") if kind == "counter" else name
+        lines += [
+            f"# HELP {family} {help_}",
+            f"# TYPE {family} {kind}",
+            f"{name}{labels} {float(values[name])}",
+        ]
+    return "\n".join(lines) + "\n"

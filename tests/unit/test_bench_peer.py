@@ -1,0 +1,299 @@
+"""`inferx bench --peer vllm-router` (pure parts): what each front is told per call (no
+oracle input), the agent programs' message sizes, the rate ladder, vllm-router's
+program-scheduling configuration from the engine profile, and the CLI's checks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import socket
+from typing import Any
+
+import pytest
+
+from inferx.bench import peer
+from inferx.bench.agent_http import Conversation, check_sequences, identity
+from inferx.cli import bench_args
+from inferx.cli.peer import check_args
+from inferx.errors import InvalidArgument
+from inferx.httpserve import listen_socket
+from inferx.openai_compat.render import render_chat
+from inferx.openai_compat.schema import ChatMessage
+from inferx.sim.profile import EngineProfile
+from inferx.sim.trace import TraceConfig, generate, workload
+
+
+def chains(kind: str = "bfcl", n: int = 3):
+    return generate(TraceConfig(seed=5, duration_s=60, rate_per_s=1.0, mix={kind: 1.0})).chains[:n]
+
+
+def rendered(conversation: Conversation) -> str:
+    return render_chat([ChatMessage.model_validate(m) for m in conversation.messages])
+
+
+@pytest.mark.parametrize("kind", ["bfcl", "chat", "swe"])
+def test_prompts_have_the_trace_tokens_and_extend_the_previous_prompt(kind: str) -> None:
+    chain = chains(kind, 1)[0]
+    conversation = Conversation(chain)
+    previous = ""
+    for k, hop in enumerate(chain.hops):
+        conversation.next_call(k)
+        prompt = rendered(conversation)
+        assert len(prompt) % 4 == 0  # whole sim tokens: the completion starts at a token boundary
+        assert (
+            len(prompt) // 4 == chain.prompt_tokens(k)
+            or k == 0
+            and len(prompt) // 4 >= chain.prompt_tokens(k)
+        )
+        assert prompt.startswith(previous)  # the prefix cache sees the previous prompt + completion
+        assert f"<|sim-eos {hop.output_tokens}|>" in conversation.messages[-1]["content"]
+        completion = "abcd" * hop.output_tokens
+        conversation.completion(completion)
+        previous = prompt + completion
+    roles = {m["role"] for m in conversation.messages}
+    assert ("tool" in roles) == (kind != "chat" and len(chain.hops) > 1)
+
+
+def test_fronts_are_told_only_what_a_client_knows() -> None:
+    chain = chains("swe", 1)[0]
+    k = 3
+    secret = {str(chain.hops[k].output_tokens), str(len(chain.hops) - k - 1)}
+    headers, body = identity("inferx", chain, k, 12.5)
+    assert headers == {
+        "X-InferX-Program": chain.chain_id,
+        "X-InferX-Tier": chain.tier,
+        "X-InferX-Deadline-Ms": "12500",
+    }
+    assert body == {}  # no Program-End: a client does not know a call is its last
+    headers, body = identity("agentic", chain, k, 12.5)
+    context = body["vllm_xargs"]["agentic_context"]
+    assert headers == {} and set(context) == {
+        "program_id",
+        "session_id",
+        "step_id",
+        "priority",
+        "deadline_seconds",
+    }
+    assert "expected_output_length" not in context and "kv_retention_ttl_seconds" not in context
+    assert identity("session", chain, k, 12.5) == ({"X-Session-ID": chain.chain_id}, {})
+    assert identity("none", chain, k, 12.5) == ({}, {})
+    # past its deadline a chain sends none
+    assert "X-InferX-Deadline-Ms" not in identity("inferx", chain, k, -1.0)[0]
+    assert "deadline_seconds" not in identity("agentic", chain, k, None)[1]["vllm_xargs"]["agentic_context"]
+    for kind in ("inferx", "agentic", "session"):
+        headers, body = identity(kind, chain, k, None)
+        assert not secret & set(headers.values()) - {chain.chain_id}
+        assert str(chain.hops[k].output_tokens) not in json.dumps(body).replace(chain.chain_id, "")
+
+
+def test_dag_chains_are_refused() -> None:
+    trace = generate(workload("research", 1).model_copy(update={"duration_s": 30}))
+    with pytest.raises(InvalidArgument, match="DAG"):
+        check_sequences(trace)
+
+
+def probe(meets: bool, index: int, rate: float) -> peer.Probe:
+    return peer.Probe(
+        "f", rate, index, meets, 10, 5, 1.0 if meets else 0.5, None, 1.0, 1.0, 0.1, 0.2, 0.5, {}, 10, 1.0
+    )
+
+
+def walk(passes_below: float, start: int, max_probes: int = 6) -> peer.FrontCapacity:
+    calls: list[int] = []
+
+    def evaluate(index: int) -> peer.Probe:
+        calls.append(index)
+        rate = 0.5 * 1.5**index
+        return probe(rate <= passes_below, index, rate)
+
+    result = peer.walk_ladder("f", evaluate, start, max_probes)
+    assert len(calls) <= max_probes
+    return result
+
+
+def test_ladder_walks_up_to_the_first_miss_and_down_to_the_first_pass() -> None:
+    up = walk(passes_below=1.0, start=0)  # rates 0.5, 0.75, 1.125
+    assert [p.ladder_index for p in up.probes] == [0, 1, 2]
+    assert up.rate_per_s == pytest.approx(0.75) and up.failing_rate_per_s == pytest.approx(1.125)
+    assert not up.at_least
+    down = walk(passes_below=0.34, start=1)  # rates 0.75, 0.5, 0.333
+    assert [p.ladder_index for p in down.probes] == [1, 0, -1]
+    assert down.rate_per_s == pytest.approx(0.5 / 1.5) and down.failing_rate_per_s == pytest.approx(0.5)
+    bounded = walk(passes_below=100, start=0, max_probes=3)
+    assert bounded.at_least and bounded.rate_per_s == pytest.approx(0.5 * 1.5**2)
+    nothing = walk(passes_below=0.0, start=0, max_probes=2)
+    assert nothing.rate_per_s == 0 and nothing.failing_rate_per_s == pytest.approx(0.5 / 1.5)
+
+
+def test_inferx_starts_at_the_best_peer_capacity() -> None:
+    seen: list[tuple[str, int]] = []
+    capacity = {"vllm-router consistent_hash": 1, "vllm-router program": 2, "inferx": 4}
+
+    def run_probe(front: str, rate: float, index: int) -> peer.Probe:
+        seen.append((front, index))
+        return probe(index <= capacity[front], index, rate)
+
+    options = peer.LadderOptions(start_rate=0.5, step=1.25, max_probes=4)
+    results = peer.capacity_ladder(["consistent_hash", "program"], run_probe, options, lambda r: None)
+    assert [i for f, i in seen if f == "inferx"] == [2, 3, 4, 5]
+    comparison = peer.compare(
+        results,
+        [
+            {"path": "direct", "added_p50_ms": None},
+            {"path": "vllm-router consistent_hash", "added_p50_ms": 0.4},
+            {"path": "vllm-router program", "added_p50_ms": 0.6},
+            {"path": "inferx", "added_p50_ms": 0.8},
+        ],
+    )
+    assert comparison["best_peer"] == "vllm-router program"
+    assert comparison["capacity_ratio"] == pytest.approx(1.25**2) and comparison["capacity_target_met"]
+    assert not comparison["inferx_capacity_is_lower_bound"]
+    assert comparison["added_latency_gap_p50_ms"] == pytest.approx(0.4)
+    assert comparison["added_latency_target_met"]
+
+
+def test_program_scheduling_config_follows_the_engine_profile_and_speed() -> None:
+    profile = EngineProfile()
+    one, four = peer.program_scheduling_config(profile, 1.0), peer.program_scheduling_config(profile, 4.0)
+    assert one["token_capacity_per_target"] == profile.kv_capacity_tokens
+    assert one["max_active_programs_per_target"] == profile.max_num_seqs
+    # 1k tokens prefilled alone: 1000 / 15k tokens/s + attention over 500k pairs at 2.6 ms per 1e6
+    prefill = one["prefill_cost_model"]
+    assert prefill["linear_seconds_per_1k_tokens"] + prefill["quadratic_seconds_per_1k_tokens_squared"] == (
+        pytest.approx(profile.step_ms(0, 1000, 0, 1000 * 500) / 1000)
+    )
+    decode = one["decode_throughput_model"]
+    for batch, context in ((1, 0), (32, 100_000)):
+        step = decode["fixed_step_seconds"] + decode["batch_step_seconds_per_request"] * batch
+        step += decode["context_step_seconds_per_token"] * context
+        assert step == pytest.approx(profile.step_ms(batch, 0, context) / 1000)
+    assert four["max_acting_ttl_seconds"] == pytest.approx(one["max_acting_ttl_seconds"] / 4)
+    assert four["decode_throughput_model"]["fixed_step_seconds"] == pytest.approx(
+        decode["fixed_step_seconds"] / 4
+    )
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    bench_args.register(sub)
+    args = parser.parse_args(["bench", *argv])
+    bench_args._defaults(args)
+    return args
+
+
+def test_cli_checks() -> None:
+    check_args(parse("--peer", "vllm-router"))
+    for argv, message in (
+        (("--workload", "research"), "DAGs"),
+        (("--overhead",), "drop --overhead"),
+        (("--probe-chains", "0"), "--probe-chains"),
+        (("--rate-step", "1"), "--rate-step"),
+        (("--trace", "x.jsonl", "--seeds", "2"), "--seeds"),
+    ):
+        with pytest.raises(InvalidArgument, match=message):
+            check_args(parse("--peer", "vllm-router", *argv))
+    with pytest.raises(InvalidArgument, match="unknown vllm-router mode"):
+        peer.check_modes(["consistent_hash", "magic"])
+    assert math.isclose(parse("--peer", "vllm-router").rate_step ** 2, 1.5)
+
+
+def test_http_listeners_send_small_writes_at_once() -> None:
+    """TCP_NODELAY on the listener (inherited by accepted connections): without it a
+    kept-alive call waits ~40 ms for the client's delayed ACK."""
+    sock = listen_socket("127.0.0.1", 0)
+    try:
+        client = socket.create_connection(sock.getsockname())
+        accepted, _ = sock.accept()
+        assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        accepted.close()
+        client.close()
+    finally:
+        sock.close()
+
+
+def test_report_renders_every_table() -> None:
+    from rich.console import Console
+
+    from inferx.cli import peer as cli_peer
+
+    def front(name: str, rates: list[tuple[float, bool]]) -> peer.FrontCapacity:
+        probes = [probe(meets, i, rate) for i, (rate, meets) in enumerate(rates)]
+        for p in probes:
+            p.front = name
+        passing = [p.rate_per_s for p in probes if p.meets]
+        failing = [p.rate_per_s for p in probes if not p.meets]
+        return peer.FrontCapacity(name, max(passing, default=0.0), min(failing, default=None), probes)
+
+    fronts = [
+        front("vllm-router consistent_hash", [(0.5, True), (0.6, False)]),
+        front("inferx", [(0.5, True), (0.6, True)]),
+    ]
+    overhead = [
+        {
+            "path": "direct",
+            "calls": 3,
+            "p50_ms": 1.0,
+            "p99_ms": 2.0,
+            "added_p50_ms": None,
+            "added_p99_ms": None,
+            "errors": 0,
+        },
+        {
+            "path": "vllm-router consistent_hash",
+            "calls": 3,
+            "p50_ms": 1.4,
+            "p99_ms": 2.5,
+            "added_p50_ms": 0.4,
+            "added_p99_ms": 0.5,
+            "errors": 0,
+        },
+        {
+            "path": "inferx",
+            "calls": 3,
+            "p50_ms": 6.0,
+            "p99_ms": 9.0,
+            "added_p50_ms": 5.0,
+            "added_p99_ms": 7.0,
+            "errors": 1,
+        },
+    ]
+    seed: dict[str, Any] = {"trace_seed": 1, "fronts": fronts, "comparison": peer.compare(fronts, overhead)}
+    console = Console(record=True, width=200)
+    console.print(cli_peer.overhead_table(overhead))
+    console.print(cli_peer.capacity_table(seed))
+    same = cli_peer.same_rate_table(seed)
+    assert same is not None
+    console.print(same)
+    for line in [
+        *cli_peer.probes_lines(seed),
+        *cli_peer.verdict_lines(seed["comparison"], peer.median_summary([seed])),
+    ]:
+        console.print(line)
+    text = console.export_text()
+    assert ">= 0.600" in text and "vr consistent_hash" in text
+    assert "1.20x (a lower bound" in text and "+4.60 ms" in text and "not met" in text
+
+
+def test_no_ratio_when_the_best_peer_never_missed() -> None:
+    def run_probe(front: str, rate: float, index: int) -> peer.Probe:
+        return probe(True, index, rate)  # everyone meets the SLO at every rate
+
+    options = peer.LadderOptions(start_rate=0.5, max_probes=2)
+    results = peer.capacity_ladder(["consistent_hash"], run_probe, options, lambda r: None)
+    comparison = peer.compare(results, [])
+    assert comparison["capacity_ratio"] is None and comparison["capacity_target_met"] is None
+    assert "every rate it tried" in comparison["capacity_ratio_undefined_because"]
+
+
+def test_inferx_diagnostics_differ_from_the_benchmark_only_as_named() -> None:
+    chain = chains("bfcl", 1)[0]
+    last = len(chain.hops) - 1
+    for k in range(len(chain.hops)):
+        plain = identity("inferx", chain, k, 5.0)[0]
+        assert "X-InferX-Program-End" not in plain
+        ended = identity("inferx-end-marks", chain, k, 5.0)[0]
+        assert ended == ({**plain, "X-InferX-Program-End": "true"} if k == last else plain)
+        no_deadline = identity("inferx-no-deadline", chain, k, 5.0)[0]
+        assert no_deadline == {h: v for h, v in plain.items() if h != "X-InferX-Deadline-Ms"}
