@@ -756,6 +756,7 @@ def median_summary(seeds: list[dict[str, Any]]) -> dict[str, Any]:
         "capacity_median_per_s": {name: _median(values) for name, values in fronts.items()},
         "capacity_ratio_median": _median(ratios) if ratios else None,
         "seeds": len(seeds),
+        "seeds_with_a_ratio": len(ratios),
         "realtime_target": REALTIME_TARGET,
         "overall_target": OVERALL_TARGET,
     }

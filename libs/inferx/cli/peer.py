@@ -230,7 +230,8 @@ def verdict_lines(comparison: dict[str, Any], summary: dict[str, Any]) -> list[s
         met = "met" if ratio >= comparison["capacity_target"] else "not met"
         lines.append(
             f"capacity at SLO: InferX / best vllm-router mode ({comparison['best_peer']}) = "
-            f"{ratio:.2f}x{bound} over {summary['seeds']} seed(s); "
+            f"{ratio:.2f}x{bound}, median over the {summary.get('seeds_with_a_ratio', summary['seeds'])} "
+            f"of {summary['seeds']} seed(s) that gave one; "
             f"target >= {comparison['capacity_target']}x: {met}"
         )
     gap = comparison.get("added_latency_gap_p50_ms")
