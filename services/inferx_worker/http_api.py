@@ -4,7 +4,8 @@ any OpenAI-compatible router (vllm-router, ...) can stand in front of the SIMULA
 The same engine object serves this and the gRPC `ModelWorker`: a call over HTTP and one
 over gRPC share the batch, the KV pool and the prefix cache. Endpoints:
 
-  POST /v1/chat/completions   (stream or not; messages rendered by inferx.openai_compat)
+  POST /v1/chat/completions   (stream or not; rendered by the model's chat template where
+                              the engine has one, as on gRPC, else by inferx.openai_compat)
   POST /v1/completions        (stream or not)
   GET  /v1/models             the pool name and the engine's model path
   GET  /health                200 once the engine serves, 503 before and while draining
@@ -37,10 +38,11 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from inferx import __version__
+from inferx.chat_template import Chat
 from inferx.errors import InferxError, Internal, Unavailable
 from inferx.openai_compat import schema
 from inferx.openai_compat.errors import InvalidField, ModelNotFound, error_body, error_reply
-from inferx.openai_compat.render import render_chat
+from inferx.openai_compat.render import chat_json, render_chat
 from inferx_worker import metrics
 from inferx_worker.engines.base import Engine, EngineChunk, EngineError, EngineRequest
 from inferx_worker.servicer import engine_failure
@@ -127,8 +129,19 @@ class WorkerHttpApi:
 
     async def chat_completions(self, request: Request) -> Response:
         body = schema.parse_body(WorkerChatRequest, await request.body())
-        prompt = render_chat(body.messages, body.tools, body.tool_choice)
-        return await self._serve(body, prompt, body.priority, chat=True)
+        return await self._serve(body, self._chat_prompt(body), body.priority, chat=True)
+
+    def _chat_prompt(self, body: WorkerChatRequest) -> str:
+        """The model's own chat template where the engine has one (as the gRPC path
+        renders a front's chat_json), else InferX's generic rendering."""
+        try:
+            rendered = self._engine.render_chat(Chat.from_json(chat_json(body.messages, body.tools)))
+        except ValueError as exc:  # ChatTemplateError: the template refused this chat
+            raise InvalidField("messages", str(exc)) from None
+        metrics.CHAT_RENDERS.labels("generic" if rendered is None else "model").inc()
+        if rendered is not None:
+            return rendered
+        return render_chat(body.messages, body.tools, body.tool_choice)
 
     async def completions(self, request: Request) -> Response:
         body = schema.parse_body(WorkerCompletionRequest, await request.body())

@@ -232,3 +232,29 @@ def test_health_is_503_while_not_serving(worker: Worker) -> None:
             assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
     finally:
         worker.api.serving = True
+
+
+async def test_chats_use_the_engines_chat_template_as_on_grpc() -> None:
+    """With a model template the HTTP path renders as the gRPC path does (the template),
+    without one InferX's generic rendering: the prompt's size says which."""
+    from inferx.chat_template import ChatTemplate
+
+    template = ChatTemplate("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}[assistant]")
+    for engine_template, expected in ((template, len("[user]hello there[assistant]")), (None, None)):
+        engine = SimEngine(SimParams(speed=50), chat_template=engine_template)
+        api = WorkerHttpApi(engine, POOL, "w")
+        api.serving = True
+        await engine.start()
+        try:
+            transport = httpx.ASGITransport(app=api.app())
+            async with httpx.AsyncClient(transport=transport, base_url="http://worker") as http:
+                body = {
+                    "model": POOL,
+                    "messages": [{"role": "user", "content": "hello there"}],
+                    "max_tokens": 2,
+                }
+                reply = (await http.post("/v1/chat/completions", json=body)).json()
+        finally:
+            await engine.stop()
+        generic = len("<|user|>\nhello there\n<|assistant|>\n")
+        assert reply["usage"]["prompt_tokens"] == -(-(expected or generic) // 4)

@@ -237,6 +237,11 @@ def start_environment(state_dir: Path, spec: EnvSpec) -> Environment:
                     str(spec.profile.max_num_seqs),
                     "--openai-http-port",
                     str(port),
+                    # No model directory, so no chat template: both paths (vllm-router ->
+                    # worker HTTP, InferX -> worker gRPC) render chats with InferX's
+                    # generic rendering, which the client sizes its messages by.
+                    "--model-path",
+                    MODEL,
                 ],
             )
         for worker in stack.workers:
