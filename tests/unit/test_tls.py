@@ -335,7 +335,11 @@ def test_cli_uses_the_local_stacks_ca_and_token_for_its_router(
     assert connect.resolve(_args(tls_ca="/mine.pem")) == connect.Connection(
         "127.0.0.1:50051", None, "/mine.pem"
     )
-    assert connect.resolve(_args(token="t")) == connect.Connection("127.0.0.1:50051", "t", None)
+    # Another token for the stack's router: still the stack's CA (public), never its token.
+    assert connect.resolve(_args(token="t")) == connect.Connection("127.0.0.1:50051", "t", "/s/ca.pem")
+    assert connect.resolve(_args(token="t", router="10.0.0.7:50051")) == connect.Connection(
+        "10.0.0.7:50051", "t"
+    )
 
 
 def test_cli_calls_internal_services_verifying_the_stacks_server_name(

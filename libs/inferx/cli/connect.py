@@ -1,10 +1,12 @@
 """Where the CLI's calls go, and with which credentials.
 
 Every command that calls the router takes `--router` (env INFERX_ROUTER), `--token`
-(env INFERX_TOKEN) and `--tls-ca` (env INFERX_TLS_CA). When neither a token nor a CA is
-given and `--router` is the router of the local stack `inferx up` runs from this
-directory (`.inferx/stack.json`), that stack's CA and admin token are used, so
-`inferx run ...` next to `make run` needs no flags.
+(env INFERX_TOKEN) and `--tls-ca` (env INFERX_TLS_CA). When no CA is given and
+`--router` is the router of the local stack `inferx up` runs from this directory
+(`.inferx/stack.json`), that stack's CA is used, and its admin token unless `--token`
+gives another, so `inferx run ...` next to `make run` needs no flags. A given
+`--tls-ca` wins whole: the stack's token is never sent to a router verified by another
+CA.
 
 Light on purpose: building the parser imports nothing but argparse and os; the client
 and TLS code load when a command runs.
@@ -130,11 +132,13 @@ def resolve(args: argparse.Namespace, router: str | None = None) -> Connection:
     address = router or args.router
     token = getattr(args, "token", None)
     tls_ca = getattr(args, "tls_ca", None)
-    if token or tls_ca:
+    if tls_ca:
         return Connection(address, token, tls_ca)
     stack = read_stack_file()
     if stack is None or not _same_router(str(stack.get("router", "")), address):
-        return Connection(address)
+        return Connection(address, token)
+    if token:  # another token for the local stack's router: still its CA (never its token elsewhere)
+        return Connection(address, token, stack.get("tls_ca") or None)
     token_file = stack.get("token_file")
     return Connection(
         address,
