@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -41,8 +42,20 @@ class _EmbeddedServer(uvicorn.Server):
 class EmbeddedHttpServer:
     """uvicorn serving `app` as a task of the running event loop."""
 
-    def __init__(self, app: Any, host: str, port: int, *, drain_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        app: Any,
+        host: str,
+        port: int,
+        *,
+        drain_timeout_s: float = 5.0,
+        certfile: Path | None = None,
+        keyfile: Path | None = None,
+    ) -> None:
+        """With `certfile` and `keyfile`, HTTPS (clients are not asked for a certificate)."""
         self._app = app
+        self._certfile = certfile
+        self._keyfile = keyfile
         self._host = host
         self._port = port
         self._drain_timeout_s = drain_timeout_s
@@ -60,6 +73,8 @@ class EmbeddedHttpServer:
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=int(self._drain_timeout_s) or None,
+            ssl_certfile=str(self._certfile) if self._certfile else None,
+            ssl_keyfile=str(self._keyfile) if self._keyfile else None,
         )
         self._server = _EmbeddedServer(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="http")
@@ -70,6 +85,10 @@ class EmbeddedHttpServer:
             await asyncio.sleep(0.01)
         self.address = f"{self._host}:{sock.getsockname()[1]}"
         return self.address
+
+    @property
+    def tls(self) -> bool:
+        return self._certfile is not None
 
     async def stop(self) -> None:
         if self._server is None or self._task is None:

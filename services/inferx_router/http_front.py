@@ -12,15 +12,11 @@ program identity, response shapes and error mapping are pure code in
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import uvicorn
 from opentelemetry import context as otel_context
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -31,6 +27,7 @@ from starlette.routing import Route
 from inferx import telemetry
 from inferx.auth.model import Principal
 from inferx.errors import InferxError
+from inferx.httpserve import EmbeddedHttpServer
 from inferx.limits import RequestLimits
 from inferx.openai_compat import schema
 from inferx.openai_compat.errors import BodyTooLarge, error_body, error_reply
@@ -240,72 +237,6 @@ def _error_response_body(exc: BaseException) -> dict[str, Any]:
     return error_reply(exc).body
 
 
-# ----- the server, in the router's event loop ------------------------------------------
-
-
-class _EmbeddedServer(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield  # SIGTERM/SIGINT belong to the router's bootstrap (graceful drain), not uvicorn
-
-
-class HttpServer:
-    """uvicorn serving `app` as a task of the running event loop."""
-
-    def __init__(
-        self,
-        app: Starlette,
-        host: str,
-        port: int,
-        *,
-        drain_timeout_s: float,
-        certfile: Path | None = None,
-        keyfile: Path | None = None,
-    ) -> None:
-        """With `certfile` and `keyfile`, HTTPS (the router's certificate; clients are
-        not asked for one)."""
-        self._app = app
-        self._certfile = certfile
-        self._keyfile = keyfile
-        self._host = host
-        self._port = port
-        self._drain_timeout_s = drain_timeout_s
-        self._server: _EmbeddedServer | None = None
-        self._task: asyncio.Task[None] | None = None
-        self.address = ""
-
-    async def start(self) -> str:
-        """Bind and serve; the address it listens on. OSError when it cannot bind."""
-        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-        sock = socket.create_server((self._host, self._port), family=family)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # see inferx.httpserve.listen_socket
-        config = uvicorn.Config(
-            self._app,
-            log_config=None,
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-            timeout_graceful_shutdown=int(self._drain_timeout_s) or None,
-            ssl_certfile=str(self._certfile) if self._certfile else None,
-            ssl_keyfile=str(self._keyfile) if self._keyfile else None,
-        )
-        self._server = _EmbeddedServer(config)
-        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="http-front")
-        while not self._server.started:
-            if self._task.done():
-                self._task.result()
-                raise OSError(f"the HTTP front on {self._host}:{self._port} stopped during start-up")
-            await asyncio.sleep(0.01)
-        self.address = f"{self._host}:{sock.getsockname()[1]}"
-        return self.address
-
-    @property
-    def tls(self) -> bool:
-        return self._certfile is not None
-
-    async def stop(self) -> None:
-        if self._server is None or self._task is None:
-            return
-        self._server.should_exit = True
-        with contextlib.suppress(Exception):
-            await self._task
+# The router's HTTP front is the shared embedded uvicorn server (HTTPS with the router's
+# certificate when it has one).
+HttpServer = EmbeddedHttpServer
