@@ -11,6 +11,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -344,9 +345,16 @@ def test_inferx_call_streams_a_call_and_inferx_trace_shows_its_program(stack: Lo
         text=True,
         timeout=60,
     )
+    called_at = time.monotonic()
     assert called.returncode == 0, called.stderr
     assert called.stdout.strip() and f"program {program} call 0" in called.stderr
     assert "tokens" in called.stderr and "/ 6 out" in called.stderr
     traced = subprocess.run([INFERX, "trace", program, *router], capture_output=True, text=True, timeout=60)
     assert traced.returncode == 0, traced.stderr
-    assert f"openai  program {program}" in traced.stdout and "running: 1 call so far" in traced.stdout
+    assert f"openai  program {program}" in traced.stdout
+    # Still open, unless the CLI took longer than the idle time to start (a loaded host):
+    # then the router has ended it as idle, with its one call.
+    if time.monotonic() - called_at < IDLE_S:
+        assert "running: 1 call so far" in traced.stdout, traced.stdout
+    else:
+        assert "running: 1 call so far" in traced.stdout or "ok: 1 call" in traced.stdout, traced.stdout
