@@ -8,6 +8,7 @@ import pytest
 from inferx.bench.metrics import stats, summarize
 from inferx.errors import InvalidArgument
 from inferx.scheduling.registry import make_policy
+from inferx.scheduling.views import HopView
 from inferx.sim.cluster import ClusterSim, alone_latency_s
 from inferx.sim.engine import EngineModel, SimRequest
 from inferx.sim.kv import Segment
@@ -172,7 +173,9 @@ class _Recording:
     """Wraps a policy and records what it is told: each hop's view and the chain ends."""
 
     def __init__(self, inner) -> None:
-        self.inner, self.views, self.ends = inner, [], []
+        self.inner = inner
+        self.views: list[HopView] = []
+        self.ends: list[str] = []
         self.name = inner.name
 
     def __getattr__(self, name):

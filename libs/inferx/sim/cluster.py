@@ -217,7 +217,8 @@ class ClusterSim:
                     chain.gaps_seen.add(j)
                     learned.gap_observed(program(spec), j, now - chain.progress.finished_at[j])
             chain.ready_at[k] = now
-            hop_index, remaining_hops = chain.progress.issue(k)
+            hop_index, calls_left = chain.progress.issue(k)
+            remaining_hops: int | None = calls_left
             structure = None if spec.is_sequence else [spec.deps(j) for j in range(len(spec.hops))]
             remaining = learned.remaining_s(program(spec), k, len(spec.hops), structure)
             if self.programs:
