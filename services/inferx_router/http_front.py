@@ -11,10 +11,9 @@ program identity, response shapes and error mapping are pure code in
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -26,11 +25,11 @@ from starlette.routing import Route
 
 from inferx import telemetry
 from inferx.auth.model import Principal
-from inferx.errors import InferxError
 from inferx.httpserve import EmbeddedHttpServer
 from inferx.limits import RequestLimits
 from inferx.openai_compat import schema
-from inferx.openai_compat.errors import BodyTooLarge, error_body, error_reply
+from inferx.openai_compat.errors import BodyTooLarge
+from inferx.openai_compat.http import error_reply_body, guarded, http_error
 from inferx.openai_compat.identity import ProgramIdentity, parse_identity
 from inferx_router.access import AccessControl
 from inferx_router.hops import HopDone
@@ -39,37 +38,7 @@ from inferx_router.programs import Call
 
 log = logging.getLogger("inferx.router.http")
 
-Handler = Callable[[Request], Awaitable[Response]]
-
-
-def _error_response(exc: BaseException) -> JSONResponse:
-    reply = error_reply(exc)
-    if reply.status >= 500 and not isinstance(exc, InferxError | TimeoutError):
-        log.error("unhandled error in the HTTP front", exc_info=exc)
-    return JSONResponse(reply.body, status_code=reply.status, headers=reply.headers)
-
-
-def _guarded(handler: Handler) -> Handler:
-    """Every error a handler raises becomes an OpenAI-shaped reply (the one place)."""
-
-    async def guarded(request: Request) -> Response:
-        try:
-            return await handler(request)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            return _error_response(exc)
-
-    return guarded
-
-
-async def _http_error(request: Request, exc: Exception) -> Response:
-    """Unknown paths and methods, in OpenAI's shape too."""
-    status = exc.status_code if isinstance(exc, HTTPException) else 500
-    message = f"{request.method} {request.url.path}: " + (
-        exc.detail if isinstance(exc, HTTPException) else "internal error"
-    )
-    return JSONResponse(error_body(message, "invalid_request_error"), status_code=status)
+SERVICE = "InferX router"  # what a generic 500 names
 
 
 WORKER_HEADER = "X-InferX-Worker"  # the worker that ran the call (debugging, tests)
@@ -90,11 +59,11 @@ class OpenAIFront:
     def app(self) -> Starlette:
         return Starlette(
             routes=[
-                Route("/v1/chat/completions", _guarded(self.chat_completions), methods=["POST"]),
-                Route("/v1/completions", _guarded(self.completions), methods=["POST"]),
-                Route("/v1/models", _guarded(self.models), methods=["GET"]),
+                Route("/v1/chat/completions", guarded(self.chat_completions, SERVICE), methods=["POST"]),
+                Route("/v1/completions", guarded(self.completions, SERVICE), methods=["POST"]),
+                Route("/v1/models", guarded(self.models, SERVICE), methods=["GET"]),
             ],
-            exception_handlers={HTTPException: _http_error},
+            exception_handlers={HTTPException: http_error},
         )
 
     # ----- endpoints ----------------------------------------------------------------
@@ -203,7 +172,7 @@ class OpenAIFront:
                             yield schema.sse(payload)
                         piece = await anext(pieces)
                 except Exception as exc:
-                    yield schema.sse(_error_response_body(exc))
+                    yield schema.sse(error_reply_body(exc, SERVICE))
                     return
                 done = piece.done
                 for payload in chunks(None, done.finish_reason):
@@ -229,12 +198,6 @@ def _parses_tool_calls(body: schema.CallRequest) -> bool:
 
 def _usage(done: HopDone) -> dict[str, Any]:
     return schema.usage(done.prompt_tokens, done.completion_tokens, done.cached_prompt_tokens)
-
-
-def _error_response_body(exc: BaseException) -> dict[str, Any]:
-    if not isinstance(exc, InferxError | TimeoutError):
-        log.error("unhandled error in a streamed call", exc_info=exc)
-    return error_reply(exc).body
 
 
 # The router's HTTP front is the shared embedded uvicorn server (HTTPS with the router's

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from inferx.scheduling.views import HopView, Tier
+from inferx.scheduling.views import TIER_NAMES, HopView, Tier
 from inferx.tokens import DEFAULT_MAX_TOKENS, estimate_tokens
 from inferx.v1 import scheduler_pb2
 
@@ -28,12 +28,13 @@ def monotonic_deadline(unix_ms: int, *, now_mono: float | None = None, now_unix:
 def hop_view(pool: str, request: scheduler_pb2.HopRequest) -> HopView:
     """What the policy sees of a submitted hop."""
     ctx = request.context
+    tier = _tier(ctx.tier)
     return HopView(
         pool=pool,
         run_id=ctx.run_id,
         hop_id=ctx.hop_id,
         session_id=ctx.session_id,
-        tier=_tier(ctx.tier),
+        tier=tier,
         node_priority=ctx.priority,
         prompt_tokens=estimate_tokens(request.prompt),
         max_tokens=request.sampling.max_tokens or DEFAULT_MAX_TOKENS,
@@ -41,6 +42,8 @@ def hop_view(pool: str, request: scheduler_pb2.HopRequest) -> HopView:
         hop_index=ctx.hop_index,
         remaining_critical_path_s=ctx.remaining_critical_path_ms / 1000,
         remaining_hops=ctx.remaining_hops if ctx.HasField("remaining_hops") else None,
+        # Per chain config and tier, as the simulator learns (one config, one tier).
+        program=f"{ctx.chain_name}/{TIER_NAMES.get(tier, 'standard')}" if ctx.chain_name else "",
     )
 
 

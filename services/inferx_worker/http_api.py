@@ -23,11 +23,10 @@ prefix-cache hit.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import Field
@@ -39,9 +38,10 @@ from starlette.routing import Route
 
 from inferx import __version__
 from inferx.chat_template import Chat
-from inferx.errors import InferxError, Internal, Unavailable
+from inferx.errors import InferxError, Unavailable
 from inferx.openai_compat import schema
-from inferx.openai_compat.errors import InvalidField, ModelNotFound, error_body, error_reply
+from inferx.openai_compat.errors import InvalidField, ModelNotFound
+from inferx.openai_compat.http import error_reply_body, guarded, http_error
 from inferx.openai_compat.render import chat_json, render_chat
 from inferx_worker import metrics
 from inferx_worker.engines.base import Engine, EngineChunk, EngineError, EngineRequest
@@ -49,7 +49,7 @@ from inferx_worker.servicer import engine_failure
 
 log = logging.getLogger("inferx.worker.http")
 
-Handler = Callable[[Request], Awaitable[Response]]
+SERVICE = "model-worker"  # what a generic 500 names
 
 
 class WorkerChatRequest(schema.ChatCompletionRequest):
@@ -58,34 +58,6 @@ class WorkerChatRequest(schema.ChatCompletionRequest):
 
 class WorkerCompletionRequest(schema.CompletionRequest):
     priority: int = Field(0, description="vLLM's extension: lower runs first")
-
-
-def _error_response(exc: BaseException) -> JSONResponse:
-    if not isinstance(exc, InferxError | TimeoutError):
-        log.error("unhandled error in the worker's HTTP API", exc_info=exc)
-        exc = Internal("internal error in the model-worker")
-    reply = error_reply(exc)
-    return JSONResponse(reply.body, status_code=reply.status, headers=reply.headers)
-
-
-def _guarded(handler: Handler) -> Handler:
-    async def guarded(request: Request) -> Response:
-        try:
-            return await handler(request)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            return _error_response(exc)
-
-    return guarded
-
-
-async def _http_error(request: Request, exc: Exception) -> Response:
-    status = exc.status_code if isinstance(exc, HTTPException) else 500
-    message = f"{request.method} {request.url.path}: " + (
-        exc.detail if isinstance(exc, HTTPException) else "internal error"
-    )
-    return JSONResponse(error_body(message, "invalid_request_error"), status_code=status)
 
 
 class WorkerHttpApi:
@@ -112,9 +84,9 @@ class WorkerHttpApi:
     def app(self) -> Starlette:
         return Starlette(
             routes=[
-                Route("/v1/chat/completions", _guarded(self.chat_completions), methods=["POST"]),
-                Route("/v1/completions", _guarded(self.completions), methods=["POST"]),
-                Route("/v1/models", _guarded(self.models), methods=["GET"]),
+                Route("/v1/chat/completions", guarded(self.chat_completions, SERVICE), methods=["POST"]),
+                Route("/v1/completions", guarded(self.completions, SERVICE), methods=["POST"]),
+                Route("/v1/models", guarded(self.models, SERVICE), methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
                 Route("/get_load", self.get_load, methods=["GET"]),
@@ -122,7 +94,7 @@ class WorkerHttpApi:
                 Route("/get_model_info", self.model_info, methods=["GET"]),
                 Route("/version", self.version, methods=["GET"]),
             ],
-            exception_handlers={HTTPException: _http_error},
+            exception_handlers={HTTPException: http_error},
         )
 
     # ----- model calls --------------------------------------------------------------
@@ -222,7 +194,7 @@ class WorkerHttpApi:
                     if piece.finished:
                         final = piece
             except InferxError as exc:
-                yield schema.sse(error_reply(exc).body)
+                yield schema.sse(error_reply_body(exc, SERVICE))
                 return
             assert final is not None
             yield schema.sse(chunk(None, final.finish_reason))

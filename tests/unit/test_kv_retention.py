@@ -6,6 +6,7 @@ way to realtime hops."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -62,13 +63,40 @@ def test_the_hold_is_never_longer_than_the_bound_and_is_an_observed_gap_or_zero(
         assert seconds == 0.0 or seconds in gaps
 
 
+def test_programs_that_end_without_saying_so_shorten_the_hold() -> None:
+    inf = math.inf
+    short = [2.0] * 10
+    assert hold(short) == 2.0
+    # Half of them never came back (an agent's last call): holding for them is waste,
+    # and they never re-prefill; still worth holding when the hold is cheap enough ...
+    assert hold(short + [inf] * 10) == 2.0
+    # ... but not once the ends dominate: 1 in 10 returns, after 20 s on a 30 s break-even.
+    assert hold([20.0] + [inf] * 9) == 0.0
+    assert hold([20.0] * 10) == 20.0  # the same gaps, every program returning: held
+    assert hold([inf] * 5) == 0.0  # nobody comes back: nothing to hold for
+
+
+@given(
+    st.lists(st.floats(0.0, 1_000.0), min_size=1, max_size=30),
+    st.integers(0, 30),
+    st.integers(1_000, 2_000_000),
+)
+def test_more_ends_never_lengthen_the_hold(gaps: list[float], ends: int, capacity: int) -> None:
+    with_ends = hold(gaps + [math.inf] * ends, capacity=capacity)
+    assert 0.0 <= with_ends <= 600.0
+    assert with_ends == 0.0 or with_ends in gaps
+    # Adding programs that never return only makes holding less worth it.
+    assert with_ends <= hold(gaps + [math.inf] * (ends - 1), capacity=capacity) if ends else True
+
+
 def test_the_gap_model_keeps_a_bounded_window_per_kind() -> None:
     model = GapModel(window=3)
     for seconds in (5.0, 1.0, 3.0, 2.0, -1.0):  # a negative gap (clock skew) is ignored
         model.observe("coding", seconds)
     model.observe("chat", 9.0)
+    model.observe_end("chat")
     assert model.samples("coding") == [1.0, 2.0, 3.0]
-    assert model.samples("chat") == [9.0]
+    assert model.samples("chat") == [9.0, math.inf]
     assert model.samples("unknown") == []
 
 
@@ -130,7 +158,41 @@ def test_a_chain_whose_gaps_are_long_lets_its_context_go_at_once() -> None:
     assert chosen.resident("a") == 10_000
 
 
-def test_realtime_may_use_room_held_for_a_less_urgent_tier_and_not_the_reverse() -> None:
+def _program_call(q: DispatchQueue, program: str, hop: int, now: float, **kw) -> None:
+    """One call of a dynamic program: remaining hops unknown, as the OpenAI front sends."""
+    submit(
+        q,
+        program,
+        now,
+        str(hop),
+        hop_index=hop,
+        prompt_tokens=9_000,
+        max_tokens=100,
+        program="agent/standard",
+        **kw,
+    )
+    (queued,) = q.assign(ONE, now=now)
+    q.finished(queued, now + 1, context_tokens=10_000, service_s=1.0)
+
+
+@pytest.mark.parametrize("learn", [True, False])
+def test_dynamic_programs_forgotten_idle_teach_the_hold_that_they_ended(learn: bool) -> None:
+    """Programs whose end nobody announces (no end mark): after `chain_ttl_s` idle the
+    policy forgets them and, learning ends, counts each as a gap of inf -- so once most
+    programs of a kind end after a call, it stops holding their last context."""
+    q, chosen = policy(chain_ttl_s=100.0, learn_program_ends=learn)
+    now = 0.0
+    for i in range(10):  # each program: two calls 12 s apart, then silence
+        _program_call(q, f"p{i}", 0, now)
+        _program_call(q, f"p{i}", 1, now + 13.0)
+        now += 1_000.0  # past the TTL: the previous program is forgotten on the next call
+    _program_call(q, "last", 0, now)
+    held = chosen.resident("a")
+    # Learned: 10 gaps of 12 s and (learning ends) 10 programs that never came back.
+    # The break-even hold is 20 s (100k tokens at 15k/3 tokens/s: re-prefills count 3x),
+    # so holding 12 s pays for a program that returns -- but not when half never do.
+    assert held == (0 if learn else 10_000)
+
     q, _ = policy(strict_holds=True, tiered_holds=True)
     run_first_hop(q, "batch", 0.0, 60_000, tier=TIER_BATCH)
     submit(q, "rt", 1.5, tier=TIER_REALTIME, prompt_tokens=40_000, max_tokens=1_000)

@@ -151,3 +151,12 @@ def test_next_hop_views_empty_without_next_hops() -> None:
     """A hop that announces no successors has no look-ahead views."""
     req = request(run_id="r1")
     assert next_hop_views(hop_view("p", req), req, lambda model: "p") == []
+
+
+def test_program_kind_is_the_chain_name_and_tier() -> None:
+    """What the policy learns gaps per: the chain config (or the OpenAI front's program
+    name) and its tier; unknown without a chain name."""
+    view = hop_view("p", request(chain_name="support", tier=common_pb2.TIER_REALTIME))
+    assert view.program == "support/realtime"
+    assert hop_view("p", request(chain_name="support")).program == "support/standard"
+    assert hop_view("p", request()).program == ""

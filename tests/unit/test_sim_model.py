@@ -8,6 +8,7 @@ import pytest
 from inferx.bench.metrics import stats, summarize
 from inferx.errors import InvalidArgument
 from inferx.scheduling.registry import make_policy
+from inferx.scheduling.views import HopView
 from inferx.sim.cluster import ClusterSim, alone_latency_s
 from inferx.sim.engine import EngineModel, SimRequest
 from inferx.sim.kv import Segment
@@ -166,3 +167,43 @@ def test_replay_summary_has_every_tier_of_the_trace() -> None:
     summary = summarize(run)
     assert set(summary.tiers) == {c.tier for c in trace.chains}
     assert summary.overall.completed == len(trace.chains)
+
+
+class _Recording:
+    """Wraps a policy and records what it is told: each hop's view and the chain ends."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.views: list[HopView] = []
+        self.ends: list[str] = []
+        self.name = inner.name
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def admit(self, hop, workers, queued, now):
+        self.views.append(hop)
+        return self.inner.admit(hop, workers, queued, now)
+
+    def on_chain_end(self, chain_key, now) -> None:
+        self.ends.append(chain_key)
+        self.inner.on_chain_end(chain_key, now)
+
+
+@pytest.mark.parametrize("programs", [False, True])
+def test_programs_mode_hides_the_rest_of_the_path_and_the_end(programs: bool) -> None:
+    """As dynamic programs (the OpenAI front), the scheduler is told neither the calls
+    left nor the expected rest of the path, nor when a program ends; as declared chains
+    it is told all three. The chains complete either way."""
+    trace = generate(TraceConfig(seed=5, duration_s=60, rate_per_s=1.0))
+    policy = _Recording(make_policy("chain-aware"))
+    run = ClusterSim(trace, policy, workers=2, programs=programs).run()
+    assert summarize(run).overall.completed == len(trace.chains)
+    remaining = {view.remaining_hops for view in policy.views}
+    if programs:
+        assert remaining == {None}
+        assert all(view.remaining_critical_path_s == 0.0 for view in policy.views)
+        assert policy.ends == []
+    else:
+        assert None not in remaining and 0 in remaining
+        assert len(policy.ends) == len(trace.chains)

@@ -51,10 +51,10 @@ from typing import Any, Literal
 
 import httpx
 
+from inferx.bench.replay import replay_chains
 from inferx.errors import InvalidArgument
 from inferx.openai_compat.render import render_chat
 from inferx.openai_compat.schema import ChatMessage
-from inferx.sim.cluster import alone_latency_s
 from inferx.sim.profile import EngineProfile
 from inferx.sim.records import ChainRecord
 from inferx.sim.trace import Trace, TraceChain
@@ -267,36 +267,16 @@ class HttpAgentReplay:
         self.stats = ReplayStats()
 
     async def run(self, timeout_s: float, progress: Callable[[int], None]) -> list[ChainRecord]:
-        records = [
-            ChainRecord.start(c, alone_s=alone_latency_s(c, self.profile), profile=self.profile)
-            for c in self.trace.chains
-        ]
-        done = 0
         async with http_client(timeout_s) as client:
-            loop = asyncio.get_running_loop()
-            start = loop.time()
 
-            async def one(chain: TraceChain, record: ChainRecord) -> None:
-                nonlocal done
-                try:
-                    await self._chain(client, chain, record, start)
-                finally:
-                    done += 1
-                    progress(done)
+            async def run_chain(chain: TraceChain, record: ChainRecord, start: float) -> None:
+                await self._chain(client, chain, record, start)
 
-            tasks = [asyncio.create_task(one(c, r)) for c, r in zip(self.trace.chains, records, strict=True)]
-            try:
-                await asyncio.wait(tasks, timeout=timeout_s)
-            finally:
-                pending = [task for task in tasks if not task.done()]
-                for task in pending:
-                    task.cancel()
-                await asyncio.gather(*pending, return_exceptions=True)
-            now_trace = (loop.time() - start) * self.speed
-        for record in records:
-            if record.status == "running":
-                record.finish("failed", now_trace)
-                self.stats.count("unfinished at the timeout")
+            records, unfinished = await replay_chains(
+                self.trace, self.profile, self.speed, timeout_s, progress, run_chain
+            )
+        for _ in range(unfinished):
+            self.stats.count("unfinished at the timeout")
         return records
 
     async def _chain(

@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from inferx.bench.replay import replay_chains
 from inferx.devstack import LocalStack, StackPorts, wait_serving
 from inferx.scheduling.views import TIER_BY_NAME
-from inferx.sim.cluster import alone_latency_s
 from inferx.sim.estimates import RemainingPath
 from inferx.sim.profile import EngineProfile
 from inferx.sim.records import ChainRecord, ReplayResult
@@ -141,40 +141,18 @@ class TraceReplayer:
         self.errors: dict[str, int] = {}
 
     async def run(self, timeout_s: float, progress: Callable[[int], None]) -> list[ChainRecord]:
-        records = [
-            ChainRecord.start(c, alone_s=alone_latency_s(c, self.profile), profile=self.profile)
-            for c in self.trace.chains
-        ]
-        done = 0
         options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
         async with self.transport.aio_channel(self.scheduler, options=options) as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
-            loop = asyncio.get_running_loop()
-            start = loop.time()
 
-            async def one(chain: TraceChain, record: ChainRecord) -> None:
-                nonlocal done
-                try:
-                    await self._chain(stub, chain, record, start)
-                finally:
-                    done += 1
-                    progress(done)
+            async def run_chain(chain: TraceChain, record: ChainRecord, start: float) -> None:
+                await self._chain(stub, chain, record, start)
 
-            tasks = [asyncio.create_task(one(c, r)) for c, r in zip(self.trace.chains, records, strict=True)]
-            try:
-                await asyncio.wait(tasks, timeout=timeout_s)
-            finally:
-                # Timed out, or interrupted (Ctrl-C): stop every chain still running
-                # before the channel closes under it, and collect their outcomes.
-                pending = [task for task in tasks if not task.done()]
-                for task in pending:
-                    task.cancel()
-                await asyncio.gather(*pending, return_exceptions=True)
-            now_trace = (loop.time() - start) * self.speed
-        for record in records:
-            if record.status == "running":
-                record.finish("failed", now_trace)
-                self.errors["timeout"] = self.errors.get("timeout", 0) + 1
+            records, unfinished = await replay_chains(
+                self.trace, self.profile, self.speed, timeout_s, progress, run_chain
+            )
+        if unfinished:
+            self.errors["timeout"] = self.errors.get("timeout", 0) + unfinished
         return records
 
     async def _chain(self, stub, chain: TraceChain, record: ChainRecord, start: float) -> None:

@@ -197,6 +197,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
         saved = _Results(args, "capacity")
         return cmd_capacity(args, policies, _progress_factory(not args.json), out, err, saved)
+    if getattr(args, "programs", False):
+        raise InvalidArgument("--programs replays the capacity search as dynamic programs: add --capacity")
     profile, trace, choice = _prepare(args)
     saved = _Results(args, "sim")
     options = runner.policy_options(args.option, policies)
@@ -294,6 +296,8 @@ async def cmd_bench(args: argparse.Namespace) -> int:
         return await cmd_overhead(args, _progress_factory(not args.json, "calls"), out, err, saved)
     if args.scenario == "seed-agent":
         return await cmd_seed_agent(args)
+    if getattr(args, "programs", False) and not args.simulate:
+        raise InvalidArgument("--programs is for the simulator's capacity search: add --simulate --capacity")
     if args.router:
         if args.simulate or args.engine:
             raise InvalidArgument("--router replays against a running stack: drop --simulate/--engine")

@@ -84,6 +84,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "given to the compared policies that take it",
     )
     parser.add_argument(
+        "--programs",
+        action="store_true",
+        help="--capacity: replay each chain as a dynamic program, as the OpenAI front sees an "
+        "agent (the scheduler is told neither the calls left nor when the program ends)",
+    )
+    parser.add_argument(
         "--plot",
         metavar="FILE",
         help="--capacity: draw SLO attainment and P99 latency against arrival rate, per policy, "

@@ -96,6 +96,7 @@ def cmd_capacity(
         "chains": [len(trace.chains) for trace in traces],
         "trace_rate_per_s": traces[0].meta.config.rate_per_s,
         "workers": args.workers,
+        "programs": args.programs,
         "policy_options": options,
         "profile": profile.model_dump(),
         "criterion": {
@@ -123,7 +124,9 @@ def cmd_capacity(
                     style="dim",
                 )
 
-            evaluate = simulated_evaluator(trace, name, profile, args.workers, bar, options)
+            evaluate = simulated_evaluator(
+                trace, name, profile, args.workers, bar, options, programs=args.programs
+            )
             per_seed[name].append(find_capacity(name, evaluate, start, on_probe=report))
             if results_file is not None:  # raw results as they come in, before any table
                 results_file.save(

@@ -85,13 +85,14 @@ def error_body(message: str, type_: str, *, param: str | None = None, code: str 
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def error_reply(exc: BaseException) -> ErrorReply:
+def error_reply(exc: BaseException, service: str = "InferX router") -> ErrorReply:
     """The HTTP status, body and headers for an error raised while serving a call.
-    A `TimeoutError` (the call's deadline passed) is a 504, like DEADLINE_EXCEEDED."""
+    A `TimeoutError` (the call's deadline passed) is a 504, like DEADLINE_EXCEEDED;
+    anything else that is not an `InferxError` a generic 500 naming `service`."""
     if isinstance(exc, TimeoutError):
         exc = DeadlineExceeded("the call's deadline passed before the model finished")
     if not isinstance(exc, InferxError):
-        return ErrorReply(500, error_body("internal error in the InferX router", "server_error"))
+        return ErrorReply(500, error_body(f"internal error in the {service}", "server_error"))
     # Internal, or a status with no better match: a 500.
     status, type_, code = next(
         (row[1:] for row in _TABLE if isinstance(exc, row[0])), (500, "server_error", "internal")

@@ -109,6 +109,11 @@ class ChainAwareConfig:
     # (`inferx.scheduling.retention`); "fixed" holds it `kv_warm_s`.
     kv_retention: Literal["priced", "fixed"] = "priced"
     max_hold_s: float = 600.0  # "priced": the longest hold
+    # "priced": a chain whose remaining hops were unknown (a dynamic program) forgotten
+    # idle -- it never came back within `chain_ttl_s` -- counts as a gap of inf, so the
+    # price learns how often such programs end after a hop, not only the gaps of those
+    # that returned. Off: the holds assume every program comes back.
+    learn_program_ends: bool = True
     # "priced": a re-prefill's GPU time counts this many times (its chunks stall every
     # sequence decoding beside it). Measured (coding workload, 3 seeds): 3 holds through
     # think times but not test runs and beat both 1 and the fixed 30 s.
@@ -185,6 +190,8 @@ class ChainState:
     initial_slack_s: float | None = None  # deadline - arrival - expected path; None: no deadline
     tier: int = TIER_STANDARD  # the tier of its latest hop (what its held room is ranked by)
     idle_since: float | None = None  # when its last hop ended (none of its hops is queued or running)
+    open_ended: bool = False  # its latest hop did not know how many hops follow (a dynamic program)
+    program_kind: str = ""  # what its gaps are learned under (`_program_kind`)
 
 
 ChainKey = tuple[str, str]  # (pool, chain key): affinity is per pool (a chain may use several models)
@@ -246,7 +253,10 @@ class ChainAwarePolicy:
             self._forget(key)
 
     def _forget(self, key: ChainKey) -> None:
-        self._hold(key, self._chains[key], 0, 0.0)
+        state = self._chains[key]
+        if state.idle_since is not None and state.open_ended and self.config.learn_program_ends:
+            self._gaps.observe_end(state.program_kind)  # it never came back
+        self._hold(key, state, 0, 0.0)
         del self._chains[key]
         tier = self._active.pop(key, None)
         if tier is not None:
@@ -459,8 +469,9 @@ class ChainAwarePolicy:
     @staticmethod
     def _program_kind(hop: HopView) -> str:
         """What gaps are learned per: the program the chain runs, as far as the scheduler
-        can tell (the shared prefix its prompts start with), else its pool."""
-        return hop.prefix_id or hop.pool
+        can tell (the shared prefix its prompts start with, or its chain config / program
+        name and tier), else its pool."""
+        return hop.prefix_id or hop.program or hop.pool
 
     def _observe_gap(self, hop: HopView, now: float) -> None:
         state = self._chains.get(self._key(hop))
@@ -723,6 +734,8 @@ class ChainAwarePolicy:
             self._forget(key)  # the run's last hop: nothing of it will be reused
             return
         state.idle_since = now
+        state.open_ended = hop.remaining_hops is None
+        state.program_kind = self._program_kind(hop)
         # A look-ahead made while the hop ran (room for a grown next hop) stays as long
         # as it was meant to; the context hold below only adds to it.
         ahead = state.held_tokens if state.held_until > now else 0

@@ -14,7 +14,11 @@ The price (`hold_seconds`): both costs in GPU-seconds.
     time a hold matters: without contention nothing waits for the held room) a token
     of KV for a second is worth 1/capacity of a GPU-second.
 Holding for `T` and releasing if the chain has not come back by then costs, expected
-over the learned gaps g: `tokens * E[min(g, T)] / capacity + P(g > T) * reprefill`.
+over the learned gaps g: `tokens * E[min(g, T)] / capacity + P(T < g < inf) * reprefill`.
+A program that never came back (g = inf: it ended, and nobody said so -- an OpenAI-front
+agent rarely does) is learned too (`GapModel.observe_end`): holding for it is pure
+waste and it costs no re-prefill. Without these the model learns only from the programs
+that returned, and holds every program's last context as if it would.
 `hold_seconds` picks the `T` (0, or one of the observed gaps) that minimises it. With
 no gaps seen yet it holds for the break-even time `capacity / prefill_tokens_per_s`
 (rent-or-buy: never worse than twice the best choice made knowing the gap). Tokens
@@ -25,13 +29,15 @@ while one waiting minutes on a test run lets it go.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 
 
 class GapModel:
     """Recent gaps (seconds between a chain's hop ending and its next hop arriving),
-    per program kind (e.g. the shared prefix the chain's prompts start with)."""
+    per program kind (e.g. the shared prefix the chain's prompts start with); `inf` for
+    a chain that never came back."""
 
     def __init__(self, window: int = 256) -> None:
         self.window = window
@@ -42,8 +48,12 @@ class GapModel:
             return
         self._gaps.setdefault(kind, deque(maxlen=self.window)).append(seconds)
 
+    def observe_end(self, kind: str) -> None:
+        """A chain of `kind` was forgotten idle, never having come back: a gap of inf."""
+        self._gaps.setdefault(kind, deque(maxlen=self.window)).append(math.inf)
+
     def samples(self, kind: str) -> list[float]:
-        """The kind's recent gaps, sorted (empty when none were seen)."""
+        """The kind's recent gaps, sorted (empty when none were seen; ends last, as inf)."""
         return sorted(self._gaps.get(kind, ()))
 
 
@@ -55,7 +65,8 @@ def hold_seconds(
     max_hold_s: float,
 ) -> float:
     """How long to hold a chain's context after its hop (see the module docstring).
-    `gaps`: the learned gaps, sorted ascending. Independent of the context's size."""
+    `gaps`: the learned gaps, sorted ascending (inf: never came back). Independent of
+    the context's size."""
     if kv_capacity_tokens <= 0:
         return max_hold_s  # unknown memory: nothing to price it by
     # Per token: holding 1 s costs 1/capacity GPU-s; re-prefilling costs 1/rate GPU-s.
@@ -63,14 +74,15 @@ def hold_seconds(
     if not gaps:
         return min(break_even_s, max_hold_s)
     n = len(gaps)
-    best_t, best_cost = 0.0, 1.0 / prefill_tokens_per_s  # T = 0: always re-prefill
+    returning = sum(1 for g in gaps if g != math.inf)  # the ended ones never re-prefill
+    best_t, best_cost = 0.0, returning / n / prefill_tokens_per_s  # T = 0: re-prefill all that return
     prefix_sum = 0.0
     for i, t in enumerate(gaps):
         if t > max_hold_s:
             break
         prefix_sum += t  # gaps[0..i] end within T = t
         expected_hold = (prefix_sum + t * (n - i - 1)) / n  # E[min(g, t)]
-        missed = (n - i - 1) / n  # P(g > t): the context was let go, re-prefilled
+        missed = (returning - i - 1) / n  # P(t < g < inf): let go, back later, re-prefilled
         cost = expected_hold / kv_capacity_tokens + missed / prefill_tokens_per_s
         if cost < best_cost:
             best_t, best_cost = t, cost

@@ -68,6 +68,9 @@ class HopView:
     # hop's output or the chain's future.
     prefix_id: str = ""
     prefix_tokens: int = 0
+    # The kind of program the hop belongs to (its chain config's or the OpenAI front's
+    # program name, and its tier): what tool/think gaps are learned per; "" = unknown.
+    program: str = ""
 
     @property
     def chain_key(self) -> str:

@@ -193,13 +193,17 @@ def simulated_evaluator(
     workers: int,
     progress: Callable[[float], AbstractContextManager[Callable[[int], None]]] | None = None,
     options: dict[str, Any] | None = None,
+    programs: bool = False,
 ) -> Callable[[float], Attainment]:
     """evaluate(rate): the trace at `rate` through a fresh policy in the simulator.
     `progress(rate)`, if given, is entered around each run and yields its per-chain
-    callback (the CLI's progress bar)."""
+    callback (the CLI's progress bar). `programs`: replay chains as dynamic programs
+    (`ClusterSim.programs`)."""
 
     def evaluate(rate: float) -> Attainment:
-        sim = ClusterSim(trace.at_rate(rate), make_policy(policy, **(options or {})), profile, workers)
+        sim = ClusterSim(
+            trace.at_rate(rate), make_policy(policy, **(options or {})), profile, workers, programs=programs
+        )
         if progress is None:
             return attainment(sim.run().chains)
         with progress(rate) as advance:

@@ -116,6 +116,11 @@ class ClusterSim:
     profile: EngineProfile = field(default_factory=EngineProfile)
     workers: int = 4
     horizon_factor: float = 20.0  # give up on chains this many windows after the start
+    # Replay each chain as a dynamic program, as the OpenAI front sees an agent: the
+    # scheduler is told neither how many calls remain nor the expected rest of the path,
+    # and not when the program ends (the router's idle end sends nothing). Off: a
+    # declared chain (the router knows its DAG).
+    programs: bool = False
 
     def run(self, progress: Callable[[int], None] | None = None) -> ReplayResult:
         profile = self.profile
@@ -189,7 +194,8 @@ class ClusterSim:
         def finish_chain(chain: _Chain, now: float, status: str) -> None:
             nonlocal done
             chain.record.finish(status, now)
-            self.policy.on_chain_end(chain.spec.chain_id, now)
+            if not self.programs:
+                self.policy.on_chain_end(chain.spec.chain_id, now)
             done += 1
             if progress is not None:
                 progress(done)
@@ -211,9 +217,12 @@ class ClusterSim:
                     chain.gaps_seen.add(j)
                     learned.gap_observed(program(spec), j, now - chain.progress.finished_at[j])
             chain.ready_at[k] = now
-            hop_index, remaining_hops = chain.progress.issue(k)
+            hop_index, calls_left = chain.progress.issue(k)
+            remaining_hops: int | None = calls_left
             structure = None if spec.is_sequence else [spec.deps(j) for j in range(len(spec.hops))]
             remaining = learned.remaining_s(program(spec), k, len(spec.hops), structure)
+            if self.programs:
+                remaining_hops, remaining = None, 0.0  # what the OpenAI front tells the scheduler
             view = HopView(
                 POOL,
                 spec.chain_id,

@@ -1,0 +1,61 @@
+"""The one error guard of InferX's OpenAI-compatible HTTP APIs (the router's front and
+the sim worker's API): whatever a handler raises becomes an OpenAI-shaped reply with
+the status `errors.error_reply` maps it to; a bug (not an `InferxError`) is logged with
+its traceback and answered with a generic 500, never the traceback."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from inferx.errors import InferxError
+from inferx.openai_compat.errors import error_body, error_reply
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+log = logging.getLogger("inferx.http")
+
+
+def error_reply_body(exc: BaseException, service: str) -> dict[str, Any]:
+    """The OpenAI error body for `exc` (a streamed call's last SSE event), logging a bug."""
+    return _reply(exc, service).body
+
+
+def error_response(exc: BaseException, service: str) -> JSONResponse:
+    reply = _reply(exc, service)
+    return JSONResponse(reply.body, status_code=reply.status, headers=reply.headers)
+
+
+def guarded(handler: Handler, service: str) -> Handler:
+    """`handler` with every error it raises answered as `error_response` (the one place)."""
+
+    async def guarded_handler(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            return error_response(exc, service)
+
+    return guarded_handler
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Unknown paths and methods (Starlette's HTTPException), in OpenAI's shape too."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    message = f"{request.method} {request.url.path}: " + (
+        exc.detail if isinstance(exc, HTTPException) else "internal error"
+    )
+    return JSONResponse(error_body(message, "invalid_request_error"), status_code=status)
+
+
+def _reply(exc: BaseException, service: str):
+    if not isinstance(exc, InferxError | TimeoutError):
+        log.error("unhandled error in the %s's HTTP API", service, exc_info=exc)
+    return error_reply(exc, service=service)
