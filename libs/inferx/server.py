@@ -34,7 +34,7 @@ from google.protobuf import json_format
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from inferx import __version__, telemetry
+from inferx import __version__, hopstream, telemetry
 from inferx.errors import InferxError, Internal, InvalidArgument, abort_with
 from inferx.etcd import LeaseKeeper, make_client, service_key
 from inferx.settings import ServiceSettings, load_settings
@@ -389,6 +389,9 @@ async def _shutdown(
     # Callers learn of the revoked lease through their etcd watch a moment later; keep
     # accepting calls that were already on their way meanwhile, so none is refused.
     await asyncio.sleep(deregister_grace_s)
+    # Long-lived hop streams take no new hop from here on and end once theirs are done,
+    # so the drain below waits for hops, not for streams that would never end.
+    hopstream.drain_all()
     await server.stop(grace_s)
     if health_server is not None:  # probes saw NOT_SERVING for the whole drain
         await health_server.stop(0)

@@ -115,6 +115,11 @@ class ServiceSettings(TransportSettings):
         description="largest gRPC request this service accepts, in bytes; gRPC refuses a larger "
         "one with RESOURCE_EXHAUSTED (internal calls carry whole prompts, hence the room)",
     )
+    hop_streams: bool = Field(
+        True,
+        description="send hops to schedulers and workers as messages on one long-lived stream per "
+        "peer (Scheduler.Hops, ModelWorker.GenerateStream) instead of a call each; calls while tracing",
+    )
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     instance_id: str = Field("", description="unique id of this instance (default: generated)")
     # Tracing stays off unless asked for, so a plain start prints no exporter errors.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from inferx import telemetry
+from inferx import hopstream, telemetry
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.errors import InvalidArgument, ResourceExhausted, Unavailable, from_rpc_error
 from inferx.pools import no_worker_message
@@ -67,6 +67,24 @@ class WorkerFailed(Unavailable):
 WORKER_FAULTS = {grpc.StatusCode.UNAVAILABLE}
 
 
+def _generate(channel: grpc.aio.Channel, request, timeout: float | None):
+    return worker_pb2_grpc.ModelWorkerStub(channel).Generate(request, timeout=timeout)
+
+
+def worker_streams(channels: ChannelPool, *, enabled: bool = True) -> hopstream.StreamPool:
+    """Hops to workers on one multiplexed `ModelWorker.GenerateStream` per worker, or one
+    `Generate` call each where streams are off, tracing is on, or the worker has none."""
+    return hopstream.StreamPool(
+        channels,
+        lambda channel: worker_pb2_grpc.ModelWorkerStub(channel).GenerateStream(),
+        _generate,
+        worker_pb2.GenerateStreamRequest,
+        "request",
+        "chunk",
+        enabled=enabled,
+    )
+
+
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(
         self,
@@ -81,6 +99,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         lookahead: LookAhead | None = None,
         max_kv_wait_s: float = 120.0,
         budget: KvBudget | None = None,
+        hop_streams: bool = True,
     ) -> None:
         self._dispatcher = dispatcher
         self._directory = dispatcher.directory
@@ -97,6 +116,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         # tracing on, a "kv reserve" span does (off: not even a no-op span per hop).
         self._traced = telemetry.enabled()
         self._releases: set[asyncio.Task[None]] = set()  # releases still on their way
+        # Hops to workers on one GenerateStream per worker (issue #14), else a call each.
+        self.worker_streams = worker_streams(channels, enabled=hop_streams)
+
+    async def Hops(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
+        """SubmitHop's hops, many on one stream (`inferx.hopstream`)."""
+        await hopstream.StreamServer(
+            context, self.SubmitHop, scheduler_pb2.HopStreamEvent, "hop", "event", "/inferx.v1.Scheduler/Hops"
+        ).serve()
 
     async def SubmitHop(self, request: scheduler_pb2.HopRequest, context: grpc.aio.ServicerContext):
         if not request.model:
@@ -207,14 +234,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 span.set_attribute("inferx.kv.reserved_from", source)
         else:
             reservation = await self._reserve(worker_id, view, context, ahead)
-        stub = worker_pb2_grpc.ModelWorkerStub(self._channels.get(address))
         remaining = context.time_remaining()
         try:
-            call = stub.Generate(
-                request,
-                timeout=remaining,
-            )
-            async for chunk in call:
+            async for chunk in self.worker_streams.call(address, request, remaining):
                 # Each piece of text crosses once: TOKENS as it comes, FINISHED only
                 # with what the worker's last chunk carried (the caller joins them).
                 if not chunk.finished:
