@@ -120,6 +120,7 @@ class ServiceSettings(TransportSettings):
         description="send hops to schedulers and workers as messages on one long-lived stream per "
         "peer (Scheduler.Hops, ModelWorker.GenerateStream) instead of a call each; calls while tracing",
     )
+    uvloop: bool = Field(True, description="run the service on uvloop's event loop where it is installed")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     instance_id: str = Field("", description="unique id of this instance (default: generated)")
     # Tracing stays off unless asked for, so a plain start prints no exporter errors.

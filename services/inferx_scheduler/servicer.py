@@ -16,6 +16,7 @@ import grpc
 from inferx import hopstream, telemetry
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.errors import InvalidArgument, ResourceExhausted, Unavailable, from_rpc_error
+from inferx.metric_children import child
 from inferx.pools import no_worker_message
 from inferx.scheduling.queue import QueueFull, Rejected
 from inferx.scheduling.views import HopView, Tier
@@ -170,8 +171,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 self._dispatcher.cancel(hop)
                 raise
             queue_ms = (time.monotonic() - hop.enqueued_at) * 1000
-            metrics.QUEUE_WAIT_SECONDS.labels(pool).observe(queue_ms / 1000)
-            metrics.DISPATCHES.labels(pool, worker_id).inc()
+            child(metrics.QUEUE_WAIT_SECONDS, pool).observe(queue_ms / 1000)
+            child(metrics.DISPATCHES, pool, worker_id).inc()
             worker = self._directory.workers_by_pool.get(pool, {}).get(worker_id)
             if worker is None:
                 raise WorkerFailed(f"worker {worker_id} of pool '{pool}' left before the hop started")

@@ -59,7 +59,7 @@ class Hops(scheduler_pb2_grpc.SchedulerServicer):
 class PlainOnly(Hops):
     """A scheduler of an older version: no Hops (the generated base answers UNIMPLEMENTED)."""
 
-    Hops = scheduler_pb2_grpc.SchedulerServicer.Hops  # type: ignore[assignment]
+    Hops = scheduler_pb2_grpc.SchedulerServicer.Hops
 
     async def SubmitHop(self, request, context):
         self.plain_calls += 1
