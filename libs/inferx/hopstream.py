@@ -278,8 +278,8 @@ PlainCall = Callable[[grpc.aio.Channel, Any, float | None], AsyncIterator[Any]]
 class StreamPool:
     """Calls to peers by address: on the peer's multiplexed stream (one `StreamClient`
     per address, on the `ChannelPool`'s channel), or as the plain call where streams are
-    off (`enabled`: the service's --hop-streams, and never while tracing, whose spans
-    are per call) or the peer has no stream method."""
+    off (`enabled`: the service's --hop-streams and not tracing, whose spans are per
+    call) or the peer has no stream method."""
 
     def __init__(
         self,
@@ -290,7 +290,7 @@ class StreamPool:
         payload_field: str,
         reply_field: str,
         *,
-        enabled: bool = True,
+        enabled: bool | None = None,
     ) -> None:
         self._channels = channels
         self._open_stream = open_stream
@@ -298,7 +298,8 @@ class StreamPool:
         self._request_cls = request_cls
         self._payload_field = payload_field
         self._reply_field = reply_field
-        self.enabled = enabled and not telemetry.enabled()
+        # None: on unless this process traces (its spans are per call).
+        self.enabled = not telemetry.enabled() if enabled is None else enabled
         self.clients: dict[str, StreamClient] = {}
 
     def client(self, address: str) -> StreamClient:

@@ -96,7 +96,7 @@ async def channels():
 async def test_concurrent_hops_share_one_stream_and_each_gets_its_own_replies(channels) -> None:
     servicer = Hops()
     server, port = await serve(servicer)
-    streams = scheduler_streams(channels)
+    streams = scheduler_streams(channels, enabled=True)
     address = f"127.0.0.1:{port}"
     try:
         prompts = [f"echo:{i}-{'x' * i}" for i in range(40)]
@@ -115,7 +115,7 @@ async def test_concurrent_hops_share_one_stream_and_each_gets_its_own_replies(ch
 async def test_errors_come_back_as_the_plain_calls_status(channels) -> None:
     servicer = Hops()
     server, port = await serve(servicer)
-    streams = scheduler_streams(channels)
+    streams = scheduler_streams(channels, enabled=True)
     address = f"127.0.0.1:{port}"
     try:
         with pytest.raises(grpc.aio.AioRpcError) as busy:
@@ -138,7 +138,7 @@ async def test_errors_come_back_as_the_plain_calls_status(channels) -> None:
 async def test_cancelling_a_hop_cancels_its_handler_and_leaves_the_others(channels) -> None:
     servicer = Hops()
     server, port = await serve(servicer)
-    streams = scheduler_streams(channels)
+    streams = scheduler_streams(channels, enabled=True)
     address = f"127.0.0.1:{port}"
     try:
         waiting = asyncio.create_task(texts(streams, address, "wait", timeout=None))
@@ -163,7 +163,7 @@ async def test_cancelling_a_hop_cancels_its_handler_and_leaves_the_others(channe
 async def test_a_hop_past_its_deadline_is_deadline_exceeded_on_both_sides(channels) -> None:
     servicer = Hops()
     server, port = await serve(servicer)
-    streams = scheduler_streams(channels)
+    streams = scheduler_streams(channels, enabled=True)
     address = f"127.0.0.1:{port}"
     try:
         with pytest.raises(grpc.aio.AioRpcError) as late:
@@ -183,7 +183,7 @@ async def test_a_hop_past_its_deadline_is_deadline_exceeded_on_both_sides(channe
 async def test_a_broken_stream_fails_its_hops_as_unavailable_and_the_next_hop_reopens_it(channels) -> None:
     servicer = Hops()
     server, port = await serve(servicer)
-    streams = scheduler_streams(channels)
+    streams = scheduler_streams(channels, enabled=True)
     address = f"127.0.0.1:{port}"
     try:
         assert await texts(streams, address, "echo:a") == "a"
@@ -216,7 +216,7 @@ async def test_a_broken_stream_fails_its_hops_as_unavailable_and_the_next_hop_re
 async def test_a_peer_without_the_stream_method_gets_plain_calls(channels) -> None:
     servicer = PlainOnly()
     server, port = await serve(servicer)
-    streams = scheduler_streams(channels)
+    streams = scheduler_streams(channels, enabled=True)
     address = f"127.0.0.1:{port}"
     try:
         assert await texts(streams, address, "echo:one") == "one"
@@ -242,7 +242,7 @@ async def test_streams_off_make_plain_calls(channels) -> None:
 async def test_draining_finishes_the_hops_in_flight_then_ends_the_stream(channels) -> None:
     servicer = Hops()
     server, port = await serve(servicer)
-    streams = scheduler_streams(channels)
+    streams = scheduler_streams(channels, enabled=True)
     address = f"127.0.0.1:{port}"
     try:
         slow = asyncio.create_task(texts(streams, address, "slow:ab"))
