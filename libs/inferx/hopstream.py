@@ -36,6 +36,7 @@ import logging
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -44,7 +45,7 @@ from prometheus_client import Counter
 from inferx import telemetry
 from inferx.discovery import ChannelPool
 from inferx.errors import RETRY_AFTER_KEY, InferxError, fit_status_message
-from inferx.v1 import common_pb2
+from inferx.v1 import common_pb2, scheduler_pb2, worker_pb2
 
 log = logging.getLogger("inferx.hopstream")
 
@@ -97,74 +98,193 @@ class _Inbox:
         return self.items.popleft()
 
 
-class StreamClient:
-    """One multiplexed stream to one peer, opened on first use and re-opened after a break.
+@dataclass(frozen=True)
+class StreamShape:
+    """The messages of one multiplexed stream method: batches (`requests_cls` listing
+    `requests_field`) of requests with `tag`, `<payload_field>` (the plain call's
+    request), `cancel` and `timeout_s`; reply batches (`replies_cls` listing
+    `replies_field`) of replies with `tag`, `<reply_field>` (one of the plain call's
+    replies) and, on a call's last, `status`."""
 
-    `open_stream()` starts the bidirectional call (e.g. `SchedulerStub(ch).Hops`);
-    `request_cls(tag=, <payload_field>=, cancel=, timeout_s=)` is its request message;
-    replies carry `tag`, `<reply_field>` and, on a call's last one, `status`."""
+    method: str
+    requests_cls: type
+    requests_field: str
+    payload_field: str
+    replies_cls: type
+    replies_field: str
+    reply_field: str
+
+
+HOPS = StreamShape(
+    "/inferx.v1.Scheduler/Hops",
+    scheduler_pb2.HopStreamRequests,
+    "requests",
+    "hop",
+    scheduler_pb2.HopStreamEvents,
+    "events",
+    "event",
+)
+GENERATE = StreamShape(
+    "/inferx.v1.ModelWorker/GenerateStream",
+    worker_pb2.GenerateStreamRequests,
+    "requests",
+    "request",
+    worker_pb2.GenerateStreamChunks,
+    "chunks",
+    "chunk",
+)
+
+
+class _Outbox:
+    """What one side sends on a stream, batched: items are added to the next message
+    (in place, no copy) and a writer task sends each message as soon as the previous one
+    is written, so one message carries one item when the stream is idle and everything
+    that queued meanwhile under load (a write is one operation through gRPC's poller
+    thread; one per item would serialize them on the stream). Backpressure: `room()`
+    waits while `limit` items are waiting (HTTP/2 flow control holds the writer)."""
 
     def __init__(
         self,
-        open_stream: Callable[[], grpc.aio.StreamStreamCall],
-        request_cls: type,
-        payload_field: str,
-        reply_field: str,
-        peer: str,
+        write: Callable[[Any], Any],
+        batch_cls: type,
+        items_field: str,
+        on_error: Callable[[BaseException], None],
+        limit: int = 512,
+    ) -> None:
+        self._write = write
+        self._batch_cls = batch_cls
+        self._items_field = items_field
+        self._on_error = on_error
+        self._limit = limit
+        self._batch = batch_cls()
+        self._items = getattr(self._batch, items_field)
+        self._wake: asyncio.Future[None] | None = None
+        self._room: asyncio.Future[None] | None = None
+        self._flushed = asyncio.Event()  # nothing waiting, nothing being written
+        self._flushed.set()
+        self.closed = False
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def add(self) -> Any:
+        """A new item of the next message, to be filled in before the caller awaits."""
+        item = self._items.add()
+        self._flushed.clear()
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+        return item
+
+    @property
+    def full(self) -> bool:
+        return len(self._items) >= self._limit
+
+    async def room(self) -> None:
+        while self.full and not self.closed:
+            if self._room is None or self._room.done():
+                self._room = asyncio.get_running_loop().create_future()
+            await self._room
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                if not len(self._items):
+                    self._flushed.set()
+                    self._wake = loop.create_future()
+                    await self._wake
+                    self._wake = None
+                    continue
+                batch = self._batch
+                self._batch = self._batch_cls()
+                self._items = getattr(self._batch, self._items_field)
+                if self._room is not None and not self._room.done():
+                    self._room.set_result(None)
+                await self._write(batch)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # the stream is gone (AioRpcError, InvalidStateError, ...)
+            self._on_error(exc)
+        finally:
+            self.closed = True
+            self._flushed.set()
+            if self._room is not None and not self._room.done():
+                self._room.set_result(None)
+
+    async def flush(self) -> None:
+        """Until what was added is written (or the stream is gone)."""
+        await self._flushed.wait()  # also set when the writer ends
+
+    def close(self) -> None:
+        self.closed = True
+        self._task.cancel()
+
+
+class StreamClient:
+    """One multiplexed stream to one peer, opened on first use and re-opened after a break.
+
+    `open_stream()` starts the bidirectional call (e.g. `SchedulerStub(ch).Hops()`) whose
+    messages `shape` describes."""
+
+    def __init__(
+        self, open_stream: Callable[[], grpc.aio.StreamStreamCall], shape: StreamShape, peer: str
     ) -> None:
         self._open_stream = open_stream
-        self._request_cls = request_cls
-        self._payload_field = payload_field
-        self._reply_field = reply_field
+        self._shape = shape
+        self._payload_field = shape.payload_field
         self.peer = peer
         self.supported = True  # False once the peer answered UNIMPLEMENTED
         self._call: grpc.aio.StreamStreamCall | None = None
         self._reader: asyncio.Task[None] | None = None
+        self._outbox: _Outbox | None = None
         self._pending: dict[int, _Inbox] = {}
         self._tags = itertools.count(1)
-        self._write_lock = asyncio.Lock()
         self.opened = 0  # streams opened so far (tests, diagnostics)
 
     @property
     def in_flight(self) -> int:
         return len(self._pending)
 
-    def _ensure_open(self) -> grpc.aio.StreamStreamCall:
-        if self._call is None:
+    def _ensure_open(self) -> tuple[grpc.aio.StreamStreamCall, _Outbox]:
+        if self._call is None or self._outbox is None:
             call = self._open_stream()
             self._call = call
             self.opened += 1
+            self._outbox = _Outbox(
+                call.write,
+                self._shape.requests_cls,
+                self._shape.requests_field,
+                lambda exc: self._broken(call, exc),
+            )
             self._reader = asyncio.get_running_loop().create_task(self._read(call))
-        return self._call
+        return self._call, self._outbox
 
     async def call(self, payload: Any, timeout: float | None) -> AsyncIterator[Any]:
         """Send `payload` and yield its replies; raises as the plain call would."""
         if not self.supported:
             raise StreamUnsupported(self.peer)
-        loop = asyncio.get_running_loop()
-        call = self._ensure_open()
+        if timeout is not None and timeout <= 0:
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        call, outbox = self._ensure_open()
         tag = next(self._tags)
         inbox = _Inbox()
         self._pending[tag] = inbox
+        request = outbox.add()
+        request.tag = tag
+        if timeout is not None:
+            request.timeout_s = timeout
+        getattr(request, self._payload_field).CopyFrom(payload)
         timer = None
         if timeout is not None:
-            if timeout <= 0:
-                self._pending.pop(tag, None)
-                raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-            timer = loop.call_later(timeout, self._expire, tag)
+            timer = asyncio.get_running_loop().call_later(timeout, self._expire, tag)
         ended = False
         replied = False
         try:
-            request = self._request_cls(tag=tag, timeout_s=timeout or 0.0)
-            getattr(request, self._payload_field).CopyFrom(payload)
-            await self._write(call, request)
             while True:
                 item = await inbox.get()
                 if isinstance(item, _End):
                     ended = True
                     if item.code == 0:
                         return
-                    if item.code == grpc.StatusCode.UNIMPLEMENTED.value[0] and not replied:
+                    if item.code == _UNIMPLEMENTED and not replied:
                         raise StreamUnsupported(item.message)
                     raise _status_error(item)
                 replied = True
@@ -175,52 +295,32 @@ class StreamClient:
             if self._pending.pop(tag, None) is not None and not ended and self._call is call:
                 # The caller left first (cancelled, deadline, stopped reading): tell the
                 # peer, as cancelling the call would, without making the caller wait.
-                task = loop.create_task(self._cancel(call, tag))
-                _background.add(task)
-                task.add_done_callback(_background.discard)
+                cancel = outbox.add()
+                cancel.tag = tag
+                cancel.cancel = True
 
     def _expire(self, tag: int) -> None:
         inbox = self._pending.get(tag)
         if inbox is not None:
             inbox.put(_End(code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0], message="Deadline Exceeded"))
 
-    async def _cancel(self, call: grpc.aio.StreamStreamCall, tag: int) -> None:
-        try:
-            await self._write(call, self._request_cls(tag=tag, cancel=True))
-        except grpc.aio.AioRpcError:
-            pass  # the stream broke: the peer cancels everything on it anyway
-
-    async def _write(self, call: grpc.aio.StreamStreamCall, request: Any) -> None:
-        try:
-            async with self._write_lock:
-                await call.write(request)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
-            # The stream is gone; its reader fails every call on it (this one too).
-            # Raise what the reader will report, should it not have run yet.
-            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                self._broken(call, exc)
-                raise StreamUnsupported(detail or "") from None
-            self._broken(call, exc)
-            raise rpc_error(
-                grpc.StatusCode.UNAVAILABLE, f"hop stream to {self.peer} broke: {detail}"
-            ) from None
-
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
         reason: BaseException | None = None
+        replies_field, reply_field = self._shape.replies_field, self._shape.reply_field
         try:
             while True:
                 message = await call.read()
                 if message is grpc.aio.EOF:
                     break
-                inbox = self._pending.get(message.tag)
-                if inbox is None:
-                    continue  # a call this side gave up
-                if message.HasField(self._reply_field):
-                    inbox.put(getattr(message, self._reply_field))
-                if message.HasField("status"):
-                    self._pending.pop(message.tag, None)
-                    inbox.put(message.status)
+                for reply in getattr(message, replies_field):
+                    inbox = self._pending.get(reply.tag)
+                    if inbox is None:
+                        continue  # a call this side gave up
+                    if reply.HasField(reply_field):
+                        inbox.put(getattr(reply, reply_field))
+                    if reply.HasField("status"):
+                        self._pending.pop(reply.tag, None)
+                        inbox.put(reply.status)
         except grpc.aio.AioRpcError as exc:
             reason = exc
         except asyncio.CancelledError:
@@ -241,11 +341,14 @@ class StreamClient:
         reader, self._reader = self._reader, None
         if reader is not None and reader is not asyncio.current_task():
             reader.cancel()
+        outbox, self._outbox = self._outbox, None
+        if outbox is not None:
+            outbox.close()
         current.cancel()
         pending, self._pending = self._pending, {}
         if isinstance(reason, grpc.aio.AioRpcError) and reason.code() == grpc.StatusCode.UNIMPLEMENTED:
             self.supported = False
-            end = _End(code=grpc.StatusCode.UNIMPLEMENTED.value[0], message=reason.details() or "")
+            end = _End(code=_UNIMPLEMENTED, message=reason.details() or "")
         else:
             detail = reason.details() if isinstance(reason, grpc.aio.AioRpcError) else str(reason or "ended")
             end = _End(
@@ -261,7 +364,7 @@ class StreamClient:
             self._broken(call, None)
 
 
-_background: set[asyncio.Task[None]] = set()
+_UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED.value[0]
 
 # Served here (the callee's side): streams opened, and the calls that came on them.
 STREAMS_OPENED = Counter(
@@ -284,20 +387,16 @@ class StreamPool:
     def __init__(
         self,
         channels: ChannelPool,
+        shape: StreamShape,
         open_stream: Callable[[grpc.aio.Channel], grpc.aio.StreamStreamCall],
         plain: PlainCall,
-        request_cls: type,
-        payload_field: str,
-        reply_field: str,
         *,
         enabled: bool | None = None,
     ) -> None:
         self._channels = channels
+        self._shape = shape
         self._open_stream = open_stream
         self._plain = plain
-        self._request_cls = request_cls
-        self._payload_field = payload_field
-        self._reply_field = reply_field
         # None: on unless this process traces (its spans are per call).
         self.enabled = not telemetry.enabled() if enabled is None else enabled
         self.clients: dict[str, StreamClient] = {}
@@ -306,11 +405,7 @@ class StreamPool:
         client = self.clients.get(address)
         if client is None:
             client = StreamClient(
-                lambda: self._open_stream(self._channels.get(address)),
-                self._request_cls,
-                self._payload_field,
-                self._reply_field,
-                address,
+                lambda: self._open_stream(self._channels.get(address)), self._shape, address
             )
             self.clients[address] = client
         return client
@@ -357,51 +452,58 @@ _servers: weakref.WeakSet[StreamServer] = weakref.WeakSet()
 
 
 class StreamServer:
-    """Serves one multiplexed stream: each request runs `handler` in a task of its own."""
+    """Serves one multiplexed stream: each request runs `handler` (the plain call's own)
+    in a task of its own, its replies tagged, its end as a status."""
 
-    def __init__(
-        self,
-        context: grpc.aio.ServicerContext,
-        handler: Handler,
-        reply_cls: type,
-        payload_field: str,
-        reply_field: str,
-        method: str,
-    ) -> None:
+    def __init__(self, context: grpc.aio.ServicerContext, handler: Handler, shape: StreamShape) -> None:
         self._context = context
         self._handler = handler
-        self._reply_cls = reply_cls
-        self._payload_field = payload_field
-        self._reply_field = reply_field
-        self._method = method
+        self._shape = shape
+        self._payload_field = shape.payload_field
+        self._reply_field = shape.reply_field
+        self._method = shape.method
         self._tasks: dict[int, asyncio.Task[None]] = {}
-        self._write_lock = asyncio.Lock()
+        self._outbox: _Outbox | None = None
         self._draining = False
-        self._ended = False  # the caller half-closed: no more requests
+        self._ended = False  # the caller half-closed, or the stream broke: no more requests
         self._finished = asyncio.Event()
-        STREAMS_OPENED.labels(method).inc()
-        self._calls = STREAM_CALLS.labels(method)  # the child once, not a label lookup per call
+        STREAMS_OPENED.labels(shape.method).inc()
+        self._calls = STREAM_CALLS.labels(shape.method)  # the child once, not a label lookup per call
 
     async def serve(self) -> None:
         """Until the caller half-closes or the service drains, and then until the calls
         on the stream are done; cancelling this (the caller went away) cancels them all."""
         _servers.add(self)
+        self._outbox = _Outbox(
+            self._context.write, self._shape.replies_cls, self._shape.replies_field, self._write_failed
+        )
         reader = asyncio.get_running_loop().create_task(self._read_requests())
         try:
             await self._finished.wait()
+            await self._outbox.flush()  # the last statuses go out before the stream ends
         finally:
             _servers.discard(self)
             reader.cancel()
+            self._outbox.close()
             for task in list(self._tasks.values()):
                 task.cancel()
 
+    def _write_failed(self, exc: BaseException) -> None:
+        # The stream is gone: nobody is left to answer. gRPC cancels this handler too.
+        self._ended = True
+        for task in list(self._tasks.values()):
+            task.cancel()
+        self._check_finished()
+
     async def _read_requests(self) -> None:
+        field = self._shape.requests_field
         try:
             while True:
                 message = await self._context.read()
                 if message is grpc.aio.EOF:
                     break
-                self._on_request(message)
+                for request in getattr(message, field):
+                    self._on_request(request)
         finally:  # half-closed, or the stream broke: no more requests
             self._ended = True
             self._check_finished()
@@ -410,31 +512,28 @@ class StreamServer:
         if (self._ended or self._draining) and not self._tasks:
             self._finished.set()
 
-    def _on_request(self, message: Any) -> None:
-        tag = message.tag
-        if message.cancel:
+    def _on_request(self, request: Any) -> None:
+        tag = request.tag
+        if request.cancel:
             task = self._tasks.get(tag)
             if task is not None:
                 task.cancel()
             return
-        if not message.HasField(self._payload_field):
+        if not request.HasField(self._payload_field):
             return
         if self._draining:  # as a stopping server refuses a new call
-            self._send_end_soon(tag, grpc.StatusCode.UNAVAILABLE, f"{self._method}: the service is stopping")
+            self._end(tag, grpc.StatusCode.UNAVAILABLE, f"{self._method}: the service is stopping")
             return
         if tag in self._tasks:
-            self._send_end_soon(tag, grpc.StatusCode.INVALID_ARGUMENT, f"tag {tag} is in use on this stream")
+            self._end(tag, grpc.StatusCode.INVALID_ARGUMENT, f"tag {tag} is in use on this stream")
             return
-        payload = getattr(message, self._payload_field)
         self._calls.inc()
-        self._tasks[tag] = asyncio.get_running_loop().create_task(self._run(tag, payload, message.timeout_s))
-
-    def _send_end_soon(self, tag: int, code: grpc.StatusCode, text: str) -> None:
-        task = asyncio.get_running_loop().create_task(self._end(tag, code, text))
-        _background.add(task)
-        task.add_done_callback(_background.discard)
+        payload = getattr(request, self._payload_field)
+        self._tasks[tag] = asyncio.get_running_loop().create_task(self._run(tag, payload, request.timeout_s))
 
     async def _run(self, tag: int, payload: Any, timeout_s: float) -> None:
+        outbox = self._outbox
+        assert outbox is not None
         code, text, retry = grpc.StatusCode.OK, "", None
         context = PerCallContext(timeout_s)
         expired = cancelled = False
@@ -449,11 +548,14 @@ class StreamServer:
                 task.cancel()
 
             timer = asyncio.get_running_loop().call_later(timeout_s, expire)
+        field = self._reply_field
         try:
             async for item in self._handler(payload, context):
-                reply = self._reply_cls(tag=tag)
-                getattr(reply, self._reply_field).CopyFrom(item)
-                await self._write(reply)
+                reply = outbox.add()
+                reply.tag = tag
+                getattr(reply, field).CopyFrom(item)
+                if outbox.full:
+                    await outbox.room()
         except asyncio.CancelledError:
             cancelled = True
         except InferxError as exc:
@@ -472,25 +574,19 @@ class StreamServer:
                 self._check_finished()
                 return
             code, text = grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"  # as a call's
-        await self._end(tag, code, text, retry)
+        self._end(tag, code, text, retry)
         self._check_finished()
 
-    async def _end(
-        self, tag: int, code: grpc.StatusCode, text: str, retry_after_s: float | None = None
-    ) -> None:
-        status = common_pb2.StreamStatus(code=code.value[0], message=fit_status_message(text))
+    def _end(self, tag: int, code: grpc.StatusCode, text: str, retry_after_s: float | None = None) -> None:
+        if self._outbox is None or self._outbox.closed:
+            return  # the stream is gone, and the caller with it
+        reply = self._outbox.add()
+        reply.tag = tag
+        reply.status.code = code.value[0]
+        if text:
+            reply.status.message = fit_status_message(text)
         if retry_after_s is not None:
-            status.retry_after_s = retry_after_s
-        reply = self._reply_cls(tag=tag)
-        reply.status.CopyFrom(status)
-        try:
-            await self._write(reply)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, RuntimeError):
-            pass  # the stream is gone, and the caller with it
-
-    async def _write(self, reply: Any) -> None:
-        async with self._write_lock:
-            await self._context.write(reply)
+            reply.status.retry_after_s = retry_after_s
 
     def drain(self) -> None:
         """Take no new call on this stream; end it once the calls on it are done."""

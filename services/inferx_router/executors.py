@@ -12,7 +12,7 @@ import grpc
 from inferx import telemetry
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.errors import Unavailable, from_rpc_error
-from inferx.hopstream import StreamPool
+from inferx.hopstream import HOPS, StreamPool
 from inferx.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from inferx.wire import tier_to_proto
 from inferx_router import metrics
@@ -69,11 +69,9 @@ def scheduler_streams(channels: ChannelPool, *, enabled: bool | None = None) -> 
     off, tracing is on, or the scheduler has no `Hops`."""
     return StreamPool(
         channels,
+        HOPS,
         lambda channel: scheduler_pb2_grpc.SchedulerStub(channel).Hops(),
         _submit_hop,
-        scheduler_pb2.HopStreamRequest,
-        "hop",
-        "event",
         enabled=enabled,
     )
 

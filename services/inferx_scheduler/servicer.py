@@ -77,11 +77,9 @@ def worker_streams(channels: ChannelPool, *, enabled: bool | None = None) -> hop
     `Generate` call each where streams are off, tracing is on, or the worker has none."""
     return hopstream.StreamPool(
         channels,
+        hopstream.GENERATE,
         lambda channel: worker_pb2_grpc.ModelWorkerStub(channel).GenerateStream(),
         _generate,
-        worker_pb2.GenerateStreamRequest,
-        "request",
-        "chunk",
         enabled=enabled,
     )
 
@@ -122,9 +120,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Hops(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
         """SubmitHop's hops, many on one stream (`inferx.hopstream`)."""
-        await hopstream.StreamServer(
-            context, self.SubmitHop, scheduler_pb2.HopStreamEvent, "hop", "event", "/inferx.v1.Scheduler/Hops"
-        ).serve()
+        await hopstream.StreamServer(context, self.SubmitHop, hopstream.HOPS).serve()
 
     async def SubmitHop(self, request: scheduler_pb2.HopRequest, context: grpc.aio.ServicerContext):
         if not request.model:

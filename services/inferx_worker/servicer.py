@@ -76,14 +76,7 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServicer):
 
     async def GenerateStream(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
         """Generate's requests, many on one stream (`inferx.hopstream`)."""
-        await hopstream.StreamServer(
-            context,
-            self.Generate,
-            worker_pb2.GenerateStreamChunk,
-            "request",
-            "chunk",
-            "/inferx.v1.ModelWorker/GenerateStream",
-        ).serve()
+        await hopstream.StreamServer(context, self.Generate, hopstream.GENERATE).serve()
 
     def _prompt(self, request: worker_pb2.GenerateRequest) -> tuple[str, bool]:
         """A chat rendered by the model's own template, where the engine has one; else

@@ -51,9 +51,7 @@ class Hops(scheduler_pb2_grpc.SchedulerServicer):
             raise
 
     async def Hops(self, request_iterator, context):
-        await hopstream.StreamServer(
-            context, self.SubmitHop, scheduler_pb2.HopStreamEvent, "hop", "event", "/inferx.v1.Scheduler/Hops"
-        ).serve()
+        await hopstream.StreamServer(context, self.SubmitHop, hopstream.HOPS).serve()
 
 
 class PlainOnly(Hops):
