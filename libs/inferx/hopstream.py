@@ -23,9 +23,9 @@ stream per peer, each tagged by the caller:
 Flow control is HTTP/2's, per stream: a writer waits for the window, and with it the
 handler that produces (each handler writes its own replies, in order).
 
-Tracing: these streams are for the untraced path. With tracing on, callers use the
-plain calls, whose per-call spans (and the trace context in their metadata) are what
-the traces show (`inferx.telemetry`).
+Tracing: the stream itself has no span (it lives as long as the process); each call on
+it has the client and server spans a plain call has, with the same names, the trace
+context travelling in the request (`trace_context`) instead of the call's metadata.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from opentelemetry.trace import Span
 from prometheus_client import Counter
 
 from inferx import telemetry
@@ -107,6 +108,7 @@ class StreamShape:
     replies) and, on a call's last, `status`."""
 
     method: str
+    plain_method: str  # the plain call's: what a call on the stream is named in traces
     requests_cls: type
     requests_field: str
     payload_field: str
@@ -117,6 +119,7 @@ class StreamShape:
 
 HOPS = StreamShape(
     "/inferx.v1.Scheduler/Hops",
+    "/inferx.v1.Scheduler/SubmitHop",
     scheduler_pb2.HopStreamRequests,
     "requests",
     "hop",
@@ -126,6 +129,7 @@ HOPS = StreamShape(
 )
 GENERATE = StreamShape(
     "/inferx.v1.ModelWorker/GenerateStream",
+    "/inferx.v1.ModelWorker/Generate",
     worker_pb2.GenerateStreamRequests,
     "requests",
     "request",
@@ -257,8 +261,9 @@ class StreamClient:
             self._reader = asyncio.get_running_loop().create_task(self._read(call))
         return self._call, self._outbox
 
-    async def call(self, payload: Any, timeout: float | None) -> AsyncIterator[Any]:
-        """Send `payload` and yield its replies; raises as the plain call would."""
+    async def call(self, payload: Any, timeout: float | None, span: Span | None = None) -> AsyncIterator[Any]:
+        """Send `payload` and yield its replies; raises as the plain call would. `span`:
+        the call's client span, whose context goes with the request."""
         if not self.supported:
             raise StreamUnsupported(self.peer)
         if timeout is not None and timeout <= 0:
@@ -272,6 +277,8 @@ class StreamClient:
         if timeout is not None:
             request.timeout_s = timeout
         getattr(request, self._payload_field).CopyFrom(payload)
+        if span is not None:
+            telemetry.inject_context(request.trace_context, span)
         timer = None
         if timeout is not None:
             timer = asyncio.get_running_loop().call_later(timeout, self._expire, tag)
@@ -381,8 +388,8 @@ PlainCall = Callable[[grpc.aio.Channel, Any, float | None], AsyncIterator[Any]]
 class StreamPool:
     """Calls to peers by address: on the peer's multiplexed stream (one `StreamClient`
     per address, on the `ChannelPool`'s channel), or as the plain call where streams are
-    off (`enabled`: the service's --hop-streams and not tracing, whose spans are per
-    call) or the peer has no stream method."""
+    off (`enabled`: the service's --hop-streams) or the peer has no stream method. A
+    traced process gives each call on a stream the client span a plain call has."""
 
     def __init__(
         self,
@@ -391,14 +398,14 @@ class StreamPool:
         open_stream: Callable[[grpc.aio.Channel], grpc.aio.StreamStreamCall],
         plain: PlainCall,
         *,
-        enabled: bool | None = None,
+        enabled: bool = True,
     ) -> None:
         self._channels = channels
         self._shape = shape
         self._open_stream = open_stream
         self._plain = plain
-        # None: on unless this process traces (its spans are per call).
-        self.enabled = not telemetry.enabled() if enabled is None else enabled
+        self.enabled = enabled
+        self._traced = telemetry.enabled()
         self.clients: dict[str, StreamClient] = {}
 
     def client(self, address: str) -> StreamClient:
@@ -415,12 +422,25 @@ class StreamPool:
         if self.enabled:
             client = self.client(address)
             if client.supported:
+                # Traced: the call's client span, as the gRPC instrumentation makes for a
+                # plain call (the plain call below gets the instrumentation's own).
+                span = telemetry.start_call_span(self._shape.plain_method) if self._traced else None
+                code, message = grpc.StatusCode.OK, ""
                 try:
-                    async for reply in client.call(payload, timeout):
+                    async for reply in client.call(payload, timeout, span):
                         yield reply
                     return
                 except StreamUnsupported:  # raised before any reply: nothing was sent twice
                     log.info("%s has no multiplexed stream method: one call per request", address)
+                except grpc.aio.AioRpcError as exc:
+                    code, message = exc.code(), exc.details() or ""
+                    raise
+                except asyncio.CancelledError:
+                    code, message = grpc.StatusCode.CANCELLED, "cancelled"
+                    raise
+                finally:
+                    if span is not None:
+                        telemetry.end_call_span(span, code, message)
         async for reply in self._plain(self._channels.get(address), payload, timeout):
             yield reply
 
@@ -467,6 +487,7 @@ class StreamServer:
         self._draining = False
         self._ended = False  # the caller half-closed, or the stream broke: no more requests
         self._finished = asyncio.Event()
+        self._traced = telemetry.enabled()
         STREAMS_OPENED.labels(shape.method).inc()
         self._calls = STREAM_CALLS.labels(shape.method)  # the child once, not a label lookup per call
 
@@ -529,9 +550,22 @@ class StreamServer:
             return
         self._calls.inc()
         payload = getattr(request, self._payload_field)
-        self._tasks[tag] = asyncio.get_running_loop().create_task(self._run(tag, payload, request.timeout_s))
+        trace_context = request.trace_context if self._traced and len(request.trace_context) else None
+        self._tasks[tag] = asyncio.get_running_loop().create_task(
+            self._run(tag, payload, request.timeout_s, trace_context)
+        )
 
-    async def _run(self, tag: int, payload: Any, timeout_s: float) -> None:
+    async def _run(self, tag: int, payload: Any, timeout_s: float, trace_context: Any = None) -> None:
+        if trace_context is None:
+            await self._serve_call(tag, payload, timeout_s)
+            return
+        # The caller traces: the server span a plain call has, current for the handler.
+        span = telemetry.start_call_span(self._shape.plain_method, server=True, carrier=trace_context)
+        with telemetry.current(span):
+            code, text = await self._serve_call(tag, payload, timeout_s)
+        telemetry.end_call_span(span, code, text)
+
+    async def _serve_call(self, tag: int, payload: Any, timeout_s: float) -> tuple[grpc.StatusCode, str]:
         outbox = self._outbox
         assert outbox is not None
         code, text, retry = grpc.StatusCode.OK, "", None
@@ -572,10 +606,11 @@ class StreamServer:
         if cancelled:
             if not expired:  # by the caller (who expects nothing more) or the stream's end
                 self._check_finished()
-                return
+                return grpc.StatusCode.CANCELLED, "cancelled by the caller"
             code, text = grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"  # as a call's
         self._end(tag, code, text, retry)
         self._check_finished()
+        return code, text
 
     def _end(self, tag: int, code: grpc.StatusCode, text: str, retry_after_s: float | None = None) -> None:
         if self._outbox is None or self._outbox.closed:

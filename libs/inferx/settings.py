@@ -118,7 +118,7 @@ class ServiceSettings(TransportSettings):
     hop_streams: bool = Field(
         True,
         description="send hops to schedulers and workers as messages on one long-lived stream per "
-        "peer (Scheduler.Hops, ModelWorker.GenerateStream) instead of a call each; calls while tracing",
+        "peer (Scheduler.Hops, ModelWorker.GenerateStream) instead of a call each",
     )
     uvloop: bool = Field(True, description="run the service on uvloop's event loop where it is installed")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")

@@ -44,8 +44,14 @@ from inferx import __version__
 
 TRACER_NAME = "inferx"
 EXPORTERS = ("none", "console", "otlp", "file")
-# Only our own RPCs get spans: health probes and reflection would drown the traces.
-_OUR_RPCS = filters.service_prefix("inferx.v1.")
+# Only our own RPCs get spans: health probes and reflection would drown the traces. The
+# long-lived hop streams (Scheduler.Hops, ModelWorker.GenerateStream) get none either:
+# each call on them gets its own client and server span instead (`call_span`).
+STREAM_METHODS = ("Hops", "GenerateStream")
+_OUR_RPCS = filters.all_of(
+    filters.service_prefix("inferx.v1."),
+    filters.negate(filters.any_of(*(filters.method_name(m) for m in STREAM_METHODS))),
+)
 
 
 class TelemetryError(Exception):
@@ -178,6 +184,53 @@ def _recorded_span(
         name, context=parent, attributes=clean_attributes(attributes or {})
     ) as current:
         yield current
+
+
+def start_call_span(method: str, *, server: bool = False, carrier: Mapping[str, str] | None = None) -> Span:
+    """The span a call of `method` ("/inferx.v1.Scheduler/SubmitHop") has as a plain call
+    (the gRPC instrumentation's: same name, kind and attributes), for a call multiplexed
+    on a hop stream: the client's, a child of the current span, or (`server`) the
+    callee's, a child of the caller's span that `carrier` holds. Not made current here
+    (`current`); `end_call_span` ends it with the call's status."""
+    service, _, name = method.lstrip("/").partition("/")
+    attributes: dict[str, str | int] = {
+        "rpc.system": "grpc",
+        "rpc.service": service,
+        "rpc.method": name,
+        "rpc.grpc.status_code": 0,
+    }
+    parent = None
+    if carrier:
+        from opentelemetry import propagate
+
+        parent = propagate.extract(dict(carrier))
+    kind = trace.SpanKind.SERVER if server else trace.SpanKind.CLIENT
+    return tracer().start_span(method, context=parent, kind=kind, attributes=attributes)
+
+
+def end_call_span(current: Span, code: grpc.StatusCode, message: str = "") -> None:
+    current.set_attribute("rpc.grpc.status_code", code.value[0])
+    if code != grpc.StatusCode.OK:
+        current.set_status(Status(StatusCode.ERROR, f"{code.name}: {message}"))
+    current.end()
+
+
+def inject_context(carrier: Any, current: Span) -> None:
+    """`current`'s trace context (W3C traceparent) into `carrier` (a dict or a protobuf
+    map field), as the gRPC instrumentation puts it into a call's metadata."""
+    from opentelemetry import propagate
+
+    propagate.inject(carrier, context=trace.set_span_in_context(current))
+
+
+@contextmanager
+def current(span_: Span) -> Iterator[Span]:
+    """`span_` current while the block runs (in one task: attach and detach meet)."""
+    token = otel_context.attach(trace.set_span_in_context(span_))
+    try:
+        yield span_
+    finally:
+        otel_context.detach(token)
 
 
 def context_from_headers(headers: Mapping[str, str]) -> otel_context.Context | None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from inferx import etcd, telemetry
+from inferx import etcd
 from inferx.auth.limits import TenantQuotas
 from inferx.auth.store import AuthDirectory
 from inferx.chain.schema import MAX_UINT32
@@ -174,7 +174,7 @@ class RouterComponent(ServiceComponent):
         runtime.guard_calls(access.guard)
         quotas = TenantQuotas()  # one per router: gRPC runs and HTTP calls count alike
         # Every hop to a scheduler, from chains and programs alike, on one stream per scheduler.
-        streams = scheduler_streams(self.channels, enabled=settings.hop_streams and not telemetry.enabled())
+        streams = scheduler_streams(self.channels, enabled=settings.hop_streams)
         self.executor = SchedulerExecutor(self.services, self.channels, streams)
         # Dynamic programs' calls: the HTTP front and Router.CallModel share one path.
         self.calls = ProgramCalls(

@@ -63,10 +63,10 @@ def _submit_hop(channel: grpc.aio.Channel, request, timeout: float | None) -> As
     return scheduler_pb2_grpc.SchedulerStub(channel).SubmitHop(request, timeout=timeout)
 
 
-def scheduler_streams(channels: ChannelPool, *, enabled: bool | None = None) -> StreamPool:
+def scheduler_streams(channels: ChannelPool, *, enabled: bool = True) -> StreamPool:
     """Hops to schedulers on one multiplexed `Scheduler.Hops` stream per scheduler
     (issue #14: no call set-up per hop), or one `SubmitHop` call each where streams are
-    off, tracing is on, or the scheduler has no `Hops`."""
+    off (--no-hop-streams) or the scheduler has no `Hops`."""
     return StreamPool(
         channels,
         HOPS,

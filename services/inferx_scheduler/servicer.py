@@ -72,9 +72,9 @@ def _generate(channel: grpc.aio.Channel, request, timeout: float | None):
     return worker_pb2_grpc.ModelWorkerStub(channel).Generate(request, timeout=timeout)
 
 
-def worker_streams(channels: ChannelPool, *, enabled: bool | None = None) -> hopstream.StreamPool:
+def worker_streams(channels: ChannelPool, *, enabled: bool = True) -> hopstream.StreamPool:
     """Hops to workers on one multiplexed `ModelWorker.GenerateStream` per worker, or one
-    `Generate` call each where streams are off, tracing is on, or the worker has none."""
+    `Generate` call each where streams are off (--no-hop-streams) or the worker has none."""
     return hopstream.StreamPool(
         channels,
         hopstream.GENERATE,
@@ -116,7 +116,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._traced = telemetry.enabled()
         self._releases: set[asyncio.Task[None]] = set()  # releases still on their way
         # Hops to workers on one GenerateStream per worker (issue #14), else a call each.
-        self.worker_streams = worker_streams(channels, enabled=hop_streams and not self._traced)
+        self.worker_streams = worker_streams(channels, enabled=hop_streams)
 
     async def Hops(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
         """SubmitHop's hops, many on one stream (`inferx.hopstream`)."""

@@ -9,13 +9,14 @@ import asyncio
 import grpc
 import pytest
 
-from inferx import hopstream
+from inferx import hopstream, telemetry
 from inferx.discovery import ChannelPool
 from inferx.errors import ResourceExhausted, Unavailable, from_rpc_error
 from inferx.server import ErrorMappingInterceptor
 from inferx.tls import Transport
 from inferx.v1 import scheduler_pb2, scheduler_pb2_grpc
 from inferx_router.executors import scheduler_streams
+from tests.unit.test_telemetry import spans  # noqa: F401 (a fixture: the process's spans)
 
 Event = scheduler_pb2.HopEvent
 
@@ -44,6 +45,9 @@ class Hops(scheduler_pb2_grpc.SchedulerServicer):
                 raise ResourceExhausted("queue full", retry_after_s=2.5)
             if kind == "boom":
                 raise RuntimeError("a bug")
+            if kind == "traced":
+                with telemetry.span("inside the handler"):
+                    pass
             yield Event(kind=Event.KIND_TOKENS, text=arg[:1], worker_id="w1")
             yield Event(kind=Event.KIND_FINISHED, text=arg[1:], worker_id="w1")
         except asyncio.CancelledError:
@@ -256,6 +260,47 @@ async def test_draining_finishes_the_hops_in_flight_then_ends_the_stream(channel
         assert client._call is None  # the stream ended once its hop was done
         assert await texts(streams, address, "echo:again") == "again"  # a new stream
         assert client.opened == 2
+    finally:
+        await streams.close()
+        await server.stop(0)
+
+
+async def test_traced_hops_have_a_call_s_client_and_server_spans_linked_through_the_stream(
+    channels,
+    spans,  # noqa: F811
+) -> None:
+    servicer = Hops()
+    server, port = await serve(servicer)
+    streams = scheduler_streams(channels)  # made while this process traces
+    address = f"127.0.0.1:{port}"
+    try:
+        with telemetry.span("attempt"):
+            assert await texts(streams, address, "traced:ok") == "ok"
+            with pytest.raises(grpc.aio.AioRpcError):
+                await texts(streams, address, "busy")
+        finished = {(s.name, s.kind.name): s for s in spans.get_finished_spans()}
+        by_id = {s.context.span_id: s for s in spans.get_finished_spans()}
+        assert not [s for s in spans.get_finished_spans() if s.name.endswith("/Hops")]  # the stream has none
+        calls = [s for s in spans.get_finished_spans() if s.name == "/inferx.v1.Scheduler/SubmitHop"]
+        clients = [s for s in calls if s.kind.name == "CLIENT"]
+        servers = [s for s in calls if s.kind.name == "SERVER"]
+        assert len(clients) == len(servers) == 2
+        attempt = finished[("attempt", "INTERNAL")]
+        for client in clients:
+            assert client.parent.span_id == attempt.context.span_id
+        for server_span in servers:  # each the child of its client span, in the same trace
+            parent = by_id[server_span.parent.span_id]
+            assert parent in clients and parent.context.trace_id == attempt.context.trace_id
+        inside = finished[("inside the handler", "INTERNAL")]
+        ok_server = by_id[inside.parent.span_id]
+        assert ok_server in servers and ok_server.attributes["rpc.grpc.status_code"] == 0
+        failed = [
+            s
+            for s in calls
+            if s.attributes["rpc.grpc.status_code"] == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        ]
+        assert {s.kind.name for s in failed} == {"CLIENT", "SERVER"}
+        assert all(s.status.status_code.name == "ERROR" for s in failed)
     finally:
         await streams.close()
         await server.stop(0)
