@@ -356,7 +356,10 @@ class StreamClient:
         if isinstance(reason, grpc.aio.AioRpcError) and reason.code() == grpc.StatusCode.UNIMPLEMENTED:
             self.supported = False
             end = _End(code=_UNIMPLEMENTED, message=reason.details() or "")
-        else:
+        elif isinstance(reason, grpc.aio.AioRpcError) and reason.code() in _REFUSED:
+            # The peer refused the stream itself: each call would have been refused alike.
+            end = _End(code=reason.code().value[0], message=reason.details() or "")
+        else:  # the peer went away (or the transport broke): retryable, as a call to it
             detail = reason.details() if isinstance(reason, grpc.aio.AioRpcError) else str(reason or "ended")
             end = _End(
                 code=grpc.StatusCode.UNAVAILABLE.value[0],
@@ -372,6 +375,15 @@ class StreamClient:
 
 
 _UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED.value[0]
+# A stream that ended with one of these was refused by the peer, not broken: its calls
+# get the same status. Any other end fails them UNAVAILABLE.
+_REFUSED = {
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+}
 
 # Served here (the callee's side): streams opened, and the calls that came on them.
 STREAMS_OPENED = Counter(

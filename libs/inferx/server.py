@@ -117,6 +117,25 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 request_deserializer=None,  # raw bytes: `decode` turns them into the request
                 response_serializer=handler.response_serializer,
             )
+        if handler.stream_stream is not None and self.guard is not None:
+            # The hop streams (inferx.hopstream): the guard checks the stream once, when
+            # it opens (its calls come from the peer that opened it); each call's errors
+            # travel as that call's status on the stream.
+            inner_ss = handler.stream_stream
+            guard = self.guard
+
+            async def stream_stream(request_iterator, context):
+                try:
+                    guard(method, context)
+                except InferxError as exc:
+                    await abort_with(context, exc)
+                return await inner_ss(request_iterator, context)
+
+            return grpc.stream_stream_rpc_method_handler(
+                stream_stream,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
         return handler
 
 

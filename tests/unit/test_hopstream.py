@@ -11,7 +11,7 @@ import pytest
 
 from inferx import hopstream, telemetry
 from inferx.discovery import ChannelPool
-from inferx.errors import ResourceExhausted, Unavailable, from_rpc_error
+from inferx.errors import PermissionDenied, ResourceExhausted, Unavailable, from_rpc_error
 from inferx.server import ErrorMappingInterceptor
 from inferx.tls import Transport
 from inferx.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -69,8 +69,10 @@ class PlainOnly(Hops):
             yield event
 
 
-async def serve(servicer: Hops, port: int = 0) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()])
+async def serve(servicer: Hops, port: int = 0, guard=None) -> tuple[grpc.aio.Server, int]:
+    errors = ErrorMappingInterceptor()
+    errors.guard = guard
+    server = grpc.aio.server(interceptors=[errors])
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
@@ -301,6 +303,24 @@ async def test_traced_hops_have_a_call_s_client_and_server_spans_linked_through_
         ]
         assert {s.kind.name for s in failed} == {"CLIENT", "SERVER"}
         assert all(s.status.status_code.name == "ERROR" for s in failed)
+    finally:
+        await streams.close()
+        await server.stop(0)
+
+
+async def test_a_service_guard_refusing_the_stream_refuses_its_hops_with_its_status(channels) -> None:
+    def guard(method: str, context) -> None:
+        raise PermissionDenied(f"{method}: not for you")
+
+    servicer = Hops()
+    server, port = await serve(servicer, guard=guard)
+    streams = scheduler_streams(channels)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await texts(streams, f"127.0.0.1:{port}", "echo:no")
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED  # not a retryable UNAVAILABLE
+        assert "/inferx.v1.Scheduler/Hops: not for you" in (refused.value.details() or "")
+        assert servicer.started == []
     finally:
         await streams.close()
         await server.stop(0)
