@@ -324,3 +324,29 @@ async def test_a_service_guard_refusing_the_stream_refuses_its_hops_with_its_sta
     finally:
         await streams.close()
         await server.stop(0)
+
+
+async def test_items_queued_while_a_message_is_written_go_out_together_and_room_waits() -> None:
+    """The outbox: what queues during a write goes in the next message, and a full
+    outbox holds its producers until the writer takes the items (backpressure)."""
+    written: list[list[int]] = []
+    release = asyncio.Event()
+
+    async def write(batch: scheduler_pb2.HopStreamEvents) -> None:
+        written.append([item.tag for item in batch.events])
+        await release.wait()  # the peer's window is closed until released
+
+    outbox = hopstream._Outbox(write, scheduler_pb2.HopStreamEvents, "events", on_error=print, limit=3)
+    outbox.add().tag = 1
+    await asyncio.sleep(0)  # the writer takes it: alone in its message
+    for tag in (2, 3, 4):
+        outbox.add().tag = tag
+    assert outbox.full
+    waiting = asyncio.create_task(outbox.room())
+    await asyncio.sleep(0.01)
+    assert written == [[1]] and not waiting.done()  # held while the first write is stuck
+    release.set()
+    await asyncio.wait_for(waiting, 1)
+    await asyncio.wait_for(outbox.flush(), 1)
+    assert written == [[1], [2, 3, 4]]
+    outbox.close()
