@@ -20,8 +20,10 @@ stream per peer, each tagged by the caller:
   service's shutdown) stops new requests on every stream (UNAVAILABLE, as a stopping
   server refuses calls) and ends each stream once its requests are done.
 
-Flow control is HTTP/2's, per stream: a writer waits for the window, and with it the
-handler that produces (each handler writes its own replies, in order).
+Each side batches: what is ready while the previous message is being written goes out
+in the next one (`_Outbox`; one item per message when the stream is idle). Flow control
+is HTTP/2's, per stream: the writer waits for the window, and a handler whose replies
+pile up (more than the outbox's limit) waits for the writer.
 
 Tracing: the stream itself has no span (it lives as long as the process); each call on
 it has the client and server spans a plain call has, with the same names, the trace
@@ -463,7 +465,9 @@ class StreamPool:
 
 
 class PerCallContext:
-    """What a plain call's handler reads from its context, for one multiplexed call."""
+    """What a plain call's handler reads from its context, for one multiplexed call: its
+    deadline (`time_remaining`), as gRPC's context gives it from the request's timeout.
+    The handlers served on streams (SubmitHop, Generate) use nothing else of it."""
 
     __slots__ = ("_deadline",)
 
