@@ -46,7 +46,7 @@ TRACER_NAME = "inferx"
 EXPORTERS = ("none", "console", "otlp", "file")
 # Only our own RPCs get spans: health probes and reflection would drown the traces. The
 # long-lived hop streams (Scheduler.Hops, ModelWorker.GenerateStream) get none either:
-# each call on them gets its own client and server span instead (`call_span`).
+# each call on them gets its own client and server span instead (`start_call_span`).
 STREAM_METHODS = ("Hops", "GenerateStream")
 _OUR_RPCS = filters.all_of(
     filters.service_prefix("inferx.v1."),
