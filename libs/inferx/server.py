@@ -34,7 +34,7 @@ from google.protobuf import json_format
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from inferx import __version__, telemetry
+from inferx import __version__, hopstream, telemetry
 from inferx.errors import InferxError, Internal, InvalidArgument, abort_with
 from inferx.etcd import LeaseKeeper, make_client, service_key
 from inferx.settings import ServiceSettings, load_settings
@@ -117,6 +117,25 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 request_deserializer=None,  # raw bytes: `decode` turns them into the request
                 response_serializer=handler.response_serializer,
             )
+        if handler.stream_stream is not None and self.guard is not None:
+            # The hop streams (inferx.hopstream): the guard checks the stream once, when
+            # it opens (its calls come from the peer that opened it); each call's errors
+            # travel as that call's status on the stream.
+            inner_ss = handler.stream_stream
+            guard = self.guard
+
+            async def stream_stream(request_iterator, context):
+                try:
+                    guard(method, context)
+                except InferxError as exc:
+                    await abort_with(context, exc)
+                return await inner_ss(request_iterator, context)
+
+            return grpc.stream_stream_rpc_method_handler(
+                stream_stream,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
         return handler
 
 
@@ -197,12 +216,25 @@ def run_service(
     # grpc/aetcd are chatty at INFO about reconnects we already report ourselves.
     logging.getLogger("aetcd").setLevel(logging.WARNING)
     try:
-        asyncio.run(_serve(kind, settings, build))
+        with asyncio.Runner(loop_factory=_loop_factory(settings.uvloop)) as runner:
+            runner.run(_serve(kind, settings, build))
     except StartupError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     except KeyboardInterrupt:
         pass
+
+
+def _loop_factory(use_uvloop: bool) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop where it is installed and wanted (--uvloop, the default): the
+    loop's own cost per callback is part of every hop (issue #14); else asyncio's."""
+    if not use_uvloop:
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 class StartupError(Exception):
@@ -389,6 +421,9 @@ async def _shutdown(
     # Callers learn of the revoked lease through their etcd watch a moment later; keep
     # accepting calls that were already on their way meanwhile, so none is refused.
     await asyncio.sleep(deregister_grace_s)
+    # Long-lived hop streams take no new hop from here on and end once theirs are done,
+    # so the drain below waits for hops, not for streams that would never end.
+    hopstream.drain_all()
     await server.stop(grace_s)
     if health_server is not None:  # probes saw NOT_SERVING for the whole drain
         await health_server.stop(0)

@@ -115,6 +115,12 @@ class ServiceSettings(TransportSettings):
         description="largest gRPC request this service accepts, in bytes; gRPC refuses a larger "
         "one with RESOURCE_EXHAUSTED (internal calls carry whole prompts, hence the room)",
     )
+    hop_streams: bool = Field(
+        True,
+        description="send hops to schedulers and workers as messages on one long-lived stream per "
+        "peer (Scheduler.Hops, ModelWorker.GenerateStream) instead of a call each",
+    )
+    uvloop: bool = Field(True, description="run the service on uvloop's event loop where it is installed")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     instance_id: str = Field("", description="unique id of this instance (default: generated)")
     # Tracing stays off unless asked for, so a plain start prints no exporter errors.

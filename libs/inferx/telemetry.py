@@ -22,7 +22,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import grpc
@@ -44,8 +44,14 @@ from inferx import __version__
 
 TRACER_NAME = "inferx"
 EXPORTERS = ("none", "console", "otlp", "file")
-# Only our own RPCs get spans: health probes and reflection would drown the traces.
-_OUR_RPCS = filters.service_prefix("inferx.v1.")
+# Only our own RPCs get spans: health probes and reflection would drown the traces. The
+# long-lived hop streams (Scheduler.Hops, ModelWorker.GenerateStream) get none either:
+# each call on them gets its own client and server span instead (`start_call_span`).
+STREAM_METHODS = ("Hops", "GenerateStream")
+_OUR_RPCS = filters.all_of(
+    filters.service_prefix("inferx.v1."),
+    filters.negate(filters.any_of(*(filters.method_name(m) for m in STREAM_METHODS))),
+)
 
 
 class TelemetryError(Exception):
@@ -144,15 +150,87 @@ def trace_id_of(span: Span | None = None) -> str:
     return format(ctx.trace_id, "032x") if ctx.is_valid else ""
 
 
-@contextmanager
+class _NoSpan:
+    """What `span` gives with tracing off: the API's no-op span, without the API's cost
+    per span (a tracer lookup, a context attached and detached, the attributes cleaned:
+    ~20 us a span, several spans per hop; issue #14)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> Span:
+        return trace.INVALID_SPAN
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_SPAN = _NoSpan()
+
+
 def span(
     name: str, attributes: Mapping[str, Any] | None = None, *, parent: otel_context.Context | None = None
-) -> Iterator[Span]:
+) -> AbstractContextManager[Span]:
     """A child span of the current one (or of `parent`), current while the block runs."""
+    if not enabled():
+        return _NO_SPAN
+    return _recorded_span(name, attributes, parent)
+
+
+@contextmanager
+def _recorded_span(
+    name: str, attributes: Mapping[str, Any] | None, parent: otel_context.Context | None
+) -> Iterator[Span]:
     with tracer().start_as_current_span(
         name, context=parent, attributes=clean_attributes(attributes or {})
     ) as current:
         yield current
+
+
+def start_call_span(method: str, *, server: bool = False, carrier: Mapping[str, str] | None = None) -> Span:
+    """The span a call of `method` ("/inferx.v1.Scheduler/SubmitHop") has as a plain call
+    (the gRPC instrumentation's: same name, kind and attributes), for a call multiplexed
+    on a hop stream: the client's, a child of the current span, or (`server`) the
+    callee's, a child of the caller's span that `carrier` holds. Not made current here
+    (`current`); `end_call_span` ends it with the call's status."""
+    service, _, name = method.lstrip("/").partition("/")
+    attributes: dict[str, str | int] = {
+        "rpc.system": "grpc",
+        "rpc.service": service,
+        "rpc.method": name,
+        "rpc.grpc.status_code": 0,
+    }
+    parent = None
+    if carrier:
+        from opentelemetry import propagate
+
+        parent = propagate.extract(dict(carrier))
+    kind = trace.SpanKind.SERVER if server else trace.SpanKind.CLIENT
+    return tracer().start_span(method, context=parent, kind=kind, attributes=attributes)
+
+
+def end_call_span(current: Span, code: grpc.StatusCode, message: str = "") -> None:
+    current.set_attribute("rpc.grpc.status_code", code.value[0])
+    if code != grpc.StatusCode.OK:
+        current.set_status(Status(StatusCode.ERROR, f"{code.name}: {message}"))
+    current.end()
+
+
+def inject_context(carrier: Any, current: Span) -> None:
+    """`current`'s trace context (W3C traceparent) into `carrier` (a dict or a protobuf
+    map field), as the gRPC instrumentation puts it into a call's metadata."""
+    from opentelemetry import propagate
+
+    propagate.inject(carrier, context=trace.set_span_in_context(current))
+
+
+@contextmanager
+def current(span_: Span) -> Iterator[Span]:
+    """`span_` current while the block runs (in one task: attach and detach meet)."""
+    token = otel_context.attach(trace.set_span_in_context(span_))
+    try:
+        yield span_
+    finally:
+        otel_context.detach(token)
 
 
 def context_from_headers(headers: Mapping[str, str]) -> otel_context.Context | None:
@@ -208,6 +286,8 @@ def node_attributes(result: Any) -> dict[str, Any]:
 
 
 def finish_node_span(current: Span, result: Any) -> None:
+    if not current.is_recording():  # tracing off: nothing to build the attributes for
+        return
     current.set_attributes(node_attributes(result))
     if result.status not in ("ok", "skipped"):
         current.set_status(Status(StatusCode.ERROR, result.error or result.status))
@@ -232,16 +312,18 @@ class HopSpans:
 
     def __init__(self, clock_ns: Callable[[], int] = time.time_ns) -> None:
         self._clock_ns = clock_ns
-        self._parent = otel_context.get_current()
-        self.submitted_ns = clock_ns()
+        self._on = enabled()  # off: nothing is timed or built (issue #14)
+        self._parent = otel_context.get_current() if self._on else None
+        self.submitted_ns = clock_ns() if self._on else 0
         self.dispatched_ns = 0
 
     def dispatched(self) -> None:
-        self.dispatched_ns = self._clock_ns()
+        if self._on:
+            self.dispatched_ns = self._clock_ns()
 
     def finished(self, event: Any, *, tier: str = "") -> None:
         """`event`: the scheduler's FINISHED HopEvent (queue_ms, engine_ms, ttft_ms, usage)."""
-        if not enabled():
+        if not self._on:
             return
         done_ns = self._clock_ns()
         tracer_ = tracer()

@@ -21,7 +21,7 @@ from inferx.v1 import router_pb2, router_pb2_grpc
 from inferx_router import metrics, records, shared_runs
 from inferx_router.access import AccessControl
 from inferx_router.chain_store import ChainStore
-from inferx_router.executors import SchedulerExecutor
+from inferx_router.executors import SchedulerExecutor, scheduler_streams
 from inferx_router.http_front import HttpServer, OpenAIFront
 from inferx_router.knowledge import KnowledgeBase
 from inferx_router.load import LoadMonitor
@@ -173,10 +173,13 @@ class RouterComponent(ServiceComponent):
         access = AccessControl(auth)
         runtime.guard_calls(access.guard)
         quotas = TenantQuotas()  # one per router: gRPC runs and HTTP calls count alike
+        # Every hop to a scheduler, from chains and programs alike, on one stream per scheduler.
+        streams = scheduler_streams(self.channels, enabled=settings.hop_streams)
+        self.executor = SchedulerExecutor(self.services, self.channels, streams)
         # Dynamic programs' calls: the HTTP front and Router.CallModel share one path.
         self.calls = ProgramCalls(
             self.directory,
-            SchedulerExecutor(self.services, self.channels),
+            self.executor,
             access=access,
             quotas=quotas,
             default_timeout_s=settings.http_timeout_s,
@@ -213,6 +216,7 @@ class RouterComponent(ServiceComponent):
                 request_limits=settings.request_limits,
                 calls=self.calls,
                 shared=self.shared,
+                executor=self.executor,
             ),
             runtime.server,
         )
@@ -249,6 +253,7 @@ class RouterComponent(ServiceComponent):
         await self.shared.close()  # what is queued is put first (up to 2 s)
         for mirror in self.mirrors:
             await mirror.close()
+        await self.executor.streams.close()
         await self.channels.close()
 
 

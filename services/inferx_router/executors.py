@@ -5,13 +5,14 @@ The protobuf conversion of a hop happens here and nowhere else in the router."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
 from inferx import telemetry
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.errors import Unavailable, from_rpc_error
+from inferx.hopstream import HOPS, StreamPool
 from inferx.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from inferx.wire import tier_to_proto
 from inferx_router import metrics
@@ -58,12 +59,32 @@ def hop_request(hop: ModelHop) -> scheduler_pb2.HopRequest:
     return request
 
 
+def _submit_hop(channel: grpc.aio.Channel, request, timeout: float | None) -> AsyncIterator[Event]:
+    return scheduler_pb2_grpc.SchedulerStub(channel).SubmitHop(request, timeout=timeout)
+
+
+def scheduler_streams(channels: ChannelPool, *, enabled: bool = True) -> StreamPool:
+    """Hops to schedulers on one multiplexed `Scheduler.Hops` stream per scheduler
+    (issue #14: no call set-up per hop), or one `SubmitHop` call each where streams are
+    off (--no-hop-streams) or the scheduler has no `Hops`."""
+    return StreamPool(
+        channels,
+        HOPS,
+        lambda channel: scheduler_pb2_grpc.SchedulerStub(channel).Hops(),
+        _submit_hop,
+        enabled=enabled,
+    )
+
+
 class SchedulerExecutor:
     """Runs model hops through a scheduler found in etcd."""
 
-    def __init__(self, services: ServiceLocator, channels: ChannelPool) -> None:
+    def __init__(
+        self, services: ServiceLocator, channels: ChannelPool, streams: StreamPool | None = None
+    ) -> None:
         self._services = services
         self._channels = channels
+        self.streams = streams if streams is not None else scheduler_streams(channels)
 
     async def run_hop(
         self,
@@ -80,13 +101,12 @@ class SchedulerExecutor:
         if address is None:
             raise Unavailable(f"no scheduler registered in etcd within the hop's {timeout_s:.1f} s")
         timeout_s -= time.monotonic() - started
-        stub = scheduler_pb2_grpc.SchedulerStub(self._channels.get(address))
         spans = telemetry.HopSpans()  # queue wait / dispatch / engine spans from the reported timings
         tier = hop.tier.label
         text: list[str] = []
         done: HopDone | None = None
         try:
-            async for event in stub.SubmitHop(hop_request(hop), timeout=timeout_s):
+            async for event in self.streams.call(address, hop_request(hop), timeout_s):
                 if event.text:
                     text.append(event.text)  # each piece of text arrives once (TOKENS, then FINISHED's tail)
                     if on_text is not None:

@@ -15,6 +15,7 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from inferx.metric_children import child
 from inferx.v1 import common_pb2, router_pb2
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 30, 60)
@@ -138,13 +139,13 @@ def tier_name(tier: int) -> str:
 def observe_chain(
     chain: str, tier: str, finished: router_pb2.ChainFinished, *, slo_target: float | None = None
 ) -> None:
-    CHAIN_SECONDS.labels(chain, str(finished.chain_version), tier, finished.status).observe(
+    child(CHAIN_SECONDS, chain, str(finished.chain_version), tier, finished.status).observe(
         finished.latency_ms / 1000
     )
-    CHAIN_SLO.labels(chain, tier, "met" if finished.slo_met else "missed").inc()
-    SLO_LATENCY.labels(chain).set(finished.slo_ms / 1000)
+    child(CHAIN_SLO, chain, tier, "met" if finished.slo_met else "missed").inc()
+    child(SLO_LATENCY, chain).set(finished.slo_ms / 1000)
     if slo_target is not None:
-        SLO_TARGET.labels(chain).set(slo_target)
+        child(SLO_TARGET, chain).set(slo_target)
 
 
 def observe_tenant_run(tenant: str, finished: router_pb2.ChainFinished) -> int:
@@ -158,16 +159,17 @@ def observe_tenant_run(tenant: str, finished: router_pb2.ChainFinished) -> int:
 
 
 def observe_node(chain: str, node: str, result: router_pb2.NodeFinished) -> None:
-    NODE_SECONDS.labels(chain, node, result.status).observe(result.latency_ms / 1000)
+    child(NODE_SECONDS, chain, node, result.status).observe(result.latency_ms / 1000)
     if result.model:
-        PROMPT_TOKENS.labels(chain, result.model).inc(result.usage.prompt_tokens)
-        CACHED_PROMPT_TOKENS.labels(chain, result.model).inc(result.usage.cached_prompt_tokens)
-        COMPLETION_TOKENS.labels(chain, result.model).inc(result.usage.completion_tokens)
+        usage = result.usage
+        child(PROMPT_TOKENS, chain, result.model).inc(usage.prompt_tokens)
+        child(CACHED_PROMPT_TOKENS, chain, result.model).inc(usage.cached_prompt_tokens)
+        child(COMPLETION_TOKENS, chain, result.model).inc(usage.completion_tokens)
 
 
 def observe_hop(tier: str, event: object) -> None:
     """A model hop finished: `event` is the scheduler's FINISHED HopEvent."""
-    HOP_QUEUE_SECONDS.labels(getattr(event, "pool", "") or "unknown", tier).observe(
+    child(HOP_QUEUE_SECONDS, getattr(event, "pool", "") or "unknown", tier).observe(
         getattr(event, "queue_ms", 0.0) / 1000
     )
 

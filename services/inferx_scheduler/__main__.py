@@ -78,6 +78,7 @@ class SchedulerComponent(ServiceComponent):
             lookahead=self.lookahead,
             max_kv_wait_s=settings.max_kv_wait_s,
             budget=self.budget,
+            hop_streams=settings.hop_streams,
         )
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(self.servicer, runtime.server)
 
@@ -99,6 +100,7 @@ class SchedulerComponent(ServiceComponent):
         await self.health.close()
         for mirror in (self.workers, self.models, self.services.mirror):
             await mirror.close()
+        await self.servicer.worker_streams.close()
         await self.channels.close()
 
 

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import grpc
 
 from inferx.discovery import ChannelPool, ServiceLocator
+from inferx.metric_children import child
 from inferx.v1 import memory_pool_pb2, memory_pool_pb2_grpc
 from inferx_scheduler import metrics
 from inferx_scheduler.budget import LocalBudget, LocalReservation, ReservationKind
@@ -86,7 +87,7 @@ class KvBudget:
             run_id=run_id,
             hop_id=hop_id,
         )
-        metrics.KV_RESERVATIONS.labels("budget" if res is not None else "beyond_budget", kind).inc()
+        child(metrics.KV_RESERVATIONS, "budget" if res is not None else "beyond_budget", kind).inc()
         if self.budget.grow_wanted and self.supported:
             self._wake.set()
         return res

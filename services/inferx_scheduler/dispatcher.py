@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 
 from inferx.errors import Unavailable
+from inferx.metric_children import child
 from inferx.pools import PoolDirectory
 from inferx.scheduling.queue import DispatchQueue, QueuedHop, WorkerSlots
 from inferx.scheduling.registry import make_policy
@@ -84,7 +85,7 @@ class HopDispatcher:
                         future.set_exception(Unavailable(f"all workers of pool '{pool}' left"))
 
     def _publish_depth(self, pool: str) -> None:
-        metrics.QUEUE_DEPTH.labels(pool).set(self.queue.queued(pool))
+        child(metrics.QUEUE_DEPTH, pool).set(self.queue.queued(pool))
         metrics.set_queued_by_tier(pool, self.queue.queued_by_tier(pool))
 
     def _concurrency(self, max_concurrency: int) -> int:

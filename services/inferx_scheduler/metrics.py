@@ -2,6 +2,8 @@
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from inferx.metric_children import child
+
 QUEUE_DEPTH = Gauge("inferx_scheduler_queue_depth", "Hops waiting for a worker", ["pool"])
 QUEUE_WAIT_SECONDS = Histogram(
     "inferx_scheduler_queue_wait_seconds",
@@ -21,7 +23,7 @@ QUEUED_BY_TIER = Gauge("inferx_scheduler_queued_hops", "Hops waiting for a worke
 def set_queued_by_tier(pool: str, counts: dict[str, int]) -> None:
     """`counts`: tier name (realtime|standard|batch) -> hops of that tier queued in `pool`."""
     for tier in ("realtime", "standard", "batch"):
-        QUEUED_BY_TIER.labels(pool, tier).set(counts.get(tier, 0))
+        child(QUEUED_BY_TIER, pool, tier).set(counts.get(tier, 0))
 
 
 REDISPATCHES = Counter(

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from inferx import telemetry
+from inferx import hopstream, telemetry
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.errors import InvalidArgument, ResourceExhausted, Unavailable, from_rpc_error
+from inferx.metric_children import child
 from inferx.pools import no_worker_message
 from inferx.scheduling.queue import QueueFull, Rejected
 from inferx.scheduling.views import HopView, Tier
@@ -67,6 +68,22 @@ class WorkerFailed(Unavailable):
 WORKER_FAULTS = {grpc.StatusCode.UNAVAILABLE}
 
 
+def _generate(channel: grpc.aio.Channel, request, timeout: float | None):
+    return worker_pb2_grpc.ModelWorkerStub(channel).Generate(request, timeout=timeout)
+
+
+def worker_streams(channels: ChannelPool, *, enabled: bool = True) -> hopstream.StreamPool:
+    """Hops to workers on one multiplexed `ModelWorker.GenerateStream` per worker, or one
+    `Generate` call each where streams are off (--no-hop-streams) or the worker has none."""
+    return hopstream.StreamPool(
+        channels,
+        hopstream.GENERATE,
+        lambda channel: worker_pb2_grpc.ModelWorkerStub(channel).GenerateStream(),
+        _generate,
+        enabled=enabled,
+    )
+
+
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(
         self,
@@ -81,6 +98,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         lookahead: LookAhead | None = None,
         max_kv_wait_s: float = 120.0,
         budget: KvBudget | None = None,
+        hop_streams: bool = True,
     ) -> None:
         self._dispatcher = dispatcher
         self._directory = dispatcher.directory
@@ -97,6 +115,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         # tracing on, a "kv reserve" span does (off: not even a no-op span per hop).
         self._traced = telemetry.enabled()
         self._releases: set[asyncio.Task[None]] = set()  # releases still on their way
+        # Hops to workers on one GenerateStream per worker (issue #14), else a call each.
+        self.worker_streams = worker_streams(channels, enabled=hop_streams)
+
+    async def Hops(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
+        """SubmitHop's hops, many on one stream (`inferx.hopstream`)."""
+        await hopstream.StreamServer(context, self.SubmitHop, hopstream.HOPS).serve()
 
     async def SubmitHop(self, request: scheduler_pb2.HopRequest, context: grpc.aio.ServicerContext):
         if not request.model:
@@ -143,8 +167,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 self._dispatcher.cancel(hop)
                 raise
             queue_ms = (time.monotonic() - hop.enqueued_at) * 1000
-            metrics.QUEUE_WAIT_SECONDS.labels(pool).observe(queue_ms / 1000)
-            metrics.DISPATCHES.labels(pool, worker_id).inc()
+            child(metrics.QUEUE_WAIT_SECONDS, pool).observe(queue_ms / 1000)
+            child(metrics.DISPATCHES, pool, worker_id).inc()
             worker = self._directory.workers_by_pool.get(pool, {}).get(worker_id)
             if worker is None:
                 raise WorkerFailed(f"worker {worker_id} of pool '{pool}' left before the hop started")
@@ -207,14 +231,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 span.set_attribute("inferx.kv.reserved_from", source)
         else:
             reservation = await self._reserve(worker_id, view, context, ahead)
-        stub = worker_pb2_grpc.ModelWorkerStub(self._channels.get(address))
         remaining = context.time_remaining()
         try:
-            call = stub.Generate(
-                request,
-                timeout=remaining,
-            )
-            async for chunk in call:
+            async for chunk in self.worker_streams.call(address, request, remaining):
                 # Each piece of text crosses once: TOKENS as it comes, FINISHED only
                 # with what the worker's last chunk carried (the caller joins them).
                 if not chunk.finished:

@@ -7,6 +7,7 @@ import uuid
 
 import grpc
 
+from inferx import hopstream
 from inferx.chat_template import Chat
 from inferx.context_guard import ContextTooLong, check_or_truncate
 from inferx.errors import InferxError, Internal, InvalidArgument, Unavailable
@@ -72,6 +73,10 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServicer):
                 )
         finally:
             metrics.REQUESTS_RUNNING.dec()
+
+    async def GenerateStream(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
+        """Generate's requests, many on one stream (`inferx.hopstream`)."""
+        await hopstream.StreamServer(context, self.Generate, hopstream.GENERATE).serve()
 
     def _prompt(self, request: worker_pb2.GenerateRequest) -> tuple[str, bool]:
         """A chat rendered by the model's own template, where the engine has one; else

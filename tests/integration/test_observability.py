@@ -211,6 +211,15 @@ async def test_one_run_is_one_span_tree_across_all_five_services_under_the_agent
     lookup = one("/inferx.v1.Cache/Get", "CLIENT", "inferx-router", "node knowledge_retrieval")
     served = one("/inferx.v1.Cache/Get", "SERVER", "inferx-cache", "node knowledge_retrieval")
     assert attempt in [parent(lookup), parent(parent(lookup))] and parent(served) is lookup
+    # The hops went on the long-lived hop streams (issue #14), whose calls have the same
+    # spans as plain calls; the streams themselves have none.
+    assert not [s for s in spans if s["name"].endswith(("/Hops", "/GenerateStream"))]
+    addresses = await metrics_addresses(stack)
+    for kind, method in (("scheduler", "Scheduler/Hops"), ("worker", "ModelWorker/GenerateStream")):
+        samples = [scrape(address) for address in addresses[kind]]
+        calls = "inferx_hop_stream_calls_total"
+        served_on_streams = sum(total(each, calls, method=f"/inferx.v1.{method}") for each in samples)
+        assert served_on_streams >= len(MODEL_NODES), (kind, served_on_streams)
 
 
 async def test_an_agent_using_opentelemetry_and_our_sdk_continues_its_trace(traced) -> None:

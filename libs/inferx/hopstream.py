@@ -1,0 +1,655 @@
+"""Many server-streaming calls multiplexed on one long-lived bidirectional stream.
+
+A hop used to be a new call each time (router -> scheduler `SubmitHop`, scheduler ->
+worker `Generate`); setting up and tearing down a call is most of what gRPC's asyncio
+layer costs per hop (issue #14's profile). `Scheduler.Hops` and
+`ModelWorker.GenerateStream` carry the same requests and replies as messages on one
+stream per peer, each tagged by the caller:
+
+* `StreamClient` (caller side, one per peer address): `call(payload, timeout)` sends
+  one request and yields its replies. It ends as the call would have: normally, or by
+  raising the `grpc.aio.AioRpcError` the call would have raised (same code, message and
+  retry-after trailer), so callers handle errors exactly as before. The deadline is the
+  call's (DEADLINE_EXCEEDED), cancelling the caller sends `cancel`, and the stream
+  breaking fails every call on it with UNAVAILABLE (retryable, as a failed call to a
+  dead peer), the next call opening a new stream. A peer without the method
+  (UNIMPLEMENTED) raises `StreamUnsupported` before any reply: use the plain call.
+* `StreamServer` (servicer side, one per stream): runs each request's handler -- the
+  plain call's own handler, with a per-request `time_remaining()` -- in a task of its
+  own, writes its replies tagged, and ends it with its status. `drain_all` (the
+  service's shutdown) stops new requests on every stream (UNAVAILABLE, as a stopping
+  server refuses calls) and ends each stream once its requests are done.
+
+Each side batches: what is ready while the previous message is being written goes out
+in the next one (`_Outbox`; one item per message when the stream is idle). Flow control
+is HTTP/2's, per stream: the writer waits for the window, and a handler whose replies
+pile up (more than the outbox's limit) waits for the writer.
+
+Tracing: the stream itself has no span (it lives as long as the process); each call on
+it has the client and server spans a plain call has, with the same names, the trace
+context travelling in the request (`trace_context`) instead of the call's metadata.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import weakref
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from opentelemetry.trace import Span
+from prometheus_client import Counter
+
+from inferx import telemetry
+from inferx.discovery import ChannelPool
+from inferx.errors import RETRY_AFTER_KEY, InferxError, fit_status_message
+from inferx.v1 import common_pb2, scheduler_pb2, worker_pb2
+
+log = logging.getLogger("inferx.hopstream")
+
+# A reply of `_Inbox`: a payload message, or how the call ended.
+_End = common_pb2.StreamStatus
+
+
+class StreamUnsupported(Exception):
+    """The peer has no such stream method (an older version): use the plain call."""
+
+
+def rpc_error(
+    code: grpc.StatusCode, message: str, retry_after_s: float | None = None
+) -> grpc.aio.AioRpcError:
+    """The error a plain call ending with this status raises."""
+    trailing = grpc.aio.Metadata()
+    if retry_after_s is not None:
+        trailing.add(RETRY_AFTER_KEY, f"{retry_after_s:g}")
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details=message)
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _status_error(status: common_pb2.StreamStatus) -> grpc.aio.AioRpcError:
+    code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
+    retry = status.retry_after_s if status.HasField("retry_after_s") else None
+    return rpc_error(code, status.message, retry)
+
+
+class _Inbox:
+    """The replies of one call, as the stream's reader hands them over (no task, no queue)."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: deque[Any] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: Any) -> None:
+        self.items.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def get(self) -> Any:
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+            self.waiter = None
+        return self.items.popleft()
+
+
+@dataclass(frozen=True)
+class StreamShape:
+    """The messages of one multiplexed stream method: batches (`requests_cls` listing
+    `requests_field`) of requests with `tag`, `<payload_field>` (the plain call's
+    request), `cancel` and `timeout_s`; reply batches (`replies_cls` listing
+    `replies_field`) of replies with `tag`, `<reply_field>` (one of the plain call's
+    replies) and, on a call's last, `status`."""
+
+    method: str
+    plain_method: str  # the plain call's: what a call on the stream is named in traces
+    requests_cls: type
+    requests_field: str
+    payload_field: str
+    replies_cls: type
+    replies_field: str
+    reply_field: str
+
+
+HOPS = StreamShape(
+    "/inferx.v1.Scheduler/Hops",
+    "/inferx.v1.Scheduler/SubmitHop",
+    scheduler_pb2.HopStreamRequests,
+    "requests",
+    "hop",
+    scheduler_pb2.HopStreamEvents,
+    "events",
+    "event",
+)
+GENERATE = StreamShape(
+    "/inferx.v1.ModelWorker/GenerateStream",
+    "/inferx.v1.ModelWorker/Generate",
+    worker_pb2.GenerateStreamRequests,
+    "requests",
+    "request",
+    worker_pb2.GenerateStreamChunks,
+    "chunks",
+    "chunk",
+)
+
+
+class _Outbox:
+    """What one side sends on a stream, batched: items are added to the next message
+    (in place, no copy) and a writer task sends each message as soon as the previous one
+    is written, so one message carries one item when the stream is idle and everything
+    that queued meanwhile under load (a write is one operation through gRPC's poller
+    thread; one per item would serialize them on the stream). Backpressure: `room()`
+    waits while `limit` items are waiting (HTTP/2 flow control holds the writer)."""
+
+    def __init__(
+        self,
+        write: Callable[[Any], Any],
+        batch_cls: type,
+        items_field: str,
+        on_error: Callable[[BaseException], None],
+        limit: int = 512,
+    ) -> None:
+        self._write = write
+        self._batch_cls = batch_cls
+        self._items_field = items_field
+        self._on_error = on_error
+        self._limit = limit
+        self._batch = batch_cls()
+        self._items = getattr(self._batch, items_field)
+        self._wake: asyncio.Future[None] | None = None
+        self._room: asyncio.Future[None] | None = None
+        self._flushed = asyncio.Event()  # nothing waiting, nothing being written
+        self._flushed.set()
+        self.closed = False
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def add(self) -> Any:
+        """A new item of the next message, to be filled in before the caller awaits."""
+        item = self._items.add()
+        self._flushed.clear()
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+        return item
+
+    @property
+    def full(self) -> bool:
+        return len(self._items) >= self._limit
+
+    async def room(self) -> None:
+        while self.full and not self.closed:
+            if self._room is None or self._room.done():
+                self._room = asyncio.get_running_loop().create_future()
+            await self._room
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                if not len(self._items):
+                    self._flushed.set()
+                    self._wake = loop.create_future()
+                    await self._wake
+                    self._wake = None
+                    continue
+                batch = self._batch
+                self._batch = self._batch_cls()
+                self._items = getattr(self._batch, self._items_field)
+                if self._room is not None and not self._room.done():
+                    self._room.set_result(None)
+                await self._write(batch)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # the stream is gone (AioRpcError, InvalidStateError, ...)
+            self._on_error(exc)
+        finally:
+            self.closed = True
+            self._flushed.set()
+            if self._room is not None and not self._room.done():
+                self._room.set_result(None)
+
+    async def flush(self) -> None:
+        """Until what was added is written (or the stream is gone)."""
+        await self._flushed.wait()  # also set when the writer ends
+
+    def close(self) -> None:
+        self.closed = True
+        self._task.cancel()
+
+
+class StreamClient:
+    """One multiplexed stream to one peer, opened on first use and re-opened after a break.
+
+    `open_stream()` starts the bidirectional call (e.g. `SchedulerStub(ch).Hops()`) whose
+    messages `shape` describes."""
+
+    def __init__(
+        self, open_stream: Callable[[], grpc.aio.StreamStreamCall], shape: StreamShape, peer: str
+    ) -> None:
+        self._open_stream = open_stream
+        self._shape = shape
+        self._payload_field = shape.payload_field
+        self.peer = peer
+        self.supported = True  # False once the peer answered UNIMPLEMENTED
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._outbox: _Outbox | None = None
+        self._pending: dict[int, _Inbox] = {}
+        self._tags = itertools.count(1)
+        self.opened = 0  # streams opened so far (tests, diagnostics)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def _ensure_open(self) -> tuple[grpc.aio.StreamStreamCall, _Outbox]:
+        if self._call is None or self._outbox is None:
+            call = self._open_stream()
+            self._call = call
+            self.opened += 1
+            self._outbox = _Outbox(
+                call.write,
+                self._shape.requests_cls,
+                self._shape.requests_field,
+                lambda exc: self._broken(call, exc),
+            )
+            self._reader = asyncio.get_running_loop().create_task(self._read(call))
+        return self._call, self._outbox
+
+    async def call(self, payload: Any, timeout: float | None, span: Span | None = None) -> AsyncIterator[Any]:
+        """Send `payload` and yield its replies; raises as the plain call would. `span`:
+        the call's client span, whose context goes with the request."""
+        if not self.supported:
+            raise StreamUnsupported(self.peer)
+        if timeout is not None and timeout <= 0:
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        call, outbox = self._ensure_open()
+        tag = next(self._tags)
+        inbox = _Inbox()
+        self._pending[tag] = inbox
+        request = outbox.add()
+        request.tag = tag
+        if timeout is not None:
+            request.timeout_s = timeout
+        getattr(request, self._payload_field).CopyFrom(payload)
+        if span is not None:
+            telemetry.inject_context(request.trace_context, span)
+        timer = None
+        if timeout is not None:
+            timer = asyncio.get_running_loop().call_later(timeout, self._expire, tag)
+        ended = False
+        replied = False
+        try:
+            while True:
+                item = await inbox.get()
+                if isinstance(item, _End):
+                    ended = True
+                    if item.code == 0:
+                        return
+                    if item.code == _UNIMPLEMENTED and not replied:
+                        raise StreamUnsupported(item.message)
+                    raise _status_error(item)
+                replied = True
+                yield item
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if self._pending.pop(tag, None) is not None and not ended and self._call is call:
+                # The caller left first (cancelled, deadline, stopped reading): tell the
+                # peer, as cancelling the call would, without making the caller wait.
+                cancel = outbox.add()
+                cancel.tag = tag
+                cancel.cancel = True
+
+    def _expire(self, tag: int) -> None:
+        inbox = self._pending.get(tag)
+        if inbox is not None:
+            inbox.put(_End(code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0], message="Deadline Exceeded"))
+
+    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+        reason: BaseException | None = None
+        replies_field, reply_field = self._shape.replies_field, self._shape.reply_field
+        try:
+            while True:
+                message = await call.read()
+                if message is grpc.aio.EOF:
+                    break
+                for reply in getattr(message, replies_field):
+                    inbox = self._pending.get(reply.tag)
+                    if inbox is None:
+                        continue  # a call this side gave up
+                    if reply.HasField(reply_field):
+                        inbox.put(getattr(reply, reply_field))
+                    if reply.HasField("status"):
+                        self._pending.pop(reply.tag, None)
+                        inbox.put(reply.status)
+        except grpc.aio.AioRpcError as exc:
+            reason = exc
+        except asyncio.CancelledError:
+            reason = None
+            raise
+        except Exception as exc:  # a bug: fail the calls rather than hang them
+            log.exception("hop stream reader to %s failed", self.peer)
+            reason = exc
+        finally:
+            self._broken(call, reason)
+
+    def _broken(self, call: grpc.aio.StreamStreamCall, reason: BaseException | None) -> None:
+        """The stream `call` ended: fail what is still on it; the next call opens a new one."""
+        current = self._call
+        if current is None or current is not call:
+            return
+        self._call = None
+        reader, self._reader = self._reader, None
+        if reader is not None and reader is not asyncio.current_task():
+            reader.cancel()
+        outbox, self._outbox = self._outbox, None
+        if outbox is not None:
+            outbox.close()
+        current.cancel()
+        pending, self._pending = self._pending, {}
+        if isinstance(reason, grpc.aio.AioRpcError) and reason.code() == grpc.StatusCode.UNIMPLEMENTED:
+            self.supported = False
+            end = _End(code=_UNIMPLEMENTED, message=reason.details() or "")
+        elif isinstance(reason, grpc.aio.AioRpcError) and reason.code() in _REFUSED:
+            # The peer refused the stream itself: each call would have been refused alike.
+            end = _End(code=reason.code().value[0], message=reason.details() or "")
+        else:  # the peer went away (or the transport broke): retryable, as a call to it
+            detail = reason.details() if isinstance(reason, grpc.aio.AioRpcError) else str(reason or "ended")
+            end = _End(
+                code=grpc.StatusCode.UNAVAILABLE.value[0],
+                message=f"hop stream to {self.peer} broke: {detail}",
+            )
+        for inbox in pending.values():
+            inbox.put(end)
+
+    async def close(self) -> None:
+        call = self._call
+        if call is not None:
+            self._broken(call, None)
+
+
+_UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED.value[0]
+# A stream that ended with one of these was refused by the peer, not broken: its calls
+# get the same status. Any other end fails them UNAVAILABLE.
+_REFUSED = {
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+# Served here (the callee's side): streams opened, and the calls that came on them.
+STREAMS_OPENED = Counter(
+    "inferx_hop_streams_opened_total", "Multiplexed hop streams callers opened to this service", ["method"]
+)
+STREAM_CALLS = Counter(
+    "inferx_hop_stream_calls_total", "Calls (hops) that came on multiplexed hop streams", ["method"]
+)
+
+# The plain call: (channel, request, timeout) -> its replies.
+PlainCall = Callable[[grpc.aio.Channel, Any, float | None], AsyncIterator[Any]]
+
+
+class StreamPool:
+    """Calls to peers by address: on the peer's multiplexed stream (one `StreamClient`
+    per address, on the `ChannelPool`'s channel), or as the plain call where streams are
+    off (`enabled`: the service's --hop-streams) or the peer has no stream method. A
+    traced process gives each call on a stream the client span a plain call has."""
+
+    def __init__(
+        self,
+        channels: ChannelPool,
+        shape: StreamShape,
+        open_stream: Callable[[grpc.aio.Channel], grpc.aio.StreamStreamCall],
+        plain: PlainCall,
+        *,
+        enabled: bool = True,
+    ) -> None:
+        self._channels = channels
+        self._shape = shape
+        self._open_stream = open_stream
+        self._plain = plain
+        self.enabled = enabled
+        self._traced = telemetry.enabled()
+        self.clients: dict[str, StreamClient] = {}
+
+    def client(self, address: str) -> StreamClient:
+        client = self.clients.get(address)
+        if client is None:
+            client = StreamClient(
+                lambda: self._open_stream(self._channels.get(address)), self._shape, address
+            )
+            self.clients[address] = client
+        return client
+
+    async def call(self, address: str, payload: Any, timeout: float | None) -> AsyncIterator[Any]:
+        """`payload`'s replies from the peer at `address`; raises as the plain call would."""
+        if self.enabled:
+            client = self.client(address)
+            if client.supported:
+                # Traced: the call's client span, as the gRPC instrumentation makes for a
+                # plain call (the plain call below gets the instrumentation's own).
+                span = telemetry.start_call_span(self._shape.plain_method) if self._traced else None
+                code, message = grpc.StatusCode.OK, ""
+                try:
+                    async for reply in client.call(payload, timeout, span):
+                        yield reply
+                    return
+                except StreamUnsupported:  # raised before any reply: nothing was sent twice
+                    log.info("%s has no multiplexed stream method: one call per request", address)
+                except grpc.aio.AioRpcError as exc:
+                    code, message = exc.code(), exc.details() or ""
+                    raise
+                except asyncio.CancelledError:
+                    code, message = grpc.StatusCode.CANCELLED, "cancelled"
+                    raise
+                finally:
+                    if span is not None:
+                        telemetry.end_call_span(span, code, message)
+        async for reply in self._plain(self._channels.get(address), payload, timeout):
+            yield reply
+
+    async def close(self) -> None:
+        for client in self.clients.values():
+            await client.close()
+        self.clients.clear()
+
+
+class PerCallContext:
+    """What a plain call's handler reads from its context, for one multiplexed call: its
+    deadline (`time_remaining`), as gRPC's context gives it from the request's timeout.
+    The handlers served on streams (SubmitHop, Generate) use nothing else of it."""
+
+    __slots__ = ("_deadline",)
+
+    def __init__(self, timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        self._deadline = loop.time() + timeout_s if timeout_s > 0 else None
+
+    def time_remaining(self) -> float | None:
+        if self._deadline is None:
+            return None
+        return max(self._deadline - asyncio.get_running_loop().time(), 0.0)
+
+
+# A plain call's handler: (request, context) -> its replies.
+Handler = Callable[[Any, Any], AsyncIterator[Any]]
+
+_servers: weakref.WeakSet[StreamServer] = weakref.WeakSet()
+
+
+class StreamServer:
+    """Serves one multiplexed stream: each request runs `handler` (the plain call's own)
+    in a task of its own, its replies tagged, its end as a status."""
+
+    def __init__(self, context: grpc.aio.ServicerContext, handler: Handler, shape: StreamShape) -> None:
+        self._context = context
+        self._handler = handler
+        self._shape = shape
+        self._payload_field = shape.payload_field
+        self._reply_field = shape.reply_field
+        self._method = shape.method
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._outbox: _Outbox | None = None
+        self._draining = False
+        self._ended = False  # the caller half-closed, or the stream broke: no more requests
+        self._finished = asyncio.Event()
+        self._traced = telemetry.enabled()
+        STREAMS_OPENED.labels(shape.method).inc()
+        self._calls = STREAM_CALLS.labels(shape.method)  # the child once, not a label lookup per call
+
+    async def serve(self) -> None:
+        """Until the caller half-closes or the service drains, and then until the calls
+        on the stream are done; cancelling this (the caller went away) cancels them all."""
+        _servers.add(self)
+        self._outbox = _Outbox(
+            self._context.write, self._shape.replies_cls, self._shape.replies_field, self._write_failed
+        )
+        reader = asyncio.get_running_loop().create_task(self._read_requests())
+        try:
+            await self._finished.wait()
+            await self._outbox.flush()  # the last statuses go out before the stream ends
+        finally:
+            _servers.discard(self)
+            reader.cancel()
+            self._outbox.close()
+            for task in list(self._tasks.values()):
+                task.cancel()
+
+    def _write_failed(self, exc: BaseException) -> None:
+        # The stream is gone: nobody is left to answer. gRPC cancels this handler too.
+        self._ended = True
+        for task in list(self._tasks.values()):
+            task.cancel()
+        self._check_finished()
+
+    async def _read_requests(self) -> None:
+        field = self._shape.requests_field
+        try:
+            while True:
+                message = await self._context.read()
+                if message is grpc.aio.EOF:
+                    break
+                for request in getattr(message, field):
+                    self._on_request(request)
+        finally:  # half-closed, or the stream broke: no more requests
+            self._ended = True
+            self._check_finished()
+
+    def _check_finished(self) -> None:
+        if (self._ended or self._draining) and not self._tasks:
+            self._finished.set()
+
+    def _on_request(self, request: Any) -> None:
+        tag = request.tag
+        if request.cancel:
+            task = self._tasks.get(tag)
+            if task is not None:
+                task.cancel()
+            return
+        if not request.HasField(self._payload_field):
+            return
+        if self._draining:  # as a stopping server refuses a new call
+            self._end(tag, grpc.StatusCode.UNAVAILABLE, f"{self._method}: the service is stopping")
+            return
+        if tag in self._tasks:
+            self._end(tag, grpc.StatusCode.INVALID_ARGUMENT, f"tag {tag} is in use on this stream")
+            return
+        self._calls.inc()
+        payload = getattr(request, self._payload_field)
+        trace_context = request.trace_context if self._traced and len(request.trace_context) else None
+        self._tasks[tag] = asyncio.get_running_loop().create_task(
+            self._run(tag, payload, request.timeout_s, trace_context)
+        )
+
+    async def _run(self, tag: int, payload: Any, timeout_s: float, trace_context: Any = None) -> None:
+        if trace_context is None:
+            await self._serve_call(tag, payload, timeout_s)
+            return
+        # The caller traces: the server span a plain call has, current for the handler.
+        span = telemetry.start_call_span(self._shape.plain_method, server=True, carrier=trace_context)
+        with telemetry.current(span):
+            code, text = await self._serve_call(tag, payload, timeout_s)
+        telemetry.end_call_span(span, code, text)
+
+    async def _serve_call(self, tag: int, payload: Any, timeout_s: float) -> tuple[grpc.StatusCode, str]:
+        outbox = self._outbox
+        assert outbox is not None
+        code, text, retry = grpc.StatusCode.OK, "", None
+        context = PerCallContext(timeout_s)
+        expired = cancelled = False
+        timer = None
+        if timeout_s > 0:
+            task = asyncio.current_task()
+            assert task is not None
+
+            def expire() -> None:
+                nonlocal expired
+                expired = True
+                task.cancel()
+
+            timer = asyncio.get_running_loop().call_later(timeout_s, expire)
+        field = self._reply_field
+        try:
+            async for item in self._handler(payload, context):
+                reply = outbox.add()
+                reply.tag = tag
+                getattr(reply, field).CopyFrom(item)
+                if outbox.full:
+                    await outbox.room()
+        except asyncio.CancelledError:
+            cancelled = True
+        except InferxError as exc:
+            code, text, retry = exc.code, exc.message, exc.retry_after_s
+        except grpc.aio.AioRpcError as exc:  # a handler that lets its own call's error through
+            code, text = exc.code(), exc.details() or ""
+        except Exception as exc:
+            log.exception("unhandled error in %s", self._method)
+            code, text = grpc.StatusCode.INTERNAL, f"internal error in {self._method}: {exc}"
+        finally:
+            if timer is not None:
+                timer.cancel()
+            self._tasks.pop(tag, None)
+        if cancelled:
+            if not expired:  # by the caller (who expects nothing more) or the stream's end
+                self._check_finished()
+                return grpc.StatusCode.CANCELLED, "cancelled by the caller"
+            code, text = grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"  # as a call's
+        self._end(tag, code, text, retry)
+        self._check_finished()
+        return code, text
+
+    def _end(self, tag: int, code: grpc.StatusCode, text: str, retry_after_s: float | None = None) -> None:
+        if self._outbox is None or self._outbox.closed:
+            return  # the stream is gone, and the caller with it
+        reply = self._outbox.add()
+        reply.tag = tag
+        reply.status.code = code.value[0]
+        if text:
+            reply.status.message = fit_status_message(text)
+        if retry_after_s is not None:
+            reply.status.retry_after_s = retry_after_s
+
+    def drain(self) -> None:
+        """Take no new call on this stream; end it once the calls on it are done."""
+        if self._draining:
+            return
+        self._draining = True
+        self._check_finished()
+
+
+def drain_all() -> None:
+    """The service is stopping: every stream takes no new call and ends once its calls
+    are done (a caller sees the stream end and sends its next calls elsewhere, as it
+    would to a stopping server)."""
+    for server in list(_servers):
+        server.drain()
