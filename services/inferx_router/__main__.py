@@ -14,6 +14,7 @@ from inferx.auth.store import AuthDirectory
 from inferx.chain.schema import MAX_UINT32
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.limits import KIB, MAX_STORED_CHAIN_BYTES, MIB, RequestLimits
+from inferx.partitions import OwnerTable
 from inferx.pools import PoolDirectory
 from inferx.server import ServiceComponent, ServiceRuntime, run_service
 from inferx.settings import ServiceSettings
@@ -27,6 +28,7 @@ from inferx_router.knowledge import KnowledgeBase
 from inferx_router.load import LoadMonitor
 from inferx_router.program_calls import ProgramCalls
 from inferx_router.programs import ProgramBook
+from inferx_router.scheduler_target import SchedulerTargets
 from inferx_router.servicer import RouterServicer
 from inferx_router.tools import ToolRouter
 
@@ -165,6 +167,17 @@ class RouterComponent(ServiceComponent):
             etcd.PrefixMirror(runtime.etcd, etcd.WORKERS, self.directory.update_workers),
             etcd.PrefixMirror(runtime.etcd, etcd.MODELS, self.directory.update_models),
         ]
+        # A pool's hops go to the scheduler that owns the pool (watched, no read per hop).
+        self.owners = OwnerTable(runtime.etcd, "scheduler")
+        self.mirrors.append(self.owners.mirror)
+        targets = SchedulerTargets(
+            self.services,
+            self.owners,
+            self.directory,
+            # a dead owner's pools move when its lease ends; the margin covers the watch
+            failover_wait_s=settings.lease_ttl_s + 2.0,
+        )
+        executor = SchedulerExecutor(self.services, self.channels, targets)
         self.load = LoadMonitor(self.directory, self.services, self.channels, settings.degrade_load_threshold)
         # Tokens and tenants (docs/security.md); none of it with --insecure.
         auth = None if runtime.insecure else AuthDirectory(runtime.etcd)
@@ -176,7 +189,7 @@ class RouterComponent(ServiceComponent):
         # Dynamic programs' calls: the HTTP front and Router.CallModel share one path.
         self.calls = ProgramCalls(
             self.directory,
-            SchedulerExecutor(self.services, self.channels),
+            executor,
             access=access,
             quotas=quotas,
             default_timeout_s=settings.http_timeout_s,
@@ -213,6 +226,7 @@ class RouterComponent(ServiceComponent):
                 request_limits=settings.request_limits,
                 calls=self.calls,
                 shared=self.shared,
+                executor=executor,
             ),
             runtime.server,
         )

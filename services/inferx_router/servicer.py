@@ -56,6 +56,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         calls: ProgramCalls,
         request_limits: RequestLimits | None = None,
         shared: shared_runs.SharedRuns | None = None,
+        executor: SchedulerExecutor | None = None,
     ) -> None:
         self._store = store
         self._directory = directory
@@ -66,7 +67,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._max_active_runs = max_active_runs
         self._request_limits = request_limits or RequestLimits()
         self._active_runs = 0
-        self._executor = SchedulerExecutor(services, channels)
+        # the component's (hops to their pool's owning scheduler); else any scheduler
+        self._executor = executor or SchedulerExecutor(services, channels)
         self._access = access
         self._etcd = etcd_client  # tenants and tokens are written straight to etcd
         self._quotas = quotas

@@ -15,7 +15,8 @@ import grpc
 
 from inferx import telemetry
 from inferx.discovery import ChannelPool, ServiceLocator
-from inferx.errors import InvalidArgument, ResourceExhausted, Unavailable, from_rpc_error
+from inferx.errors import InvalidArgument, NoOwner, NotOwner, ResourceExhausted, Unavailable, from_rpc_error
+from inferx.partitions import PartitionElector
 from inferx.pools import no_worker_message
 from inferx.scheduling.queue import QueueFull, Rejected
 from inferx.scheduling.views import HopView, Tier
@@ -81,8 +82,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         lookahead: LookAhead | None = None,
         max_kv_wait_s: float = 120.0,
         budget: KvBudget | None = None,
+        partitions: PartitionElector | None = None,
     ) -> None:
         self._dispatcher = dispatcher
+        self._partitions = partitions
         self._directory = dispatcher.directory
         self._services = services
         self._channels = channels
@@ -106,6 +109,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         pool = self._directory.pool_of(request.model)
         if not self._directory.workers_for(request.model):
             raise Unavailable(no_worker_message(request.model, pool))
+        await self._check_owner(pool)
         view = hop_view(pool, request)  # the hop's facts, worked out once
         # Room a look-ahead kept for this hop: its own reservation replaces that one.
         ahead = self._lookahead.take(view) if self._lookahead is not None else None
@@ -122,6 +126,28 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     raise
                 metrics.REDISPATCHES.labels(pool).inc()
                 log.warning("re-dispatching %s/%s: %s", request.context.run_id, request.context.hop_id, exc)
+
+    async def _check_owner(self, pool: str) -> None:
+        """Serve a pool's hops only while this instance owns it: two schedulers taking
+        the same pool would each hold half of its chains' affinity and of its workers'
+        load. A hop for a pool nobody owns makes this instance campaign for it (if it
+        may serve it); otherwise the answer names the owner, so the router re-resolves."""
+        elector = self._partitions
+        if elector is None or elector.owns(pool):
+            return
+        owner = elector.table.owner(pool)
+        if owner is None and await elector.campaign(pool):
+            return
+        owner = elector.table.owner(pool)
+        if owner is None or owner.instance_id == elector.instance_id:  # ours under a lapsed lease
+            metrics.NOT_OWNER.labels(pool, "no_owner").inc()
+            raise NoOwner(f"no scheduler owns pool '{pool}' yet (an election is under way); retry")
+        metrics.NOT_OWNER.labels(pool, "redirected").inc()
+        raise NotOwner(
+            f"scheduler {elector.instance_id} does not own pool '{pool}': "
+            f"{owner.instance_id} at {owner.address} does",
+            owner_address=owner.address,
+        )
 
     async def _dispatch_once(
         self, request, view: HopView, context: grpc.aio.ServicerContext, ahead: AheadHold | None = None
@@ -378,6 +404,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         reply = scheduler_pb2.SchedulerStatus(
             policy=queue.policy_name, conservative=self._dispatcher.conservative
         )
+        if self._partitions is not None:
+            # Only the pools this instance owns: another owner answers for the others.
+            pools = [pool for pool in pools if self._partitions.owns(pool)]
         reply.worker_breakers.update(self._health.states())
         reply.model_to_pool.update(self._directory.model_to_pool)
         for pool in pools:
