@@ -162,7 +162,7 @@ class SchedulerExecutor:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise TimeoutError from None
             trailers = trailers_of(exc)
-            failure = classify(exc.code(), trailers)
+            failure = classify(exc.code(), trailers, exc.details() or "")
             if failure != Failure.OTHER and self._targets is not None:
                 raise _Resend(failure, trailers.get(OWNER_KEY, "")) from None
             raise from_rpc_error(exc, target=f"scheduler at {address}") from None

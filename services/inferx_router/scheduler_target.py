@@ -42,13 +42,21 @@ class Failure(enum.Enum):
     OTHER = "other"
 
 
-def classify(code: grpc.StatusCode, trailers: dict[str, str]) -> Failure:
+# What gRPC says when the TLS handshake failed: a misconfiguration (a certificate, a
+# name), not a dead scheduler; the caller must see it at once, not after a failover wait.
+TLS_FAILURE_WORDS = ("handshake", "ssl", "certificate", "verification")
+
+
+def classify(code: grpc.StatusCode, trailers: dict[str, str], details: str = "") -> Failure:
     """What a failed SubmitHop means for where the hop goes next."""
     if OWNER_KEY in trailers:
         return Failure.NOT_OWNER if trailers[OWNER_KEY] else Failure.NO_OWNER
     # A status raised by the scheduler's own code carries SERVICE_STATUS_KEY; an
-    # UNAVAILABLE without it came from the transport: the scheduler is gone.
+    # UNAVAILABLE without it came from the transport: the scheduler is gone (the
+    # connection broke, or nothing listens at its address any more).
     if code == grpc.StatusCode.UNAVAILABLE and SERVICE_STATUS_KEY not in trailers:
+        if any(word in details.lower() for word in TLS_FAILURE_WORDS):
+            return Failure.OTHER
         return Failure.OWNER_LOST
     return Failure.OTHER
 

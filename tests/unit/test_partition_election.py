@@ -86,6 +86,17 @@ def test_failures_are_told_apart(code, trailers, failure) -> None:
     assert classify(code, trailers) == failure
 
 
+def test_a_refused_certificate_is_not_a_lost_owner() -> None:
+    refused = (
+        "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:5: Ssl handshake failed: "
+        "SSL_ERROR_SSL: error:1000007d:SSL routines:OPENSSL_internal:CERTIFICATE_VERIFY_FAILED: "
+        "Hostname Verification Check failed."
+    )
+    assert classify(grpc.StatusCode.UNAVAILABLE, {}, refused) == Failure.OTHER
+    gone = "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:5: Connection refused"
+    assert classify(grpc.StatusCode.UNAVAILABLE, {}, gone) == Failure.OWNER_LOST
+
+
 def test_a_hop_cut_by_its_schedulers_death_is_resubmitted_exactly_once() -> None:
     attempts = HopAttempts()
     assert attempts.again(Failure.OWNER_LOST, streamed=False)
