@@ -33,6 +33,7 @@ async def registered_and_elected(stack: LocalStack) -> None:
             return Owner.decode(found.value) if found is not None else None
 
         elected = await poll_until(owner, timeout_s=10, what="an owner of the pool")
+        assert elected is not None
         assert elected.address in {stack.services[n].address for n in ("scheduler", "scheduler-1")}
 
 
