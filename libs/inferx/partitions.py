@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 # *sent* (etcd counts from receipt, later): the rest is margin for clock rates and a
 # slow reply, so an owner stops serving before etcd can hand its pool to another.
 VALID_FRACTION = 0.8
+# The partition of a service that elects one leader for every pool (the memory-pool's
+# ledger): `/inferx/v1/partitions/memory-pool/*`.
+ALL_POOLS = "*"
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,10 @@ class OwnerTable:
 
     def owner(self, pool: str) -> Owner | None:
         return self.owners.get(pool)
+
+    def address_of(self, pool: str) -> str | None:
+        owner = self.owners.get(pool)
+        return owner.address if owner is not None else None
 
     async def wait_owner(self, pool: str, timeout_s: float, *, not_address: str = "") -> Owner | None:
         """The owner of `pool` once it has one (other than `not_address`: the one that
@@ -312,5 +319,7 @@ class PartitionElector:
                 if won:
                     self.elected_at[pool] = time.monotonic()
                     log.info("%s %s now owns partition %s", self.kind, self.instance_id, pool)
-                    # Our own mirror may not have seen the put yet: owns() reads it.
+                    # Our own mirror may not have seen the put yet: owns() reads it,
+                    # and the service learns of its new partition now, not a watch later.
                     self.table.owners = {**self.table.owners, pool: me}
+                    self._changed()

@@ -14,7 +14,7 @@ from inferx.auth.store import AuthDirectory
 from inferx.chain.schema import MAX_UINT32
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.limits import KIB, MAX_STORED_CHAIN_BYTES, MIB, RequestLimits
-from inferx.partitions import OwnerTable
+from inferx.partitions import ALL_POOLS, OwnerTable
 from inferx.pools import PoolDirectory
 from inferx.server import ServiceComponent, ServiceRuntime, run_service
 from inferx.settings import ServiceSettings
@@ -170,6 +170,9 @@ class RouterComponent(ServiceComponent):
         # A pool's hops go to the scheduler that owns the pool (watched, no read per hop).
         self.owners = OwnerTable(runtime.etcd, "scheduler")
         self.mirrors.append(self.owners.mirror)
+        ledger = OwnerTable(runtime.etcd, "memory-pool")  # `inferx status` asks the one ledger
+        self.mirrors.append(ledger.mirror)
+        self.services.follow_leader("memory-pool", lambda: ledger.address_of(ALL_POOLS))
         targets = SchedulerTargets(
             self.services,
             self.owners,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from inferx import etcd
 from inferx.discovery import ChannelPool, ServiceLocator
-from inferx.partitions import PartitionElector
+from inferx.partitions import ALL_POOLS, OwnerTable, PartitionElector
 from inferx.pools import PoolDirectory
 from inferx.server import ServiceComponent, ServiceRuntime, run_service
 from inferx.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -35,6 +35,9 @@ class SchedulerComponent(ServiceComponent):
             policy_options=settings.policy_options(),
         )
         self.services = ServiceLocator(runtime.etcd)
+        # The memory-pools elect one ledger: every Reserve, Release and budget sync goes there.
+        self.ledger = OwnerTable(runtime.etcd, "memory-pool")
+        self.services.follow_leader("memory-pool", lambda: self.ledger.address_of(ALL_POOLS))
         self._health_interval_s = settings.health_check_interval_s
         self.budget = (
             KvBudget(
@@ -116,9 +119,9 @@ class SchedulerComponent(ServiceComponent):
                 metrics.OWNED_PARTITIONS.labels(pool).set(1 if self.partitions.owns(pool) else 0)
 
     async def ready(self) -> None:
-        for mirror in (self.workers, self.models, self.services.mirror):
+        for mirror in (self.workers, self.models, self.services.mirror, self.ledger.mirror):
             mirror.start()
-        for mirror in (self.workers, self.models, self.services.mirror):
+        for mirror in (self.workers, self.models, self.services.mirror, self.ledger.mirror):
             await mirror.wait_synced(timeout_s=30)
         self.health.start(self._health_interval_s)
         if self.budget is not None:
@@ -141,7 +144,7 @@ class SchedulerComponent(ServiceComponent):
         if self.lookahead is not None:
             await self.lookahead.close()
         await self.health.close()
-        for mirror in (self.workers, self.models, self.services.mirror):
+        for mirror in (self.workers, self.models, self.services.mirror, self.ledger.mirror):
             await mirror.close()
         await self.channels.close()
 

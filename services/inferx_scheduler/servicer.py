@@ -15,7 +15,15 @@ import grpc
 
 from inferx import telemetry
 from inferx.discovery import ChannelPool, ServiceLocator
-from inferx.errors import InvalidArgument, NoOwner, NotOwner, ResourceExhausted, Unavailable, from_rpc_error
+from inferx.errors import (
+    OWNER_KEY,
+    InvalidArgument,
+    NoOwner,
+    NotOwner,
+    ResourceExhausted,
+    Unavailable,
+    from_rpc_error,
+)
 from inferx.partitions import PartitionElector
 from inferx.pools import no_worker_message
 from inferx.scheduling.queue import QueueFull, Rejected
@@ -300,6 +308,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             replaces=remote_ahead,
         )
         waited, delay = 0.0, 0.05
+        redirected = False
         while True:
             try:
                 reply = await stub.Reserve(message, timeout=2.0)
@@ -307,6 +316,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 self._release_local(local_ahead)  # the hop's own reservation covers it now
                 return Hold(reply.reservation_id, address=address)
             except grpc.aio.AioRpcError as exc:
+                owner = dict(exc.trailing_metadata() or ()).get(OWNER_KEY)
+                if owner and not redirected:
+                    # Not the ledger (it moved since our watch saw it): the one named is.
+                    redirected, address = True, str(owner)
+                    stub = memory_pool_pb2_grpc.MemoryPoolStub(self._channels.get(address))
+                    continue
                 if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     self._set_conservative(True, f"memory-pool: {exc.code().name}")
                     self._release_local(local_ahead)

@@ -7,6 +7,9 @@
   the owner;
 * kill -9 of the owning scheduler while 40 chains run: all complete (hops in flight
   re-submitted once to the new owner) and the partition moves within the lease TTL;
+* one memory-pool holds the ledger (the other refuses Reserve/SyncBudget naming it);
+  kill -9 of it while 40 chains run: all complete, the ledger moves within the lease
+  TTL, and once they are done the new ledger counts nothing reserved (nothing leaked);
 * kill -9 of a router while chains run through both: the other router's chains all
   complete, and a client that retries its failed RunChain on the other router succeeds.
 """
@@ -27,9 +30,17 @@ from inferx import etcd
 from inferx.client import InferxClient
 from inferx.devstack import LocalStack, ManagedProcess, read_models_file, wait_serving
 from inferx.errors import OWNER_KEY, InferxError
-from inferx.partitions import Owner
-from inferx.v1 import common_pb2, router_pb2, scheduler_pb2, scheduler_pb2_grpc
+from inferx.partitions import ALL_POOLS, Owner
+from inferx.v1 import (
+    common_pb2,
+    memory_pool_pb2,
+    memory_pool_pb2_grpc,
+    router_pb2,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
 from tests.conftest import EXAMPLES, dump_logs, make_stack
+from tests.polling import poll_until
 
 pytestmark = pytest.mark.integration
 
@@ -236,6 +247,68 @@ async def test_kill_9_of_the_owning_scheduler_moves_the_partition_and_loses_no_c
     # The stack keeps two schedulers for what follows.
     stack.services.pop(next(n for n, p in stack.services.items() if p is doomed))
     wait_serving(stack.start_service("scheduler", replica=2), 60)
+
+
+async def ledger_owner(client: aetcd.Client) -> Owner | None:
+    found = await client.get(etcd.partition_key("memory-pool", ALL_POOLS).encode())
+    return Owner.decode(found.value) if found is not None else None
+
+
+async def test_one_memory_pool_holds_the_ledger_and_the_other_names_it(stack: LocalStack) -> None:
+    async with stack.etcd_client() as client:
+        leader = await ledger_owner(client)
+    assert leader is not None
+    follower = next(
+        p for n, p in stack.services.items() if n.startswith("memory-pool") and p.address != leader.address
+    )
+    async with grpc.aio.insecure_channel(follower.address) as channel:
+        stub = memory_pool_pb2_grpc.MemoryPoolStub(channel)
+        for call, request in (
+            (stub.Reserve, memory_pool_pb2.ReserveRequest(worker_id="w", tokens=10)),
+            (stub.SyncBudget, memory_pool_pb2.SyncBudgetRequest(holder="h", seq=1)),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call(request, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert (OWNER_KEY, leader.address) in tuple(refused.value.trailing_metadata() or ())
+
+
+async def test_kill_9_of_the_ledger_moves_it_and_loses_no_chain_nor_leaks(stack: LocalStack) -> None:
+    async with stack.etcd_client() as client:
+        leader = await ledger_owner(client)
+        assert leader is not None
+        doomed = next(p for p in stack.services.values() if p.address == leader.address)
+        runs = asyncio.ensure_future(run_many(routers(stack), 40, "ledger", parallel=40))
+        await asyncio.sleep(0.4)
+        assert not runs.done(), "the chains finished before the kill: nothing was tested"
+        doomed.signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        moved_s = None
+        while time.monotonic() - killed_at < LEASE_TTL_S + 5:
+            now = await ledger_owner(client)
+            if now is not None and now.address != leader.address:
+                moved_s, leader = time.monotonic() - killed_at, now
+                break
+            await asyncio.sleep(0.02)
+    finished = await runs
+    print(f"ledger moved {moved_s} s after kill -9 of its memory-pool (lease TTL {LEASE_TTL_S} s)")
+    assert moved_s is not None and moved_s <= LEASE_TTL_S + 1.0
+    assert_all_ok(finished)
+    # Nothing leaked: once the chains are done, the new ledger (taught by the schedulers'
+    # budget syncs) counts nothing reserved on any worker, budgets of live schedulers only.
+    async with grpc.aio.insecure_channel(leader.address) as channel:
+        stub = memory_pool_pb2_grpc.MemoryPoolStub(channel)
+
+        async def settled() -> memory_pool_pb2.PoolUsage | None:
+            usage = await stub.GetUsage(memory_pool_pb2.GetUsageRequest(), timeout=5)
+            rows = list(usage.workers)
+            idle = len(rows) == 3 and all(r.reserved_tokens == 0 and r.reservations == 0 for r in rows)
+            return usage if idle else None
+
+        usage = await poll_until(settled, timeout_s=15, interval_s=0.25, what="the new ledger to settle at 0")
+        assert usage is not None
+        assert all(r.budget_holders <= 2 and r.leased_tokens <= r.usable_tokens for r in usage.workers)
+    stack.services.pop(next(n for n, p in stack.services.items() if p is doomed))
 
 
 async def test_kill_9_of_a_router_a_client_retries_on_the_other(stack: LocalStack) -> None:
