@@ -9,9 +9,10 @@ deletes its keys, and the others' watches see it and campaign at once: a partiti
 moves within the lease TTL. Callers (routers) find a pool's owner in a watched mirror
 of the prefix, with no etcd read per call.
 
-Pure parts (what to campaign for, who owns what, whether an owner's lease is still
-surely valid) are functions and small classes with no I/O, tested on their own;
-`PartitionElector` does the etcd I/O.
+Pure parts (what to campaign for, who owns what) are functions with no I/O, tested on
+their own; `PartitionElector` does the etcd I/O. An owner keeps its partitions until
+etcd says its lease is gone, also while etcd cannot be reached (`PartitionElector.owns`
+says why).
 """
 
 from __future__ import annotations
@@ -30,10 +31,6 @@ from inferx import etcd
 
 log = logging.getLogger(__name__)
 
-# A lease is trusted for this fraction of its TTL counted from when its last renewal was
-# *sent* (etcd counts from receipt, later): the rest is margin for clock rates and a
-# slow reply, so an owner stops serving before etcd can hand its pool to another.
-VALID_FRACTION = 0.8
 # The partition of a service that elects one leader for every pool (the memory-pool's
 # ledger): `/inferx/v1/partitions/memory-pool/*`.
 ALL_POOLS = "*"
@@ -86,23 +83,6 @@ def pools_to_campaign(
     pool `seen` when None) that nobody owns. Sorted, so instances campaign in one order."""
     candidates = set(seen) if wanted is None else set(wanted)
     return sorted(pool for pool in candidates if pool not in owners)
-
-
-@dataclass
-class LeaseClock:
-    """Whether a lease is surely still valid here (pure: time passed in)."""
-
-    ttl_s: float
-    valid_until: float = 0.0
-
-    def renewed(self, sent_at: float) -> None:
-        self.valid_until = max(self.valid_until, sent_at + self.ttl_s * VALID_FRACTION)
-
-    def lost(self) -> None:
-        self.valid_until = 0.0
-
-    def valid(self, now: float) -> bool:
-        return now < self.valid_until
 
 
 class OwnerTable:
@@ -191,7 +171,6 @@ class PartitionElector:
         self._on_change = on_change
         self._seen: set[str] = set()
         self._lease: int | None = None
-        self.clock = LeaseClock(float(ttl_s))
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()  # one campaign transaction at a time
@@ -199,14 +178,20 @@ class PartitionElector:
 
     # ----- what the service asks -------------------------------------------------------
 
-    def owns(self, pool: str, now: float | None = None) -> bool:
+    def owns(self, pool: str) -> bool:
+        """The pool's key names this instance under its current lease. Held until etcd
+        says the lease is gone (or we resign), also while etcd cannot be reached: then
+        nobody can be elected in our place either, and the services go on serving
+        with what they hold, as they do for everything else during an etcd outage.
+        The price, only when this instance alone is cut off from an etcd the others
+        reach: it serves its pools alongside their new owner until it reaches etcd
+        again (for schedulers, affinity split for that time, never a wrong result)."""
         owner = self.table.owner(pool)
         return (
             owner is not None
             and self._lease is not None
             and owner.instance_id == self.instance_id
             and owner.lease == self._lease
-            and self.clock.valid(time.monotonic() if now is None else now)
         )
 
     def owned(self) -> list[str]:
@@ -245,7 +230,6 @@ class PartitionElector:
                 await self._task
             self._task = None
         lease, self._lease = self._lease, None
-        self.clock.lost()
         if lease is not None:
             try:
                 await self._client.revoke_lease(lease)
@@ -269,20 +253,17 @@ class PartitionElector:
             try:
                 now = time.monotonic()
                 if self._lease is None:
-                    sent = time.monotonic()
                     lease = await self._client.lease(self.ttl_s)
                     self._lease = lease.id
-                    self.clock.renewed(sent)
-                    next_renewal = sent + interval
+                    next_renewal = time.monotonic() + interval
                 elif now >= next_renewal:
                     sent = time.monotonic()
                     reply = await self._client.refresh_lease(self._lease)
                     if reply is None or reply.TTL <= 0:
                         log.warning("partition lease %x expired: every partition of it is lost", self._lease)
                         self._lease = None
-                        self.clock.lost()
+                        self._changed()
                         continue
-                    self.clock.renewed(sent)
                     next_renewal = sent + interval
                 todo = pools_to_campaign(self.wanted, self._seen, self.table.owners)
                 if todo:

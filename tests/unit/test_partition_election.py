@@ -1,6 +1,5 @@
 """The pure parts of partitions by model pool (issue 15): who owns what, what an
-instance campaigns for, when its lease is trusted, and how the router treats a hop
-refused or cut by a scheduler."""
+instance campaigns for, and how the router treats a hop refused or cut by a scheduler."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ import pytest
 
 from inferx import etcd
 from inferx.errors import OWNER_KEY, SERVICE_STATUS_KEY, NoOwner, NotOwner, from_rpc_error
-from inferx.partitions import VALID_FRACTION, LeaseClock, Owner, eligible, parse_owners, pools_to_campaign
+from inferx.partitions import Owner, eligible, parse_owners, pools_to_campaign
 from inferx.v1 import scheduler_pb2
 from inferx_router.load import PoolLoad, merge_loads
 from inferx_router.scheduler_target import MAX_REDIRECTS, Failure, HopAttempts, classify
@@ -43,19 +42,6 @@ def test_an_instance_campaigns_only_for_unowned_pools_it_may_serve() -> None:
     assert pools_to_campaign(frozenset({"a", "d"}), {"a", "b"}, owners) == ["d"]
     assert pools_to_campaign(None, set(), {}) == []
     assert eligible("b", None) and eligible("b", frozenset({"b"})) and not eligible("b", frozenset({"a"}))
-
-
-def test_a_lease_is_trusted_only_within_a_margin_of_its_last_renewal() -> None:
-    clock = LeaseClock(ttl_s=10.0)
-    assert not clock.valid(0.0)  # never renewed
-    clock.renewed(sent_at=100.0)
-    assert clock.valid(100.0 + 10 * VALID_FRACTION - 0.01)
-    # before etcd's own expiry (TTL from receipt): the owner stops first
-    assert not clock.valid(100.0 + 10 * VALID_FRACTION)
-    clock.renewed(sent_at=90.0)  # a late reply of an older renewal shortens nothing
-    assert clock.valid(107.9)
-    clock.lost()
-    assert not clock.valid(100.0)
 
 
 def test_an_owner_answer_travels_in_a_trailer() -> None:
