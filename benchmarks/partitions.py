@@ -3,7 +3,7 @@
 
   1. affinity: worker switches per 3-hop chain with one scheduler, then with two
      (partitioned: the routers send the pool's hops to its owner), and -- with
-     --compare-unpartitioned -- with two schedulers started --partitions false (the
+     --compare-unpartitioned -- with two schedulers started --no-partitions (the
      round-robin split main had before);
   2. failover: kill -9 of the owning scheduler while 40 chains run: how long until the
      partition's key names another scheduler (polled every 20 ms on one etcd
@@ -92,7 +92,7 @@ def one_seed(seed: int, lease_ttl_s: int, chains: int, unpartitioned: bool) -> d
             knowledge_base=ROOT / "examples" / "knowledge_base.jsonl",
         )  # fmt: skip
         try:
-            sched_flags = ["--partitions", "false"] if unpartitioned else []
+            sched_flags = ["--no-partitions"] if unpartitioned else []
             stack.start_etcd()
             for kind in ("router", "memory-pool", "cache"):
                 stack.start_service(kind)
