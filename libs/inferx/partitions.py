@@ -174,7 +174,6 @@ class PartitionElector:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()  # one campaign transaction at a time
-        self.elected_at: dict[str, float] = {}  # pool -> monotonic time this instance took it
 
     # ----- what the service asks -------------------------------------------------------
 
@@ -211,7 +210,10 @@ class PartitionElector:
         """Try to take `pool` now (a hop for an unowned pool arrived); True if owned after."""
         if not self.may_serve(pool) or self._lease is None:
             return False
-        await self._try_take([pool])
+        try:
+            await self._try_take([pool])
+        except etcd.ETCD_DOWN_ERRORS as exc:  # the caller answers "no owner yet"
+            log.warning("campaign for %s %s failed: %s", self.kind, pool, exc)
         return self.owns(pool)
 
     # ----- life cycle ------------------------------------------------------------------
@@ -298,7 +300,6 @@ class PartitionElector:
                     compare=[tx.create(key) == 0], success=[tx.put(key, me.encode(), lease=lease)], failure=[]
                 )
                 if won:
-                    self.elected_at[pool] = time.monotonic()
                     log.info("%s %s now owns partition %s", self.kind, self.instance_id, pool)
                     # Our own mirror may not have seen the put yet: owns() reads it,
                     # and the service learns of its new partition now, not a watch later.

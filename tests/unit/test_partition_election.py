@@ -3,16 +3,21 @@ instance campaigns for, and how the router treats a hop refused or cut by a sche
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
 from inferx import etcd
+from inferx.discovery import ServiceLocator
 from inferx.errors import OWNER_KEY, SERVICE_STATUS_KEY, NoOwner, NotOwner, from_rpc_error
-from inferx.partitions import Owner, eligible, parse_owners, pools_to_campaign
+from inferx.partitions import Owner, OwnerTable, eligible, parse_owners, pools_to_campaign
+from inferx.pools import PoolDirectory
 from inferx.v1 import scheduler_pb2
 from inferx_router.load import PoolLoad, merge_loads
-from inferx_router.scheduler_target import MAX_REDIRECTS, Failure, HopAttempts, classify
+from inferx_router.scheduler_target import MAX_REDIRECTS, Failure, HopAttempts, SchedulerTargets, classify
 from tests.unit.test_errors_and_settings import FakeRpcError
+from tests.unit.test_service_locator import registration
 
 PREFIX = etcd.partitions_prefix("scheduler")
 
@@ -109,3 +114,40 @@ def test_pool_load_is_summed_over_the_schedulers() -> None:
     other = scheduler_pb2.SchedulerStatus()  # a non-owner left over hops still running
     other.pools.add(pool="p", queued=0, running=1)
     assert merge_loads([owner, other]) == {"p": PoolLoad(running=3, queued=3, capacity=8)}
+
+
+def owners_table(owners: dict[str, Owner]) -> OwnerTable:
+    table = OwnerTable(client=None, kind="scheduler")  # fed by hand, never started
+    table._update({PREFIX + pool: owner.encode() for pool, owner in owners.items()})
+    return table
+
+
+def targets(table: OwnerTable, *schedulers: str) -> SchedulerTargets:
+    services = ServiceLocator(client=None)
+    services._update({f"/s/{a}": registration("scheduler", a) for a in schedulers})
+    directory = PoolDirectory(model_to_pool={"qwen-7b": "tiny"})
+    return SchedulerTargets(services, table, directory, failover_wait_s=0.3)
+
+
+async def test_a_hop_goes_to_its_pools_owner_or_any_scheduler_while_none() -> None:
+    table = owners_table({"tiny": Owner("s1", "s1:1", 7)})
+    assert await targets(table, "s1:1", "s2:1").first("qwen-7b", 1.0) == "s1:1"
+    nobody = targets(owners_table({}), "s2:1")
+    assert await nobody.first("qwen-7b", 1.0) == "s2:1"  # it campaigns, or says why it cannot
+
+
+async def test_after_a_lost_owner_the_hop_waits_for_the_next_one() -> None:
+    table = owners_table({"tiny": Owner("s1", "s1:1", 7)})
+    where = targets(table, "s1:1", "s2:1")
+    asyncio.get_running_loop().call_later(
+        0.05, table._update, {PREFIX + "tiny": Owner("s2", "s2:1", 8).encode()}
+    )
+    assert await where.after("qwen-7b", Failure.OWNER_LOST, "s1:1", "", 5.0) == "s2:1"
+    # the owner did not change within the failover wait (a dropped connection, not a
+    # death): the hop goes back to it, once
+    assert await where.after("qwen-7b", Failure.OWNER_LOST, "s2:1", "", 5.0) == "s2:1"
+
+
+async def test_a_refusal_naming_the_owner_is_followed() -> None:
+    where = targets(owners_table({}), "s1:1", "s2:1")
+    assert await where.after("qwen-7b", Failure.NOT_OWNER, "s1:1", "s2:1", 1.0) == "s2:1"
