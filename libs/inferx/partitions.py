@@ -174,6 +174,7 @@ class PartitionElector:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()  # one campaign transaction at a time
+        self._first_round = asyncio.Event()  # the first campaign is done
 
     # ----- what the service asks -------------------------------------------------------
 
@@ -223,6 +224,15 @@ class PartitionElector:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name=f"partitions:{self.kind}")
 
+    async def wait_first_round(self, timeout_s: float) -> bool:
+        """Wait until the first campaign is done (a lone instance then owns what it may
+        serve, before it reports SERVING); False if etcd did not answer in time."""
+        try:
+            await asyncio.wait_for(self._first_round.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
     async def resign(self) -> None:
         """Give every partition up at once (revoke the lease): on a clean shutdown the
         others take them now, not a TTL later."""
@@ -270,6 +280,7 @@ class PartitionElector:
                 todo = pools_to_campaign(self.wanted, self._seen, self.table.owners)
                 if todo:
                     await self._try_take(todo)
+                self._first_round.set()
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), max(next_renewal - time.monotonic(), 0.01))

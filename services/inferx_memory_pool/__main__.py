@@ -335,6 +335,9 @@ class MemoryPoolComponent(ServiceComponent):
         self._poller = asyncio.create_task(self._poll_usage(), name="kv-usage-poller")
         if self.elector is not None:
             self.elector.start()
+            # Serving only once the first campaign is done: a lone instance owns what
+            # it may serve from its first call (etcd down: go on, it campaigns later).
+            await self.elector.wait_first_round(timeout_s=5)
 
     async def draining(self) -> None:
         if self.elector is not None:  # another instance takes the ledger now

@@ -128,6 +128,9 @@ class SchedulerComponent(ServiceComponent):
             self.budget.start()
         if self.partitions is not None:
             self.partitions.start()
+            # Serving only once the first campaign is done: a lone instance owns what
+            # it may serve from its first call (etcd down: go on, it campaigns later).
+            await self.partitions.wait_first_round(timeout_s=5)
 
     async def draining(self) -> None:
         # Hand the pools over now: the routers send new hops to the next owner while
