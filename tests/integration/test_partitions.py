@@ -36,6 +36,7 @@ from inferx.v1 import (
     memory_pool_pb2,
     memory_pool_pb2_grpc,
     router_pb2,
+    router_pb2_grpc,
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
@@ -188,6 +189,23 @@ async def test_chains_through_both_routers_keep_their_worker_as_with_one_schedul
     assert per_chain_two <= per_chain_one, (per_chain_one, per_chain_two)
     owner = await owner_of(stack)
     assert owner is not None and owner.address == stack.services["scheduler"].address
+    # every run's trace is found through either router (shared run records)
+    for address in routers(stack):
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            for finished in two[:10]:
+
+                async def found(
+                    run_id: str = finished.run_id, stub: router_pb2_grpc.RouterStub = stub
+                ) -> bool:
+                    try:
+                        trace = await stub.GetRun(router_pb2.GetRunRequest(run_id=run_id), timeout=10)
+                    except grpc.aio.AioRpcError as exc:
+                        assert exc.code() == grpc.StatusCode.NOT_FOUND, exc
+                        return False
+                    return trace.finished.run_id == run_id
+
+                await poll_until(found, timeout_s=10, interval_s=0.1, what=f"run {finished.run_id}")
 
 
 async def test_a_scheduler_that_does_not_own_the_pool_names_its_owner(stack: LocalStack) -> None:
