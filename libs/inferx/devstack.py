@@ -166,6 +166,9 @@ class StackPorts:
     worker_base: int = 50061
     metrics_base: int = 9100
     router_http: int = 8000  # the router's OpenAI-compatible HTTP front; 0 = off
+    #: replica i of a service listens on its kind's port + i * this (`inferx up
+    #: --replicas`: router 50051, 50151, ...); 0: any free port
+    replica_step: int = 100
 
     @classmethod
     def free(cls) -> StackPorts:
@@ -179,7 +182,14 @@ class StackPorts:
             worker_base=0,
             metrics_base=0,
             router_http=free_port(),
+            replica_step=0,
         )
+
+    def replica_port(self, kind: str, replica: int) -> int:
+        """The port of replica `replica` of `kind` (0: pick a free one)."""
+        if replica == 0:
+            return self.service_port(kind)
+        return self.service_port(kind) + replica * self.replica_step if self.replica_step else 0
 
     def service_port(self, kind: str) -> int:
         return {
@@ -463,17 +473,20 @@ class LocalStack:
         replica: int = 0,
         transport_flags: Sequence[str] | None = None,
     ) -> ManagedProcess:
-        """Start one service; replica > 0 starts another instance (any free port),
-        registered as services[f"{kind}-{replica}"]. `transport_flags` replace the
-        stack's TLS flags, as in `start_worker`."""
-        port = self.ports.service_port(kind) if replica == 0 else free_port()
+        """Start one service; replica > 0 starts another instance (its kind's port +
+        replica x `ports.replica_step`, or any free port), registered as
+        services[f"{kind}-{replica}"]. `transport_flags` replace the stack's TLS flags,
+        as in `start_worker`."""
+        port = self.ports.replica_port(kind, replica) or free_port()
+        step = self.ports.replica_step
         name = kind if replica == 0 else f"{kind}-{replica}"
         metrics_port = self._metrics_port()
         extra = list(extra)
         if kind == "router" and self.knowledge_base is not None:
             extra += ["--knowledge-base", str(self.knowledge_base)]
-        if kind == "router" and replica == 0 and self.ports.router_http:
-            extra += ["--http-port", str(self.ports.router_http)]
+        if kind == "router" and self.ports.router_http and (replica == 0 or step):
+            # each router its own OpenAI front: 8000, 8001, ...
+            extra += ["--http-port", str(self.ports.router_http + replica)]
         proc = ManagedProcess(
             name,
             self._service_argv(kind, port, metrics_port, extra, transport_flags),
@@ -516,15 +529,23 @@ class LocalStack:
         self.workers.append(proc)
         return proc
 
-    def start_core(self, timeout_s: float = 60.0) -> None:
-        """etcd, then router, scheduler, memory-pool and cache, all SERVING."""
+    def start_core(self, timeout_s: float = 60.0, *, replicas: int = 1) -> None:
+        """etcd, then `replicas` of each of router, scheduler, memory-pool and cache,
+        all SERVING (each registers itself in etcd; the schedulers elect an owner per
+        model pool among themselves)."""
+        if replicas < 1:
+            raise StackError(f"--replicas must be at least 1, got {replicas}")
         if self.etcd is None:
             self.start_etcd()
-        for kind in SERVICE_KINDS:
-            if kind not in self.services:
-                self.start_service(kind)
-        for kind in SERVICE_KINDS:
-            wait_serving(self.services[kind], timeout_s)
+        names = []
+        for replica in range(replicas):
+            for kind in SERVICE_KINDS:
+                name = kind if replica == 0 else f"{kind}-{replica}"
+                if name not in self.services:
+                    self.start_service(kind, replica=replica)
+                names.append(name)
+        for name in names:
+            wait_serving(self.services[name], timeout_s)
         self.write_stack_file()
 
     def write_stack_file(self) -> Path:
@@ -615,7 +636,7 @@ def read_models_file(path: Path) -> dict[str, str]:
 
 
 def run_foreground(
-    engine: str = "vllm", workers: int = 1, http_port: int = 8000, insecure: bool = False
+    engine: str = "vllm", workers: int = 1, http_port: int = 8000, insecure: bool = False, replicas: int = 1
 ) -> int:
     """`inferx up`: start everything, load the examples, wait for Ctrl-C, stop everything."""
     root = Path.cwd()
@@ -651,7 +672,8 @@ def run_foreground(
         mapping = read_models_file(examples / "models.yaml")
         pool = sorted(set(mapping.values()))[0]
         step("etcd", lambda: stack.start_etcd())
-        step("router, scheduler, memory-pool, cache", lambda: stack.start_core())
+        what = "router, scheduler, memory-pool, cache" + (f" (x{replicas})" if replicas > 1 else "")
+        step(what, lambda: stack.start_core(replicas=replicas))
         stack.load_models(mapping)
         worker_extra = (
             ["--model-path", str(root / ".inferx" / "models" / "tiny-llama")] if engine == "vllm" else []

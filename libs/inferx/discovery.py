@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Callable
 
 import aetcd
 import grpc
@@ -56,6 +57,8 @@ class ServiceLocator:
         self._by_kind: dict[str, list[common_pb2.ServiceInfo]] = {}
         self._round_robin = itertools.count()
         self._updated = asyncio.Event()  # set on every change, for `wait_pick`
+        # kinds whose instances elect one leader (the memory-pool's one ledger): its address
+        self._leaders: dict[str, Callable[[], str | None]] = {}
 
     def start(self) -> None:
         self.mirror.start()
@@ -100,8 +103,21 @@ class ServiceLocator:
                 return None
         return address
 
+    def follow_leader(self, kind: str, leader: Callable[[], str | None]) -> None:
+        """`kind`'s instances elect one leader (`leader()` says where it is, None while
+        there is none): `pick(kind)` answers it while there is one."""
+        self._leaders[kind] = leader
+
+    def leader(self, kind: str) -> str | None:
+        found = self._leaders.get(kind)
+        return found() if found is not None else None
+
     def pick(self, kind: str) -> str | None:
-        """Address of one live instance of `kind` (round-robin), or None."""
+        """Address of `kind`'s elected leader if it has one, else of one live instance
+        of `kind` (round-robin), or None."""
+        leader = self.leader(kind)
+        if leader:
+            return leader
         infos = self._by_kind.get(kind)
         if not infos:
             return None

@@ -15,10 +15,15 @@ class InferxError(Exception):
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
 
-    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+    def __init__(
+        self, message: str, *, retry_after_s: float | None = None, owner_address: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.retry_after_s = retry_after_s
+        #: a partitioned service's answer to a call for a partition it does not own: the
+        #: owner's address ("" = no owner yet), so the caller re-resolves (see OWNER_KEY)
+        self.owner_address = owner_address
 
 
 class InvalidArgument(InferxError):
@@ -84,6 +89,28 @@ _BY_CODE: dict[grpc.StatusCode, type[InferxError]] = {
 
 # Trailing metadata key carrying a retry hint for RESOURCE_EXHAUSTED / UNAVAILABLE.
 RETRY_AFTER_KEY = "inferx-retry-after-s"
+# Trailing metadata key set on every status an InferX service's own code raised (value:
+# "1"): a failed call without it was ended by the transport (the peer died, the
+# connection dropped), which a caller may treat differently (the router re-submits a
+# hop whose scheduler died).
+SERVICE_STATUS_KEY = "inferx-status"
+# Trailing metadata key of a "not the owner" answer (FAILED_PRECONDITION, or UNAVAILABLE
+# while nobody owns the partition): the owner's address, "" when there is none yet.
+OWNER_KEY = "inferx-partition-owner"
+
+
+class NotOwner(FailedPrecondition):
+    """A call for a partition (model pool) that this instance does not own."""
+
+    def __init__(self, message: str, *, owner_address: str) -> None:
+        super().__init__(message, owner_address=owner_address)
+
+
+class NoOwner(Unavailable):
+    """A call for a partition that no instance owns yet (an election is under way)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, owner_address="")
 
 
 def from_rpc_error(error: grpc.aio.AioRpcError | grpc.RpcError, *, target: str = "") -> InferxError:
@@ -91,6 +118,7 @@ def from_rpc_error(error: grpc.aio.AioRpcError | grpc.RpcError, *, target: str =
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = (error.details() if hasattr(error, "details") else None) or str(code)
     retry_after = None
+    owner: str | None = None
     trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
     for key, value in trailing or ():
         if key == RETRY_AFTER_KEY:
@@ -98,8 +126,14 @@ def from_rpc_error(error: grpc.aio.AioRpcError | grpc.RpcError, *, target: str =
                 retry_after = float(value)
             except ValueError:
                 retry_after = None
+        elif key == OWNER_KEY:
+            owner = str(value)
     if code == grpc.StatusCode.UNAVAILABLE and target and "failed to connect" in details.lower():
         details = f"cannot reach {target}: is it running? ({details})"
+    if owner is not None and code == grpc.StatusCode.FAILED_PRECONDITION:
+        return NotOwner(details, owner_address=owner)
+    if owner is not None and code == grpc.StatusCode.UNAVAILABLE:
+        return NoOwner(details)
     cls = _BY_CODE.get(code, Internal)
     return cls(details, retry_after_s=retry_after)
 
@@ -135,8 +169,18 @@ def fit_status_message(message: str, limit: int = MAX_STATUS_MESSAGE_BYTES) -> s
     return message
 
 
+def status_trailers(error: InferxError) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata of a status raised by a service for `error` (a plain call's,
+    and a hop stream's call's too: `inferx.hopstream`)."""
+    trailers: list[tuple[str, str]] = [(SERVICE_STATUS_KEY, "1")]
+    if error.retry_after_s is not None:
+        trailers.append((RETRY_AFTER_KEY, f"{error.retry_after_s:g}"))
+    if error.owner_address is not None:
+        trailers.append((OWNER_KEY, error.owner_address))
+    return tuple(trailers)
+
+
 async def abort_with(context: grpc.aio.ServicerContext, error: InferxError) -> None:
     """Abort the current RPC with the status that matches `error`."""
-    if error.retry_after_s is not None:
-        context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{error.retry_after_s:g}"),))
+    context.set_trailing_metadata(status_trailers(error))
     await context.abort(error.code, fit_status_message(error.message))

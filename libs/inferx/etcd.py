@@ -34,6 +34,7 @@ MODELS = f"{ROOT}/models/"
 AUTH_TENANTS = f"{ROOT}/auth/tenants/"
 AUTH_TOKENS = f"{ROOT}/auth/tokens/"
 RUNS = f"{ROOT}/runs/"  # finished run records, <tenant>/<run id>, under leases (retention)
+PARTITIONS = f"{ROOT}/partitions/"  # <kind>/<pool> -> the instance that owns the pool (lease)
 
 
 def service_key(kind: str, instance_id: str) -> str:
@@ -59,6 +60,15 @@ def runs_prefix(tenant: str) -> str:
 
 def run_key(tenant: str, run_id: str) -> str:
     return f"{runs_prefix(tenant)}{run_id}"
+
+
+def partitions_prefix(kind: str) -> str:
+    """Where the owners of `kind`'s partitions are (one key per model pool)."""
+    return f"{PARTITIONS}{kind}/"
+
+
+def partition_key(kind: str, pool: str) -> str:
+    return f"{partitions_prefix(kind)}{pool}"
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:

@@ -47,7 +47,7 @@ from prometheus_client import Counter
 
 from inferx import telemetry
 from inferx.discovery import ChannelPool
-from inferx.errors import RETRY_AFTER_KEY, InferxError, fit_status_message
+from inferx.errors import RETRY_AFTER_KEY, InferxError, fit_status_message, status_trailers
 from inferx.v1 import common_pb2, scheduler_pb2, worker_pb2
 
 log = logging.getLogger("inferx.hopstream")
@@ -75,6 +75,9 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 def _status_error(status: common_pb2.StreamStatus) -> grpc.aio.AioRpcError:
     code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
+    if status.trailers:  # what the plain call's trailing metadata would have been
+        trailing = grpc.aio.Metadata(*sorted(status.trailers.items()))
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details=status.message)
     retry = status.retry_after_s if status.HasField("retry_after_s") else None
     return rpc_error(code, status.message, retry)
 
@@ -585,6 +588,7 @@ class StreamServer:
         outbox = self._outbox
         assert outbox is not None
         code, text, retry = grpc.StatusCode.OK, "", None
+        trailers: tuple[tuple[str, str], ...] = ()
         context = PerCallContext(timeout_s)
         expired = cancelled = False
         timer = None
@@ -610,6 +614,7 @@ class StreamServer:
             cancelled = True
         except InferxError as exc:
             code, text, retry = exc.code, exc.message, exc.retry_after_s
+            trailers = status_trailers(exc)
         except grpc.aio.AioRpcError as exc:  # a handler that lets its own call's error through
             code, text = exc.code(), exc.details() or ""
         except Exception as exc:
@@ -624,11 +629,18 @@ class StreamServer:
                 self._check_finished()
                 return grpc.StatusCode.CANCELLED, "cancelled by the caller"
             code, text = grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"  # as a call's
-        self._end(tag, code, text, retry)
+        self._end(tag, code, text, retry, trailers)
         self._check_finished()
         return code, text
 
-    def _end(self, tag: int, code: grpc.StatusCode, text: str, retry_after_s: float | None = None) -> None:
+    def _end(
+        self,
+        tag: int,
+        code: grpc.StatusCode,
+        text: str,
+        retry_after_s: float | None = None,
+        trailers: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         if self._outbox is None or self._outbox.closed:
             return  # the stream is gone, and the caller with it
         reply = self._outbox.add()
@@ -638,6 +650,7 @@ class StreamServer:
             reply.status.message = fit_status_message(text)
         if retry_after_s is not None:
             reply.status.retry_after_s = retry_after_s
+        reply.status.trailers.update(trailers)
 
     def drain(self) -> None:
         """Take no new call on this stream; end it once the calls on it are done."""

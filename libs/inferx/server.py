@@ -161,6 +161,10 @@ class ServiceComponent:
     async def ready(self) -> None:
         """Warm up (load a model, sync from etcd). Health is NOT_SERVING until done."""
 
+    async def draining(self) -> None:
+        """Shutdown began (before deregistering and draining): hand over what others
+        should take now rather than a lease TTL later (the scheduler's partitions)."""
+
     async def stop(self) -> None:
         """Release resources after in-flight RPCs have drained."""
 
@@ -417,6 +421,10 @@ async def _shutdown(
     health_server: grpc.aio.Server | None = None,
 ) -> None:
     await health_servicer.enter_graceful_shutdown()
+    try:
+        await component.draining()
+    except Exception:
+        log.exception("%s hand-over failed", kind)
     await leases.close(revoke=True)
     # Callers learn of the revoked lease through their etcd watch a moment later; keep
     # accepting calls that were already on their way meanwhile, so none is refused.

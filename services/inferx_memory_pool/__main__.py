@@ -6,6 +6,16 @@ call `Reserve`/`Release` only for hops beyond their budget. The budget's holder 
 scheduler instance, so the rule below returns a dead scheduler's budget too; a budget
 not renewed within --budget-ttl-s is returned as well.
 
+One ledger: the memory-pool instances elect a leader under an etcd lease
+(`/inferx/v1/partitions/memory-pool/*`, `inferx.partitions`); only the leader answers
+Reserve, Release and SyncBudget, the others refuse them with FAILED_PRECONDITION naming
+it, so a reservation and its release always meet one ledger. When the leader dies,
+another instance takes over within the lease TTL with a fresh ledger: workers and their
+engine usage it already mirrors; the schedulers' budgets, and what they reserved from
+them, it learns at their next SyncBudget (each scheduler forgets the old leader's grants
+and asks again); a hop reserved beyond its budget at the old leader is not known to the
+new one (its engine usage is), and ends by itself.
+
 Holders: a reservation may name its holder, the registered instance id of the
 scheduler that made it. The pool mirrors the schedulers' registrations
 (`/inferx/v1/services/scheduler/<instance-id>`) and drops a holder's reservations when
@@ -29,7 +39,8 @@ from pydantic import Field
 
 from inferx import etcd
 from inferx.discovery import ChannelPool
-from inferx.errors import InvalidArgument, NotFound, ResourceExhausted
+from inferx.errors import InvalidArgument, NoOwner, NotFound, NotOwner, ResourceExhausted
+from inferx.partitions import ALL_POOLS, PartitionElector
 from inferx.pools import PoolDirectory
 from inferx.server import ServiceComponent, ServiceRuntime, run_service
 from inferx.settings import ServiceSettings
@@ -78,6 +89,11 @@ class MemoryPoolSettings(ServiceSettings):
     lookahead_lease_s: float = Field(
         30.0, gt=0, description="a look-ahead reservation not released expires after this (request lease_s 0)"
     )
+    elect: bool = Field(
+        True,
+        description="instances elect one leader that holds the ledger (etcd lease); the others refuse "
+        "Reserve, Release and SyncBudget naming it; off: answer every call (one instance only)",
+    )
     budget_ttl_s: float = Field(
         10.0,
         gt=0,
@@ -87,9 +103,27 @@ class MemoryPoolSettings(ServiceSettings):
 
 
 class MemoryPoolServicer(memory_pool_pb2_grpc.MemoryPoolServicer):
-    def __init__(self, ledger: KvLedger) -> None:
+    def __init__(self, ledger: KvLedger, elector: PartitionElector | None = None) -> None:
         self.ledger = ledger
         self.calls: dict[str, int] = dict.fromkeys(metrics.METHODS, 0)  # answered, by method
+        self._elector = elector
+
+    async def _check_leader(self) -> None:
+        """Only the elected leader's ledger answers: a reservation and its release must
+        meet the same ledger, and two ledgers would each grant the same room."""
+        elector = self._elector
+        if elector is None or elector.owns(ALL_POOLS):
+            return
+        if elector.table.owner(ALL_POOLS) is None and await elector.campaign(ALL_POOLS):
+            return
+        owner = elector.table.owner(ALL_POOLS)
+        if owner is None or owner.instance_id == elector.instance_id:
+            raise NoOwner("no memory-pool holds the ledger yet (an election is under way); retry")
+        raise NotOwner(
+            f"memory-pool {elector.instance_id} does not hold the ledger: {owner.instance_id} at "
+            f"{owner.address} does",
+            owner_address=owner.address,
+        )
 
     def _count(self, method: str) -> None:
         self.calls[method] += 1
@@ -99,6 +133,7 @@ class MemoryPoolServicer(memory_pool_pb2_grpc.MemoryPoolServicer):
         metrics.publish(self.ledger.snapshot(time.monotonic()))
 
     async def Reserve(self, request, context):
+        await self._check_leader()
         self._count("Reserve")
         if request.tokens <= 0:
             raise InvalidArgument("tokens: must be positive")
@@ -137,12 +172,14 @@ class MemoryPoolServicer(memory_pool_pb2_grpc.MemoryPoolServicer):
         )
 
     async def Release(self, request, context):
+        await self._check_leader()
         self._count("Release")
         released = self.ledger.release(request.reservation_id)
         self._publish()
         return memory_pool_pb2.ReleaseResponse(released=released)
 
     async def SyncBudget(self, request, context):
+        await self._check_leader()
         self._count("SyncBudget")
         if not request.holder:
             raise InvalidArgument("holder: must name the scheduler instance that holds the budget")
@@ -200,6 +237,20 @@ class MemoryPoolComponent(ServiceComponent):
     service_names = (memory_pool_pb2.DESCRIPTOR.services_by_name["MemoryPool"].full_name,)
 
     def __init__(self, runtime: ServiceRuntime, settings: MemoryPoolSettings) -> None:
+        self.elector = (
+            PartitionElector(
+                runtime.etcd,
+                "memory-pool",
+                instance_id=runtime.instance_id,
+                address=runtime.address,
+                ttl_s=settings.lease_ttl_s,
+                wanted=frozenset({ALL_POOLS}),
+                on_change=self._on_leadership,
+            )
+            if settings.elect
+            else None
+        )
+        self._leading = False
         self.servicer = MemoryPoolServicer(
             KvLedger(
                 settings.headroom_ratio,
@@ -207,7 +258,8 @@ class MemoryPoolComponent(ServiceComponent):
                 settings.high_usage_ratio,
                 lookahead_ttl_s=settings.lookahead_lease_s,
                 budget_ttl_s=settings.budget_ttl_s,
-            )
+            ),
+            self.elector,
         )
         self.directory = PoolDirectory()
         self.workers = etcd.PrefixMirror(runtime.etcd, etcd.WORKERS, self._on_workers)
@@ -217,6 +269,20 @@ class MemoryPoolComponent(ServiceComponent):
         self._poll_s = settings.usage_poll_s
         self._poller: asyncio.Task[None] | None = None
         memory_pool_pb2_grpc.add_MemoryPoolServicer_to_server(self.servicer, runtime.server)
+
+    def _on_leadership(self) -> None:
+        """Taking the ledger (again): start from a fresh one, so nothing this instance
+        counted in an earlier term (since granted again by another leader) counts twice;
+        the workers it mirrors and their usage carry over, the budgets come with the
+        schedulers' next sync."""
+        assert self.elector is not None
+        leading = self.elector.owns(ALL_POOLS)
+        if leading and not self._leading:
+            self.servicer.ledger = self.servicer.ledger.fresh()
+            log.info("memory-pool %s holds the ledger now", self.elector.instance_id)
+        elif self._leading and not leading:
+            log.warning("memory-pool %s no longer holds the ledger", self.elector.instance_id)
+        self._leading = leading
 
     def _on_workers(self, items: dict[str, bytes]) -> None:
         self.directory.update_workers(items)
@@ -267,12 +333,23 @@ class MemoryPoolComponent(ServiceComponent):
         await self.workers.wait_synced(timeout_s=30)
         await self.holders.wait_synced(timeout_s=30)
         self._poller = asyncio.create_task(self._poll_usage(), name="kv-usage-poller")
+        if self.elector is not None:
+            self.elector.start()
+            # Serving only once the first campaign is done: a lone instance owns what
+            # it may serve from its first call (etcd down: go on, it campaigns later).
+            await self.elector.wait_first_round(timeout_s=5)
+
+    async def draining(self) -> None:
+        if self.elector is not None:  # another instance takes the ledger now
+            await self.elector.resign()
 
     async def stop(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
+        if self.elector is not None:
+            await self.elector.close()
         await self.workers.close()
         await self.holders.close()
         await self.channels.close()

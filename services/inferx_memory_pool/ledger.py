@@ -132,6 +132,22 @@ class KvLedger:
         self._reservations: dict[str, Reservation] = {}
         self._ids = itertools.count(1)
 
+    def fresh(self) -> KvLedger:
+        """A ledger with these settings, workers and engine usage, and nothing reserved
+        or leased: what a memory-pool starts from when it takes the ledger over (the
+        budgets come back with the schedulers' next syncs)."""
+        ledger = KvLedger(
+            self.headroom_ratio,
+            self.reservation_ttl_s,
+            self.high_usage_ratio,
+            lookahead_ttl_s=self.lookahead_ttl_s,
+            budget_ttl_s=self.budget_ttl_s,
+        )
+        ledger.set_workers(self._capacity)
+        for worker_id, ratio in self._engine_usage.items():
+            ledger.set_engine_usage(worker_id, ratio)
+        return ledger
+
     def set_workers(self, capacity: dict[str, tuple[str, int]]) -> None:
         """Replace the worker set; reservations on workers that left are dropped."""
         self._capacity = dict(capacity)

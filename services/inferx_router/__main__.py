@@ -14,6 +14,7 @@ from inferx.auth.store import AuthDirectory
 from inferx.chain.schema import MAX_UINT32
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.limits import KIB, MAX_STORED_CHAIN_BYTES, MIB, RequestLimits
+from inferx.partitions import ALL_POOLS, OwnerTable
 from inferx.pools import PoolDirectory
 from inferx.server import ServiceComponent, ServiceRuntime, run_service
 from inferx.settings import ServiceSettings
@@ -27,6 +28,7 @@ from inferx_router.knowledge import KnowledgeBase
 from inferx_router.load import LoadMonitor
 from inferx_router.program_calls import ProgramCalls
 from inferx_router.programs import ProgramBook
+from inferx_router.scheduler_target import SchedulerTargets
 from inferx_router.servicer import RouterServicer
 from inferx_router.tools import ToolRouter
 
@@ -165,6 +167,19 @@ class RouterComponent(ServiceComponent):
             etcd.PrefixMirror(runtime.etcd, etcd.WORKERS, self.directory.update_workers),
             etcd.PrefixMirror(runtime.etcd, etcd.MODELS, self.directory.update_models),
         ]
+        # A pool's hops go to the scheduler that owns the pool (watched, no read per hop).
+        self.owners = OwnerTable(runtime.etcd, "scheduler")
+        self.mirrors.append(self.owners.mirror)
+        ledger = OwnerTable(runtime.etcd, "memory-pool")  # `inferx status` asks the one ledger
+        self.mirrors.append(ledger.mirror)
+        self.services.follow_leader("memory-pool", lambda: ledger.address_of(ALL_POOLS))
+        targets = SchedulerTargets(
+            self.services,
+            self.owners,
+            self.directory,
+            # a dead owner's pools move when its lease ends; the margin covers the watch
+            failover_wait_s=settings.lease_ttl_s + 2.0,
+        )
         self.load = LoadMonitor(self.directory, self.services, self.channels, settings.degrade_load_threshold)
         # Tokens and tenants (docs/security.md); none of it with --insecure.
         auth = None if runtime.insecure else AuthDirectory(runtime.etcd)
@@ -175,7 +190,7 @@ class RouterComponent(ServiceComponent):
         quotas = TenantQuotas()  # one per router: gRPC runs and HTTP calls count alike
         # Every hop to a scheduler, from chains and programs alike, on one stream per scheduler.
         streams = scheduler_streams(self.channels, enabled=settings.hop_streams)
-        self.executor = SchedulerExecutor(self.services, self.channels, streams)
+        self.executor = SchedulerExecutor(self.services, self.channels, targets, streams)
         # Dynamic programs' calls: the HTTP front and Router.CallModel share one path.
         self.calls = ProgramCalls(
             self.directory,

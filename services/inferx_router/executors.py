@@ -11,12 +11,13 @@ import grpc
 
 from inferx import telemetry
 from inferx.discovery import ChannelPool, ServiceLocator
-from inferx.errors import Unavailable, from_rpc_error
+from inferx.errors import OWNER_KEY, Unavailable, from_rpc_error
 from inferx.hopstream import HOPS, StreamPool
 from inferx.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from inferx.wire import tier_to_proto
 from inferx_router import metrics
 from inferx_router.hops import HopDone, ModelHop
+from inferx_router.scheduler_target import Failure, HopAttempts, SchedulerTargets, classify, trailers_of
 
 Event = scheduler_pb2.HopEvent
 
@@ -76,14 +77,28 @@ def scheduler_streams(channels: ChannelPool, *, enabled: bool = True) -> StreamP
     )
 
 
+class _Resend(Exception):
+    """The hop goes to another scheduler (see scheduler_target)."""
+
+    def __init__(self, failure: Failure, named: str) -> None:
+        self.failure = failure
+        self.named = named
+
+
 class SchedulerExecutor:
-    """Runs model hops through a scheduler found in etcd."""
+    """Runs model hops through the scheduler that owns their pool (`targets`; without
+    it, any scheduler found in etcd), on that scheduler's hop stream (`streams`)."""
 
     def __init__(
-        self, services: ServiceLocator, channels: ChannelPool, streams: StreamPool | None = None
+        self,
+        services: ServiceLocator,
+        channels: ChannelPool,
+        targets: SchedulerTargets | None = None,
+        streams: StreamPool | None = None,
     ) -> None:
         self._services = services
         self._channels = channels
+        self._targets = targets
         self.streams = streams if streams is not None else scheduler_streams(channels)
 
     async def run_hop(
@@ -96,11 +111,46 @@ class SchedulerExecutor:
         """`on_text`, when given, gets each piece of text as it arrives (streaming callers)."""
         # No scheduler registered (one restarting, or a lease lapsed under load): wait
         # for one within the hop's time rather than failing the hop at once.
-        started = time.monotonic()
-        address = await self._services.wait_pick("scheduler", timeout_s)
-        if address is None:
-            raise Unavailable(f"no scheduler registered in etcd within the hop's {timeout_s:.1f} s")
-        timeout_s -= time.monotonic() - started
+        until = time.monotonic() + timeout_s
+        if self._targets is None:
+            address = await self._services.wait_pick("scheduler", timeout_s)
+        else:
+            address = await self._targets.first(hop.model, timeout_s)
+        attempts = HopAttempts()
+        streamed = [False]
+
+        def text_out(piece: str) -> None:
+            streamed[0] = True
+            if on_text is not None:
+                on_text(piece)
+
+        while True:
+            if address is None:
+                raise Unavailable(f"no scheduler registered in etcd within the hop's {timeout_s:.1f} s")
+            try:
+                return await self._submit(
+                    address, hop, until - time.monotonic(), on_dispatched, text_out if on_text else None
+                )
+            except _Resend as resend:
+                if self._targets is None or not attempts.again(resend.failure, streamed=streamed[0]):
+                    raise Unavailable(
+                        f"scheduler at {address}: the hop could not be placed ({resend.failure.value})"
+                    ) from None
+                metrics.HOP_RESENDS.labels(resend.failure.value).inc()
+                address = await self._targets.after(
+                    hop.model, resend.failure, address, resend.named, until - time.monotonic()
+                )
+
+    async def _submit(
+        self,
+        address: str,
+        hop: ModelHop,
+        timeout_s: float,
+        on_dispatched: Callable[[str], None],
+        on_text: Callable[[str], None] | None,
+    ) -> HopDone:
+        if timeout_s <= 0:
+            raise TimeoutError
         spans = telemetry.HopSpans()  # queue wait / dispatch / engine spans from the reported timings
         tier = hop.tier.label
         text: list[str] = []
@@ -133,6 +183,10 @@ class SchedulerExecutor:
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise TimeoutError from None
+            trailers = trailers_of(exc)
+            failure = classify(exc.code(), trailers, exc.details() or "")
+            if failure != Failure.OTHER and self._targets is not None:
+                raise _Resend(failure, trailers.get(OWNER_KEY, "")) from None
             raise from_rpc_error(exc, target=f"scheduler at {address}") from None
         # The stream is read to its end (not left at FINISHED), so the call and its
         # client span close normally.

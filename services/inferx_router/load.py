@@ -60,17 +60,36 @@ class LoadMonitor:
     async def _poll(self) -> None:
         while True:
             await asyncio.sleep(self._interval_s)
-            address = self._services.pick("scheduler")
-            if address is None:
+            # Every scheduler: each answers for the pools it owns (partitioned), or
+            # for its share of every pool; summed, that is the pool's load.
+            addresses = [info.address for info in self._services.instances("scheduler")]
+            if not addresses:
                 continue
-            stub = scheduler_pb2_grpc.SchedulerStub(self._channels.get(address))
-            try:
-                status = await stub.GetSchedulerStatus(scheduler_pb2.SchedulerStatusRequest(), timeout=1.0)
-            except grpc.aio.AioRpcError:
+            replies = await asyncio.gather(*(self._status(a) for a in addresses))
+            if all(reply is None for reply in replies):
                 continue
-            self.pools = {
-                pool.pool: PoolLoad(
-                    pool.running, pool.queued, sum(w.worker.max_concurrency or 1 for w in pool.workers)
+            self.pools = merge_loads([reply for reply in replies if reply is not None])
+
+    async def _status(self, address: str) -> scheduler_pb2.SchedulerStatus | None:
+        stub = scheduler_pb2_grpc.SchedulerStub(self._channels.get(address))
+        try:
+            return await stub.GetSchedulerStatus(scheduler_pb2.SchedulerStatusRequest(), timeout=1.0)
+        except grpc.aio.AioRpcError:
+            return None
+
+
+def merge_loads(statuses: list[scheduler_pb2.SchedulerStatus]) -> dict[str, PoolLoad]:
+    """Per pool: hops running and queued summed over the schedulers, capacity the most
+    any of them sees (they all see the same workers)."""
+    pools: dict[str, PoolLoad] = {}
+    for status in statuses:
+        for pool in status.pools:
+            capacity = sum(w.worker.max_concurrency or 1 for w in pool.workers)
+            seen = pools.get(pool.pool)
+            if seen is None:
+                pools[pool.pool] = PoolLoad(pool.running, pool.queued, capacity)
+            else:
+                pools[pool.pool] = PoolLoad(
+                    seen.running + pool.running, seen.queued + pool.queued, max(seen.capacity, capacity)
                 )
-                for pool in status.pools
-            }
+    return pools

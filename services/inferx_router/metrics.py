@@ -217,3 +217,13 @@ def watch_breakers(states: Callable[[], Mapping[str, int]], registry=REGISTRY) -
     collector = BreakerCollector(states)
     registry.register(collector)
     return collector
+
+
+# Partitioned schedulers (issue #15): a hop sent again to another scheduler, by why:
+# not_owner (redirected to the owner named), no_owner (waited for an election),
+# owner_lost (its scheduler died with the hop in flight: re-submitted once).
+HOP_RESENDS = Counter(
+    "inferx_router_hop_resends_total",
+    "Model hops sent again to another scheduler, by reason (not_owner, no_owner, owner_lost)",
+    ["reason"],
+)

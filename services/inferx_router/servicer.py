@@ -67,6 +67,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._max_active_runs = max_active_runs
         self._request_limits = request_limits or RequestLimits()
         self._active_runs = 0
+        # the component's (hops to their pool's owning scheduler); else any scheduler
         self._executor = executor or SchedulerExecutor(services, channels)
         self._access = access
         self._etcd = etcd_client  # tenants and tokens are written straight to etcd
@@ -283,23 +284,29 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def GetStatus(self, request, context):
         reply = router_pb2.SystemStatus(services=self._services.all(), workers=self._directory.all_workers())
-        address = self._services.pick("scheduler")
-        if address is None:
+        # Every scheduler: each answers for the model pools it owns (partitions).
+        schedulers = [info.address for info in self._services.instances("scheduler")]
+        if not schedulers:
             reply.problems.append("no scheduler registered")
-        else:
+        queues: dict[str, tuple[int, int]] = {}
+        for at in schedulers:
             try:
-                sched = await scheduler_pb2_grpc.SchedulerStub(
-                    self._channels.get(address)
-                ).GetSchedulerStatus(scheduler_pb2.SchedulerStatusRequest(), timeout=2.0)
-                reply.scheduler_policy = sched.policy
-                for worker_id, state in sched.worker_breakers.items():
-                    reply.circuit_breakers[f"worker:{worker_id}"] = state
-                if sched.conservative:
-                    reply.problems.append("scheduler cannot reach the memory-pool: half concurrency")
-                for pool in sched.pools:
-                    reply.queues.add(pool=pool.pool, queued=pool.queued, running=pool.running)
+                sched = await scheduler_pb2_grpc.SchedulerStub(self._channels.get(at)).GetSchedulerStatus(
+                    scheduler_pb2.SchedulerStatusRequest(), timeout=2.0
+                )
             except grpc.aio.AioRpcError as exc:
-                reply.problems.append(f"scheduler at {address}: {exc.code().name}")
+                reply.problems.append(f"scheduler at {at}: {exc.code().name}")
+                continue
+            reply.scheduler_policy = reply.scheduler_policy or sched.policy
+            for worker_id, state in sched.worker_breakers.items():
+                reply.circuit_breakers[f"worker:{worker_id}"] = state
+            if sched.conservative:
+                reply.problems.append(f"scheduler at {at} cannot reach the memory-pool: half concurrency")
+            for pool in sched.pools:
+                queued, running = queues.get(pool.pool, (0, 0))
+                queues[pool.pool] = (queued + pool.queued, running + pool.running)
+        for pool_name, (queued, running) in sorted(queues.items()):
+            reply.queues.add(pool=pool_name, queued=queued, running=running)
         address = self._services.pick("memory-pool")
         if address is None:
             reply.problems.append("no memory-pool registered")

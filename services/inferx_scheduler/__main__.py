@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from inferx import etcd
 from inferx.discovery import ChannelPool, ServiceLocator
+from inferx.partitions import ALL_POOLS, OwnerTable, PartitionElector
 from inferx.pools import PoolDirectory
 from inferx.server import ServiceComponent, ServiceRuntime, run_service
 from inferx.v1 import scheduler_pb2, scheduler_pb2_grpc
+from inferx_scheduler import metrics
 from inferx_scheduler.budget_sync import KvBudget
 from inferx_scheduler.config import SchedulerSettings
 from inferx_scheduler.dispatcher import HopDispatcher
@@ -33,6 +35,9 @@ class SchedulerComponent(ServiceComponent):
             policy_options=settings.policy_options(),
         )
         self.services = ServiceLocator(runtime.etcd)
+        # The memory-pools elect one ledger: every Reserve, Release and budget sync goes there.
+        self.ledger = OwnerTable(runtime.etcd, "memory-pool")
+        self.services.follow_leader("memory-pool", lambda: self.ledger.address_of(ALL_POOLS))
         self._health_interval_s = settings.health_check_interval_s
         self.budget = (
             KvBudget(
@@ -61,12 +66,38 @@ class SchedulerComponent(ServiceComponent):
             else None
         )
 
+        # One owner per model pool (leader election under an etcd lease): the routers
+        # send a pool's hops to its owner only, so its queue, affinity and load are whole.
+        self.partitions = (
+            PartitionElector(
+                runtime.etcd,
+                "scheduler",
+                instance_id=runtime.instance_id,
+                address=runtime.address,
+                ttl_s=settings.lease_ttl_s,
+                wanted=settings.wanted_pools(),
+                on_change=lambda: self._publish_partitions(),
+            )
+            if settings.partitions
+            else None
+        )
+
+        def pools_seen() -> None:
+            if self.partitions is not None:
+                pools = set(self.directory.workers_by_pool) | set(self.directory.model_to_pool.values())
+                self.partitions.set_seen(pools)
+
         def on_workers(items: dict[str, bytes]) -> None:
             self.directory.update_workers(items)
+            pools_seen()
             self.dispatcher.dispatch()  # new workers take queued hops; gone ones fail theirs
 
+        def on_models(items: dict[str, bytes]) -> None:
+            self.directory.update_models(items)
+            pools_seen()
+
         self.workers = etcd.PrefixMirror(runtime.etcd, etcd.WORKERS, on_workers)
-        self.models = etcd.PrefixMirror(runtime.etcd, etcd.MODELS, self.directory.update_models)
+        self.models = etcd.PrefixMirror(runtime.etcd, etcd.MODELS, on_models)
         self.servicer = SchedulerServicer(
             self.dispatcher,
             self.services,
@@ -79,26 +110,45 @@ class SchedulerComponent(ServiceComponent):
             max_kv_wait_s=settings.max_kv_wait_s,
             budget=self.budget,
             hop_streams=settings.hop_streams,
+            partitions=self.partitions,
         )
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(self.servicer, runtime.server)
 
+    def _publish_partitions(self) -> None:
+        if self.partitions is not None:
+            for pool in self.partitions.table.owners:
+                metrics.OWNED_PARTITIONS.labels(pool).set(1 if self.partitions.owns(pool) else 0)
+
     async def ready(self) -> None:
-        for mirror in (self.workers, self.models, self.services.mirror):
+        for mirror in (self.workers, self.models, self.services.mirror, self.ledger.mirror):
             mirror.start()
-        for mirror in (self.workers, self.models, self.services.mirror):
+        for mirror in (self.workers, self.models, self.services.mirror, self.ledger.mirror):
             await mirror.wait_synced(timeout_s=30)
         self.health.start(self._health_interval_s)
         if self.budget is not None:
             self.budget.start()
+        if self.partitions is not None:
+            self.partitions.start()
+            # Serving only once the first campaign is done: a lone instance owns what
+            # it may serve from its first call (etcd down: go on, it campaigns later).
+            await self.partitions.wait_first_round(timeout_s=5)
+
+    async def draining(self) -> None:
+        # Hand the pools over now: the routers send new hops to the next owner while
+        # the hops already here drain.
+        if self.partitions is not None:
+            await self.partitions.resign()
 
     async def stop(self) -> None:
+        if self.partitions is not None:
+            await self.partitions.close()
         await self.servicer.drain_releases()  # before the channels close under them
         if self.budget is not None:
             await self.budget.close()  # hands the budget back
         if self.lookahead is not None:
             await self.lookahead.close()
         await self.health.close()
-        for mirror in (self.workers, self.models, self.services.mirror):
+        for mirror in (self.workers, self.models, self.services.mirror, self.ledger.mirror):
             await mirror.close()
         await self.servicer.worker_streams.close()
         await self.channels.close()

@@ -134,10 +134,11 @@ class KvBudget:
         """The memory-pool that holds our budget while it is registered; another one
         (after forgetting what the old one granted) when it is gone."""
         live = [info.address for info in self._services.instances("memory-pool")]
-        if self._address in live:
+        leader = self._services.leader("memory-pool")  # the one ledger, when they elect one
+        if self._address in live and leader in (None, self._address):
             return self._address
         if self._address is not None:
-            log.info("memory-pool %s left: its KV budget is forgotten", self._address)
+            log.info("memory-pool %s left or lost the ledger: its KV budget is forgotten", self._address)
             self.budget.forget_grants()
             self._address = None
         address = self._services.pick("memory-pool")

@@ -91,11 +91,27 @@ class SchedulerSettings(ServiceSettings):
         2, ge=0, le=10, description="times a hop goes to another worker after its worker failed"
     )
     health_check_interval_s: float = Field(1.0, gt=0, description="how often each worker is health-checked")
+    partitions: bool = Field(
+        True,
+        description="own model pools under etcd leases (one owner per pool; the routers send a pool's "
+        "hops to its owner, another instance takes over within the lease TTL when it dies); off: serve "
+        "every hop sent here, as one scheduler alone did before",
+    )
+    pools: str = Field(
+        "",
+        description="comma-separated model pools this instance campaigns for and may serve; empty: "
+        "every pool seen in etcd (workers and model mappings)",
+    )
     policy: str = Field(
         "chain-aware",
         description="a registered scheduling policy: chain-aware (tiers, chain progress, affinity, "
         "admission), round-robin (alias baseline), or a peer policy (`inferx sim --help` lists them)",
     )
+
+    def wanted_pools(self) -> frozenset[str] | None:
+        """--pools as a set; None: every pool."""
+        pools = frozenset(p.strip() for p in self.pools.split(",") if p.strip())
+        return pools or None
 
     def policy_options(self) -> dict[str, Any]:
         """The policy's options set by flags (a policy ignores those it does not take)."""

@@ -70,3 +70,15 @@ def publish_budget(rows: dict[str, tuple[int, int]]) -> None:
         KV_BUDGET_USED.remove(gone)
     _budget_workers.clear()
     _budget_workers.update(rows)
+
+
+# Partitions by model pool (issue #15): hops refused because this instance does not own
+# their pool, by outcome: redirected (the answer names the owner) or no_owner (none yet).
+NOT_OWNER = Counter(
+    "inferx_scheduler_not_owner_total",
+    "Hops refused for a pool this scheduler does not own: redirected (owner named) or no_owner",
+    ["pool", "outcome"],
+)
+OWNED_PARTITIONS = Gauge(
+    "inferx_scheduler_owned_partitions", "Model pools this scheduler owns (1) under its etcd lease", ["pool"]
+)

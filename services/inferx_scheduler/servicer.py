@@ -15,8 +15,17 @@ import grpc
 
 from inferx import hopstream, telemetry
 from inferx.discovery import ChannelPool, ServiceLocator
-from inferx.errors import InvalidArgument, ResourceExhausted, Unavailable, from_rpc_error
+from inferx.errors import (
+    OWNER_KEY,
+    InvalidArgument,
+    NoOwner,
+    NotOwner,
+    ResourceExhausted,
+    Unavailable,
+    from_rpc_error,
+)
 from inferx.metric_children import child
+from inferx.partitions import PartitionElector
 from inferx.pools import no_worker_message
 from inferx.scheduling.queue import QueueFull, Rejected
 from inferx.scheduling.views import HopView, Tier
@@ -99,8 +108,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         max_kv_wait_s: float = 120.0,
         budget: KvBudget | None = None,
         hop_streams: bool = True,
+        partitions: PartitionElector | None = None,
     ) -> None:
         self._dispatcher = dispatcher
+        self._partitions = partitions
         self._directory = dispatcher.directory
         self._services = services
         self._channels = channels
@@ -130,6 +141,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         pool = self._directory.pool_of(request.model)
         if not self._directory.workers_for(request.model):
             raise Unavailable(no_worker_message(request.model, pool))
+        await self._check_owner(pool)
         view = hop_view(pool, request)  # the hop's facts, worked out once
         # Room a look-ahead kept for this hop: its own reservation replaces that one.
         ahead = self._lookahead.take(view) if self._lookahead is not None else None
@@ -146,6 +158,28 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     raise
                 metrics.REDISPATCHES.labels(pool).inc()
                 log.warning("re-dispatching %s/%s: %s", request.context.run_id, request.context.hop_id, exc)
+
+    async def _check_owner(self, pool: str) -> None:
+        """Serve a pool's hops only while this instance owns it: two schedulers taking
+        the same pool would each hold half of its chains' affinity and of its workers'
+        load. A hop for a pool nobody owns makes this instance campaign for it (if it
+        may serve it); otherwise the answer names the owner, so the router re-resolves."""
+        elector = self._partitions
+        if elector is None or elector.owns(pool):
+            return
+        owner = elector.table.owner(pool)
+        if owner is None and await elector.campaign(pool):
+            return
+        owner = elector.table.owner(pool)
+        if owner is None or owner.instance_id == elector.instance_id:  # ours under a lapsed lease
+            metrics.NOT_OWNER.labels(pool, "no_owner").inc()
+            raise NoOwner(f"no scheduler owns pool '{pool}' yet (an election is under way); retry")
+        metrics.NOT_OWNER.labels(pool, "redirected").inc()
+        raise NotOwner(
+            f"scheduler {elector.instance_id} does not own pool '{pool}': "
+            f"{owner.instance_id} at {owner.address} does",
+            owner_address=owner.address,
+        )
 
     async def _dispatch_once(
         self, request, view: HopView, context: grpc.aio.ServicerContext, ahead: AheadHold | None = None
@@ -293,6 +327,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             replaces=remote_ahead,
         )
         waited, delay = 0.0, 0.05
+        redirected = False
         while True:
             try:
                 reply = await stub.Reserve(message, timeout=2.0)
@@ -300,6 +335,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 self._release_local(local_ahead)  # the hop's own reservation covers it now
                 return Hold(reply.reservation_id, address=address)
             except grpc.aio.AioRpcError as exc:
+                owner = dict(exc.trailing_metadata() or ()).get(OWNER_KEY)
+                if owner and not redirected:
+                    # Not the ledger (it moved since our watch saw it): the one named is.
+                    redirected, address = True, str(owner)
+                    stub = memory_pool_pb2_grpc.MemoryPoolStub(self._channels.get(address))
+                    continue
                 if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     self._set_conservative(True, f"memory-pool: {exc.code().name}")
                     self._release_local(local_ahead)
@@ -397,6 +438,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         reply = scheduler_pb2.SchedulerStatus(
             policy=queue.policy_name, conservative=self._dispatcher.conservative
         )
+        if self._partitions is not None:
+            # Only the pools this instance owns: another owner answers for the others.
+            pools = [pool for pool in pools if self._partitions.owns(pool)]
         reply.worker_breakers.update(self._health.states())
         reply.model_to_pool.update(self._directory.model_to_pool)
         for pool in pools:

@@ -81,3 +81,27 @@ def test_up_checks_its_engine_against_the_registry_when_used(capsys) -> None:
 
 def test_the_parsers_results_directory_is_the_one_results_are_written_to() -> None:
     assert bench_args.RESULTS_DIR == results.RESULTS_DIR.as_posix()
+
+
+def test_up_takes_a_replica_count_of_at_least_one(capsys) -> None:
+    from inferx.cli.main import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["up"]).replicas == 1
+    assert parser.parse_args(["up", "--replicas", "3"]).replicas == 3
+    for bad in ("0", "two"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["up", "--replicas", bad])
+    err = capsys.readouterr().err
+    assert "must be at least 1, got 0" in err and "expected a whole number, got 'two'" in err
+
+
+def test_replicas_listen_on_their_kinds_port_plus_100_each() -> None:
+    from inferx.devstack import StackPorts
+
+    ports = StackPorts()
+    assert [ports.replica_port("router", i) for i in range(3)] == [50051, 50151, 50251]
+    assert ports.replica_port("scheduler", 1) == 50152
+    assert ports.replica_port("cache", 2) == 50254
+    # the tests' free ports: every replica on a port of its own choosing
+    assert StackPorts.free().replica_port("router", 1) == 0

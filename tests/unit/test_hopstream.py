@@ -11,11 +11,20 @@ import pytest
 
 from inferx import hopstream, telemetry
 from inferx.discovery import ChannelPool
-from inferx.errors import PermissionDenied, ResourceExhausted, Unavailable, from_rpc_error
+from inferx.errors import (
+    OWNER_KEY,
+    SERVICE_STATUS_KEY,
+    NotOwner,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+    from_rpc_error,
+)
 from inferx.server import ErrorMappingInterceptor
 from inferx.tls import Transport
 from inferx.v1 import scheduler_pb2, scheduler_pb2_grpc
 from inferx_router.executors import scheduler_streams
+from inferx_router.scheduler_target import Failure, classify
 from tests.unit.test_telemetry import spans  # noqa: F401 (a fixture: the process's spans)
 
 Event = scheduler_pb2.HopEvent
@@ -45,6 +54,8 @@ class Hops(scheduler_pb2_grpc.SchedulerServicer):
                 raise ResourceExhausted("queue full", retry_after_s=2.5)
             if kind == "boom":
                 raise RuntimeError("a bug")
+            if kind == "elsewhere":
+                raise NotOwner("pool 'p' is owned by another scheduler", owner_address="10.0.0.2:50052")
             if kind == "traced":
                 with telemetry.span("inside the handler"):
                     pass
@@ -131,6 +142,14 @@ async def test_errors_come_back_as_the_plain_calls_status(channels) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as bug:
             await texts(streams, address, "boom")
         assert bug.value.code() == grpc.StatusCode.INTERNAL and "a bug" in (bug.value.details() or "")
+        # A partitioned service's refusal keeps the trailers the router re-routes by.
+        with pytest.raises(grpc.aio.AioRpcError) as elsewhere:
+            await texts(streams, address, "elsewhere")
+        trailers = dict(elsewhere.value.trailing_metadata() or ())
+        assert trailers[OWNER_KEY] == "10.0.0.2:50052" and trailers[SERVICE_STATUS_KEY] == "1"
+        assert classify(elsewhere.value.code(), trailers) == Failure.NOT_OWNER
+        busy_trailers = dict(busy.value.trailing_metadata() or ())
+        assert SERVICE_STATUS_KEY in busy_trailers  # the scheduler's own status, not a lost one
         # The stream carries on after failed hops.
         assert await texts(streams, address, "echo:ok") == "ok"
         assert streams.clients[address].opened == 1

@@ -16,7 +16,7 @@ could never pass; termination grace covers preStop + deregistration grace + drai
 NetworkPolicies, evaluated, let in from outside only the router, and nobody into the
 health ports; production verifies peers by the name on their certificate; the
 autoscalers use metric names the services export, for the pool their target serves, in
-PromQL that promtool accepts; the singletons (scheduler, memory-pool) stay single. The
+PromQL that promtool accepts; the scheduler and memory-pool run an owner and a standby. The
 last tests break a copy of a rendered overlay in each of these ways and check that the
 checks notice.
 """
@@ -96,7 +96,7 @@ SETTINGS = {
     "inferx-worker": ("inferx_worker.__main__", "WorkerSettings"),
 }
 # Two of these are not safe yet (issue #15): one replica, never two during a rollout.
-SINGLETONS = {"inferx-scheduler", "inferx-memory-pool"}
+ELECTED = {"inferx-scheduler", "inferx-memory-pool"}  # an owner (per pool / of the ledger) + a standby
 # Seconds a service may take to exit after its drain (cleanup, etcd close).
 EXIT_MARGIN_S = 5
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "Job"}
@@ -863,20 +863,26 @@ def test_probes_are_native_grpc_probes_of_the_plaintext_health_port(
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_scheduler_and_memory_pool_stay_single(variant: str, render: Callable[[str], list[Obj]]) -> None:
-    """Issue #15: a second scheduler splits affinity and load, a second memory-pool a
-    ledger. One replica, Recreate (never two during a rollout), no autoscaler."""
+def test_scheduler_and_memory_pool_run_an_owner_and_a_standby(
+    variant: str, render: Callable[[str], list[Obj]]
+) -> None:
+    """Issue #15: schedulers own model pools, memory-pools the ledger, under etcd leases:
+    two replicas (one takes over within the lease TTL), a rollout that starts the new pod
+    before the old one hands over, and no autoscaler (a standby adds no capacity: a
+    scheduler scales by the pools it serves)."""
     objs = render(variant)
     deployments = named(objs, "Deployment")
-    for name in SINGLETONS:
-        assert deployments[name]["spec"]["replicas"] == 1, name
-        assert deployments[name]["spec"]["strategy"]["type"] == "Recreate", name
+    for name in ELECTED:
+        assert deployments[name]["spec"]["replicas"] == 2, name
+        strategy = deployments[name]["spec"]["strategy"]
+        assert strategy["type"] == "RollingUpdate", name
+        assert strategy["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}, name
     targets = {
         o["spec"]["scaleTargetRef"]["name"]
         for o in objs
         if o["kind"] in ("HorizontalPodAutoscaler", "ScaledObject")
     }
-    assert targets & SINGLETONS == set()
+    assert targets & ELECTED == set()
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

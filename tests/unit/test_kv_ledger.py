@@ -340,3 +340,18 @@ class LedgerMachine(RuleBasedStateMachine):
 
 LedgerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 test_ledger_state_machine = LedgerMachine.TestCase
+
+
+def test_a_new_leader_starts_from_a_fresh_ledger_with_the_same_workers_and_usage() -> None:
+    from inferx_memory_pool.ledger import BudgetWant
+
+    ledger = KvLedger(headroom_ratio=0.2, budget_ttl_s=7.0)
+    ledger.set_workers({"w": ("pool", 1000)})
+    ledger.set_engine_usage("w", 0.5)
+    ledger.reserve("w", 300, now=0)
+    ledger.sync_budget("s1", [BudgetWant("w", 200)], now=0, seq=5)
+    fresh = ledger.fresh()
+    assert fresh.reserved("w") == 0 and fresh.leased("w") == 0 and fresh.budgets() == []
+    assert fresh.usable("w") == 800 and fresh.engine_usage("w") == 0.5 and fresh.budget_ttl_s == 7.0
+    # the scheduler's next sync (its numbering goes on) is applied, not taken for a late one
+    assert fresh.sync_budget("s1", [BudgetWant("w", 200, reserved_tokens=50)], now=1, seq=6) == {"w": 200}

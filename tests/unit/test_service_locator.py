@@ -38,3 +38,21 @@ async def test_answers_at_once_when_one_is_registered() -> None:
     services = locator()
     services._update({"/s/sched": registration("scheduler", "s:1")})
     assert await services.wait_pick("scheduler", timeout_s=0.0) == "s:1"
+
+
+def test_a_kind_that_elects_a_leader_is_picked_at_its_leader() -> None:
+    services = locator()
+    services._update(
+        {
+            "/s/mp1": registration("memory-pool", "m:1"),
+            "/s/mp2": json_format.MessageToJson(
+                common_pb2.ServiceInfo(kind="memory-pool", instance_id="memory-pool-2", address="m:2")
+            ).encode(),
+        }
+    )
+    leader: list[str | None] = ["m:2"]
+    services.follow_leader("memory-pool", lambda: leader[0])
+    assert {services.pick("memory-pool") for _ in range(4)} == {"m:2"}
+    leader[0] = None  # an election under way: any instance (it names the leader or campaigns)
+    assert {services.pick("memory-pool") for _ in range(4)} == {"m:1", "m:2"}
+    assert services.leader("scheduler") is None

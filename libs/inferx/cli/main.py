@@ -371,7 +371,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     from inferx.devstack import run_foreground
 
     return run_foreground(
-        engine=args.engine, workers=args.workers, http_port=args.http_port, insecure=args.insecure
+        engine=args.engine,
+        workers=args.workers,
+        http_port=args.http_port,
+        insecure=args.insecure,
+        replicas=args.replicas,
     )
 
 
@@ -457,6 +461,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--workers", type=int, default=1, help="model-workers to start")
     up.add_argument(
+        "--replicas",
+        type=_at_least_one,
+        default=1,
+        help="instances of each of router, scheduler, memory-pool and cache (default 1); replica i "
+        "listens on its kind's port + 100 x i (routers' HTTP fronts on --http-port + i), each "
+        "registered in etcd; the schedulers elect one owner per model pool",
+    )
+    up.add_argument(
         "--http-port",
         type=int,
         default=8000,
@@ -500,6 +512,17 @@ class _LazyChoices:
 
     def __len__(self) -> int:
         return len(self._get())
+
+
+def _at_least_one(text: str) -> int:
+    """argparse type: a whole number >= 1 (a clear error otherwise, never a traceback)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _standalone_engines() -> list[str]:
