@@ -97,7 +97,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
         ]
         stack.load_models(read_models_file(EXAMPLES / "models.yaml"))
         for _ in range(3):
-            stack.start_worker(POOL, "sim", ["--sim-speed", "5"])
+            # Real time: chains must still be running when a test kills something.
+            stack.start_worker(POOL, "sim", ["--sim-speed", "1"])
         for proc in [*extra, *stack.workers]:
             wait_serving(proc, 60)
 
