@@ -90,3 +90,7 @@ def test_a_context_too_big_for_the_tier_is_priced_as_a_re_prefill() -> None:
 
 def test_time_scaling_speeds_the_load_rate_up_with_the_clock() -> None:
     assert ChainAwareConfig().time_scaled(4.0).host_load_tokens_per_s == pytest.approx(4 * 190_000.0)
+    # A rate the worker reports is in engine time too: a replay 4x faster holds 4x shorter.
+    tier = {"p": [WorkerSlots("a", 8, CAPACITY, 400_000, 150_000)]}
+    fast = held_until(run_first_hop(tier, clock_scale=4.0))
+    assert fast == pytest.approx(CAPACITY / (4 * 150_000) * 1.05)

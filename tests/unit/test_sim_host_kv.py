@@ -122,3 +122,12 @@ def test_host_tier_off_leaves_the_model_unchanged() -> None:
     assert plain.kv.host is None
     assert EngineProfile().host_kv_capacity_tokens == 0
     assert EngineProfile().host_load_tokens_per_s == pytest.approx(25e9 / 131072)
+
+
+def test_the_sim_worker_reports_its_profiles_tier() -> None:
+    from inferx_worker.engines.sim_engine import SimEngine, SimParams
+
+    capacity = SimEngine(SimParams(profile=offload_profile())).capacity()
+    assert capacity.host_kv_capacity_tokens == 100_000
+    assert capacity.host_kv_load_tokens_per_s == pytest.approx(EngineProfile().host_load_tokens_per_s)
+    assert SimEngine(SimParams(profile=EngineProfile())).capacity().host_kv_load_tokens_per_s == 0.0

@@ -124,6 +124,7 @@ class ChainAwareConfig:
     offload_retention: bool = True
     offload_share: float = 0.5
     host_load_tokens_per_s: float = 190_000.0
+    clock_scale: float = 1.0  # set by `time_scaled`: rates workers report run this much faster
     # Holds are real: no hop runs over another chain's held room on any worker (else
     # they only keep other chains from being *placed* on it). Off by default: on the
     # coding workload the waiting it causes cost more than the re-prefills it saved.
@@ -177,6 +178,7 @@ class ChainAwareConfig:
             realtime_move_margin_s=self.realtime_move_margin_s / factor,
             prefill_tokens_per_s=self.prefill_tokens_per_s * factor,
             host_load_tokens_per_s=self.host_load_tokens_per_s * factor,
+            clock_scale=self.clock_scale * factor,
             kv_read_s_per_token=self.kv_read_s_per_token / factor,
         )
 
@@ -503,7 +505,7 @@ class ChainAwarePolicy:
         host_tokens, rate = self._host_kv.get(worker_id, (0, 0.0))
         if not offload_fits(tokens, host_tokens, self.config.offload_share):
             return 0.0
-        return rate or self.config.host_load_tokens_per_s
+        return rate * self.config.clock_scale if rate else self.config.host_load_tokens_per_s
 
     def _held_back(self, hop: HopView, load: float) -> bool:
         if self._under_way(hop):
