@@ -9,7 +9,7 @@ from inferx.bench import seed_run
 
 
 def test_the_kv_pressure_configurations_differ_only_in_the_scheduler() -> None:
-    names = ["kv-session-affinity", "kv-chain-aware", "kv-chain-aware-strict"]
+    names = ["kv-session-affinity", "kv-chain-aware", "kv-chain-aware-strict", "kv-chain-aware-hold"]
     configs = [seed_run.CONFIGS[n] for n in names]
     assert all(c["router"] == ["--no-tool-cache"] for c in configs)  # every tool call is a real gap
     assert all(c["worker"] == configs[0]["worker"] for c in configs)
