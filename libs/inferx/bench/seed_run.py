@@ -68,7 +68,10 @@ CONFIGS: dict[str, dict[str, list[str]]] = {
     # An ablation: every context held 10 s after its hop (fixed, not priced), strictly --
     # what protecting the KV through tool calls buys and costs when it is not priced.
     "kv-chain-aware-hold": {
-        "scheduler": ["--policy", "chain-aware", "--kv-retention", "fixed", "--kv-warm-s", "10", "--strict-holds"],
+        "scheduler": [
+            *("--policy", "chain-aware", "--kv-retention", "fixed"),
+            *("--kv-warm-s", "10", "--strict-holds"),
+        ],
         "router": ["--no-tool-cache"],
         "worker": [],
     },
