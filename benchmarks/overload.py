@@ -7,7 +7,8 @@ per policy, over several trace seeds, in the simulator.
 
 A `policy:key=value,key=value` entry runs the policy with those options (an ablation).
 Prints a markdown table (medians over the seeds, (min-max) in brackets); --json for
-the raw figures.
+the raw figures; --tokens adds where prompt tokens came from (prefilled, found in the
+GPU prefix cache, loaded back from a KV offload tier).
 """
 
 from __future__ import annotations
@@ -47,7 +48,13 @@ def run(name: str, options: dict[str, object], args: argparse.Namespace, seed: i
         raise SystemExit(f"overload.py: {name}: {exc}") from None
     result = ClusterSim(trace, policy, profile, args.workers).run()
     score = attainment(result.chains)
+    prompt = sum(c.prompt_tokens for c in result.chains) or 1
+    cached = sum(c.cached_tokens for c in result.chains)
+    loaded = sum(c.loaded_tokens for c in result.chains)
     return {
+        "prefilled": (prompt - cached - loaded) / prompt,
+        "gpu_cached": cached / prompt,
+        "host_loaded": loaded / prompt,
         "realtime": score.realtime if score.realtime is not None else math.nan,
         "overall": score.overall,
         "shed": sum(c.status == "shed" for c in result.chains) / len(result.chains),
@@ -69,6 +76,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--profile", default=None)
     parser.add_argument("--compare", nargs="+", required=True, metavar="POLICY[:k=v,...]")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--tokens", action="store_true", help="add prompt tokens prefilled / cached / loaded")
     args = parser.parse_args(argv)
     if args.rate <= 0 or args.seeds < 1 or args.workers < 1:
         raise SystemExit("overload.py: --rate, --seeds and --workers must be positive")
@@ -90,12 +98,20 @@ def main(argv: list[str]) -> None:
         return f"{mid:.1f}{unit} ({lo:.1f}-{hi:.1f})" if percent else f"{mid:.0f} ({lo:.0f}-{hi:.0f})"
 
     print(f"\n{args.workload} at {args.rate:g} chains/s, {args.workers} workers, seeds {args.seed}..")
-    print("| policy | realtime within SLO | all within SLO | shed | preemptions | P99 chain latency (s) |")
-    print("|---|---|---|---|---|---|")
+    extra = " prompt tokens prefilled | from the GPU cache | loaded from host |" if args.tokens else ""
+    head = "| policy | realtime within SLO | all within SLO | shed | preemptions | P99 chain latency (s) |"
+    print(head + extra)
+    print("|---|---|---|---|---|---|" + ("---|---|---|" if args.tokens else ""))
     for entry, rows in figures.items():
+        tokens = (
+            f" {cell(rows, 'prefilled')} | {cell(rows, 'gpu_cached')} | {cell(rows, 'host_loaded')} |"
+            if args.tokens
+            else ""
+        )
         print(
             f"| {entry} | {cell(rows, 'realtime')} | {cell(rows, 'overall')} | {cell(rows, 'shed')} "
             f"| {cell(rows, 'preemptions', percent=False)} | {cell(rows, 'p99_latency_s', percent=False)} |"
+            + tokens
         )
 
 

@@ -69,6 +69,12 @@ class SchedulerSettings(ServiceSettings):
         description="chain-aware: no hop runs over room held for another chain, on any worker (off: a "
         "hold only keeps other chains from being placed there; strict measured worse on long contexts)",
     )
+    offload_retention: bool = Field(
+        True,
+        description="chain-aware, priced retention: on a worker with a KV offload tier (inferx-worker "
+        "--kv-offload-gib), letting a context go costs the load back from host memory, not a re-prefill, "
+        "so contexts are held for less (off: the tier is ignored)",
+    )
     overload_control: bool = Field(
         False,
         description="chain-aware: protect tiers under overload -- while realtime (standard) hops run "
@@ -120,6 +126,7 @@ class SchedulerSettings(ServiceSettings):
             "kv_retention": self.kv_retention,
             "max_hold_s": self.max_hold_s,
             "strict_holds": self.strict_holds,
+            "offload_retention": self.offload_retention,
             "kv_warm_s": self.kv_warm_s,
             "overload_control": self.overload_control,
         }

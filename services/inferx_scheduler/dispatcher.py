@@ -60,7 +60,13 @@ class HopDispatcher:
         registered = {pool: bool(workers) for pool, workers in self.directory.workers_by_pool.items()}
         slots = {
             pool: [
-                WorkerSlots(w.worker_id, self._concurrency(w.max_concurrency), w.kv_capacity_tokens)
+                WorkerSlots(
+                    w.worker_id,
+                    self._concurrency(w.max_concurrency),
+                    w.kv_capacity_tokens,
+                    w.host_kv_capacity_tokens,
+                    w.host_kv_load_tokens_per_s,
+                )
                 for w in workers.values()
                 if self._usable(w.worker_id)  # circuit open: failed hops or health checks
             ]

@@ -63,6 +63,8 @@ class WorkerComponent(ServiceComponent):
             kv_capacity_tokens=capacity.kv_capacity_tokens,
             max_concurrency=capacity.max_concurrency,
             block_size=capacity.block_size,
+            host_kv_capacity_tokens=capacity.host_kv_capacity_tokens,
+            host_kv_load_tokens_per_s=capacity.host_kv_load_tokens_per_s,
         )
         key = etcd.worker_key(self._settings.model, self._runtime.instance_id)
         await self._runtime.leases.put(key, to_json_bytes(info))

@@ -39,6 +39,19 @@ class WorkerSettings(ServiceSettings):
     gpu_memory_utilization: float | None = Field(
         None, gt=0, le=1, description="vllm: memory fraction (default: 0.9 GPU, 0.1 CPU)"
     )
+    kv_cache_tokens: int | None = Field(
+        None, gt=0, description="vllm: cap the KV cache at this many tokens (vLLM's num_gpu_blocks_override)"
+    )
+    kv_offload_gib: float | None = Field(
+        None,
+        gt=0,
+        description="vllm, GPU only: a KV offload tier of this many GiB of host memory (vLLM's native "
+        "CPU offloading, --kv-offloading-size): evicted prefix blocks are loaded back instead of "
+        "re-prefilled; refused on the CPU build",
+    )
+    kv_offload_gbps: float = Field(
+        25.0, gt=0, description="vllm: host-to-GPU KV transfer rate assumed for the offload tier (GB/s)"
+    )
     sim_speed: float = Field(1.0, gt=0, description="sim: run this many times faster than real time")
     sim_profile: str | None = Field(
         None, description="sim: engine calibration file (YAML/JSON of inferx.sim.profile keys)"

@@ -129,6 +129,8 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServicer):
             waiting=load.waiting,
             kv_capacity_tokens=capacity.kv_capacity_tokens,
             kv_usage_ratio=load.kv_usage_ratio,
+            host_kv_capacity_tokens=capacity.host_kv_capacity_tokens,
+            host_kv_load_tokens_per_s=capacity.host_kv_load_tokens_per_s,
         )
 
 

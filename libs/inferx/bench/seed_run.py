@@ -48,6 +48,33 @@ CONFIGS: dict[str, dict[str, list[str]]] = {
     REFERENCE: {"scheduler": ["--policy", "round-robin"], "router": ["--no-tool-cache"], "worker": []},
     # Ablation: everything on but chain affinity (round-robin spreads a chain's steps).
     "no-affinity": {"scheduler": ["--policy", "round-robin"], "router": [], "worker": []},
+    # The KV-pressure scenario (benchmarks/kv_pressure.py): the same workers (a small KV
+    # cache, SeedOptions.kv_cache_tokens) and router (no tool cache: every tool call is
+    # a real gap, during which other chains may evict the context); only the scheduler's
+    # policy differs. The peer: sticky sessions, as vllm-router and llm-d route.
+    "kv-session-affinity": {
+        "scheduler": ["--policy", "session-affinity"],
+        "router": ["--no-tool-cache"],
+        "worker": [],
+    },
+    # Chain-aware with priced retention (holds keep other chains off the room)...
+    "kv-chain-aware": {"scheduler": ["--policy", "chain-aware"], "router": ["--no-tool-cache"], "worker": []},
+    # ... and with strict holds (no hop runs over a held context, so vLLM never evicts it).
+    "kv-chain-aware-strict": {
+        "scheduler": ["--policy", "chain-aware", "--strict-holds"],
+        "router": ["--no-tool-cache"],
+        "worker": [],
+    },
+    # An ablation: every context held 10 s after its hop (fixed, not priced), strictly --
+    # what protecting the KV through tool calls buys and costs when it is not priced.
+    "kv-chain-aware-hold": {
+        "scheduler": [
+            *("--policy", "chain-aware", "--kv-retention", "fixed"),
+            *("--kv-warm-s", "10", "--strict-holds"),
+        ],
+        "router": ["--no-tool-cache"],
+        "worker": [],
+    },
 }
 
 # Old configuration names still accepted, and what to tell whoever uses them.
@@ -95,6 +122,7 @@ class SeedOptions:
     sim_speed: float = 1.0
     timeout_s: float = 900.0
     seed: int = 7
+    kv_cache_tokens: int | None = None  # cap each worker's KV cache (KV pressure); None: the engine's
 
 
 class KnowledgeTool(tool_pb2_grpc.ToolServiceServicer):
@@ -155,8 +183,12 @@ def start_stack(state_dir: Path, config: str, options: SeedOptions, knowledge: P
         stack.load_models({sa.MODEL: sa.MODEL})
         if options.engine == "vllm":
             extra = ["--model-path", options.model_path, "--max-model-len", "4096", *flags["worker"]]
+            if options.kv_cache_tokens:
+                extra += ["--kv-cache-tokens", str(options.kv_cache_tokens)]
         else:
             extra = ["--sim-speed", str(options.sim_speed), *flags["worker"]]
+            if options.kv_cache_tokens:
+                extra += ["--sim-kv-capacity-tokens", str(options.kv_cache_tokens)]
         for _ in range(options.workers):
             stack.start_worker(sa.MODEL, options.engine, extra)
         for worker in stack.workers:
@@ -193,6 +225,10 @@ class SeedSummary(BaseModel):
     worker_switches: float  # per chain: steps that ran on another worker than the previous step
     wall_s: float
     errors: list[str]
+    # Steps 2..8: tokens shared with the previous step's prompt, and how many of them the
+    # engine prefilled again (not found in its prefix cache: evicted, or on another worker).
+    reusable_tokens: int = 0
+    reprefilled_tokens: int = 0
 
 
 async def drive(
@@ -272,6 +308,8 @@ def summarize(config: str, plan: list[sa.Arrival], outcomes: list[RunOutcome], t
         worker_switches=switches / len(ok) if ok else math.nan,
         wall_s=wall_s,
         errors=errors,
+        reusable_tokens=sum(h.reusable for h in hops),
+        reprefilled_tokens=sum(h.reusable - min(h.cached, h.reusable) for h in hops),
     )
 
 

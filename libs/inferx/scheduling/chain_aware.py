@@ -24,7 +24,10 @@ context is held on its worker -- no other chain is placed there on that room -- 
 as long as holding is expected to cost less than re-prefilling it, priced from the
 gaps this program's chains have shown so far (`kv_retention="priced"`,
 `inferx.scheduling.retention`), or for `kv_warm_s` (`"fixed"`); after that it is only
-a cache the engine may evict. With `strict_holds` no hop runs over held room at all
+a cache the engine may evict. On a worker with a KV offload tier (host memory its
+engine evicts prefixes to, reported by the worker), letting go costs the load back
+from host memory rather than a re-prefill (`offload_retention`), so the hold is
+shorter. With `strict_holds` no hop runs over held room at all
 (its own worker's included). A chain whose last hop finished (`remaining_hops == 0`)
 lets go at once.
 Look-ahead (`plan_ahead`): when a chain's next hop will need another pool (a bigger
@@ -66,7 +69,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from inferx.scheduling.overload import ChainWindow, Stretch
 from inferx.scheduling.registry import register_policy
-from inferx.scheduling.retention import GapModel, hold_seconds
+from inferx.scheduling.retention import GapModel, hold_seconds, offload_fits
 from inferx.scheduling.views import (
     ACCEPT,
     TIER_BATCH,
@@ -118,6 +121,15 @@ class ChainAwareConfig:
     # sequence decoding beside it). Measured (coding workload, 3 seeds): 3 holds through
     # think times but not test runs and beat both 1 and the fixed 30 s.
     reprefill_cost_factor: float = 3.0
+    # "priced", on a worker with a KV offload tier: a context let go is loaded back from
+    # host memory (if it takes at most `offload_share` of the tier), so letting go costs
+    # the cheaper of that and the re-prefill. `host_load_tokens_per_s` is the load rate
+    # assumed when the worker reports a tier but not its rate (Llama-3-8B's 128 KiB per
+    # token over ~25 GB/s of PCIe 4.0).
+    offload_retention: bool = True
+    offload_share: float = 0.5
+    host_load_tokens_per_s: float = 190_000.0
+    clock_scale: float = 1.0  # set by `time_scaled`: rates workers report run this much faster
     # Holds are real: no hop runs over another chain's held room on any worker (else
     # they only keep other chains from being *placed* on it). Off by default: on the
     # coding workload the waiting it causes cost more than the re-prefills it saved.
@@ -170,6 +182,8 @@ class ChainAwareConfig:
             guard_max_wait_s=self.guard_max_wait_s / factor,
             realtime_move_margin_s=self.realtime_move_margin_s / factor,
             prefill_tokens_per_s=self.prefill_tokens_per_s * factor,
+            host_load_tokens_per_s=self.host_load_tokens_per_s * factor,
+            clock_scale=self.clock_scale * factor,
             kv_read_s_per_token=self.kv_read_s_per_token / factor,
         )
 
@@ -217,6 +231,7 @@ class ChainAwarePolicy:
         self._dispatched_prefill: dict[tuple[str, str], int] = {}  # hop key -> prefill tokens expected
         self._gaps = GapModel()  # learned tool/think gaps per program kind (priced retention)
         self._kv_capacity: dict[str, int] = {}  # worker -> KV tokens, as last seen
+        self._host_kv: dict[str, tuple[int, float]] = {}  # worker -> its offload tier (tokens, load rate)
 
     # ----- chain state ------------------------------------------------------------------
 
@@ -343,6 +358,8 @@ class ChainAwarePolicy:
         self._pass_load = self.load(workers)
         for worker in workers:
             self._kv_capacity[worker.worker_id] = worker.kv_capacity_tokens
+            tier = (worker.host_kv_capacity_tokens, worker.host_kv_load_tokens_per_s)
+            self._host_kv[worker.worker_id] = tier
         return sorted(queued, key=lambda q: self.sort_key(q, now))
 
     def wake_at(self, queued: QueuedHop, now: float) -> float | None:
@@ -479,7 +496,7 @@ class ChainAwarePolicy:
             self._gaps.observe(self._program_kind(hop), now - state.idle_since)
             state.idle_since = None
 
-    def _hold_s(self, hop: HopView, worker_id: str) -> float:
+    def _hold_s(self, hop: HopView, worker_id: str, tokens: int) -> float:
         if self.config.kv_retention == "fixed":
             return self.config.kv_warm_s
         return hold_seconds(
@@ -488,7 +505,18 @@ class ChainAwarePolicy:
             # A re-prefill stalls every sequence decoding beside it, not just its own.
             prefill_tokens_per_s=self.config.prefill_tokens_per_s / self.config.reprefill_cost_factor,
             max_hold_s=self.config.max_hold_s,
+            reload_tokens_per_s=self._reload_rate(worker_id, tokens),
         )
+
+    def _reload_rate(self, worker_id: str, tokens: int) -> float:
+        """How fast `tokens` of context let go on the worker come back from its offload
+        tier; 0 when it has none (or the context would not likely stay there)."""
+        if not self.config.offload_retention:
+            return 0.0
+        host_tokens, rate = self._host_kv.get(worker_id, (0, 0.0))
+        if not offload_fits(tokens, host_tokens, self.config.offload_share):
+            return 0.0
+        return rate * self.config.clock_scale if rate else self.config.host_load_tokens_per_s
 
     def _held_back(self, hop: HopView, load: float) -> bool:
         if self._under_way(hop):
@@ -740,7 +768,7 @@ class ChainAwarePolicy:
         # as it was meant to; the context hold below only adds to it.
         ahead = state.held_tokens if state.held_until > now else 0
         tokens, until = max(state.context_tokens, ahead), state.held_until if ahead else now
-        hold_s = self._hold_s(hop, queued.worker_id)
+        hold_s = self._hold_s(hop, queued.worker_id, state.context_tokens)
         if hold_s > 0:
             # A little past the learned gap, so a chain back right on time finds it held.
             until = max(until, now + hold_s * 1.05)

@@ -91,6 +91,8 @@ class DispatchQueue:
                 self._in_flight.get(w.worker_id, 0),
                 w.kv_capacity_tokens,
                 self._kv_in_flight.get(w.worker_id, 0),
+                w.host_kv_capacity_tokens,
+                w.host_kv_load_tokens_per_s,
             )
             for w in self._workers.get(pool, [])
         ]

@@ -25,6 +25,14 @@ no gaps seen yet it holds for the break-even time `capacity / prefill_tokens_per
 cancel out of the comparison, so a small-KV engine (MHA, long contexts) holds for
 less time than a large-KV one, and a program whose tool calls are short keeps its KV
 while one waiting minutes on a test run lets it go.
+
+With a KV offload tier on the worker (host memory the engine evicts prefix blocks to,
+`reload_tokens_per_s` given), a context let go is not lost: it comes back over PCIe at
+`tokens / reload_tokens_per_s` (the chain waits for the copy; compute does not), so
+letting go costs the smaller of that and the re-prefill. Loading back is several times
+faster than prefilling, so the break-even hold shrinks by as much: with offload the
+scheduler holds for less and lends the room to others sooner. `offload_fits` says
+whether a context may count on the tier.
 """
 
 from __future__ import annotations
@@ -63,12 +71,16 @@ def hold_seconds(
     kv_capacity_tokens: int,
     prefill_tokens_per_s: float,
     max_hold_s: float,
+    reload_tokens_per_s: float = 0.0,
 ) -> float:
     """How long to hold a chain's context after its hop (see the module docstring).
     `gaps`: the learned gaps, sorted ascending (inf: never came back). Independent of
-    the context's size."""
+    the context's size. `reload_tokens_per_s`: how fast a context let go comes back from
+    the worker's KV offload tier (0: there is none, a context let go is re-prefilled)."""
     if kv_capacity_tokens <= 0:
         return max_hold_s  # unknown memory: nothing to price it by
+    # Letting go costs the cheaper way back, per token.
+    prefill_tokens_per_s = max(prefill_tokens_per_s, reload_tokens_per_s)
     # Per token: holding 1 s costs 1/capacity GPU-s; re-prefilling costs 1/rate GPU-s.
     break_even_s = kv_capacity_tokens / prefill_tokens_per_s
     if not gaps:
@@ -87,3 +99,10 @@ def hold_seconds(
         if cost < best_cost:
             best_t, best_cost = t, cost
     return best_t
+
+
+def offload_fits(context_tokens: int, host_kv_capacity_tokens: int, share: float) -> bool:
+    """Whether a context let go may count on the worker's offload tier to keep it: the
+    tier is LRU and shared by every context the worker evicts, so only one that takes
+    at most `share` of it is likely to still be there when its chain comes back."""
+    return host_kv_capacity_tokens > 0 and context_tokens <= host_kv_capacity_tokens * share

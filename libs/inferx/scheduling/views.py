@@ -121,6 +121,10 @@ class WorkerSlots:
     worker_id: str
     max_concurrency: int
     kv_capacity_tokens: int = 0  # 0 = unknown: memory checks are skipped
+    # Its KV offload tier in host memory (evicted prefixes are loaded back from there
+    # instead of re-prefilled): tokens, and how fast a load runs (0 = not reported).
+    host_kv_capacity_tokens: int = 0
+    host_kv_load_tokens_per_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,8 @@ class WorkerView:
     in_flight: int = 0
     kv_capacity_tokens: int = 0
     kv_in_flight: int = 0  # estimated KV of the hops running there
+    host_kv_capacity_tokens: int = 0  # its KV offload tier (see WorkerSlots)
+    host_kv_load_tokens_per_s: float = 0.0
 
     @property
     def has_slot(self) -> bool:
@@ -146,6 +152,8 @@ class WorkerView:
             self.in_flight + 1,
             self.kv_capacity_tokens,
             self.kv_in_flight + kv_tokens,
+            self.host_kv_capacity_tokens,
+            self.host_kv_load_tokens_per_s,
         )
 
 

@@ -129,7 +129,14 @@ class ClusterSim:
         by_id = {w.worker_id: w for w in workers}
         slots = {
             POOL: [
-                WorkerSlots(w.worker_id, profile.max_num_seqs, profile.kv_capacity_tokens) for w in workers
+                WorkerSlots(
+                    w.worker_id,
+                    profile.max_num_seqs,
+                    profile.kv_capacity_tokens,
+                    profile.host_kv_capacity_tokens,
+                    profile.host_load_tokens_per_s if profile.host_kv_capacity_tokens else 0.0,
+                )
+                for w in workers
             ]
         }
         events: list[tuple[float, int, str, object]] = []
@@ -264,6 +271,7 @@ class ClusterSim:
                 )
                 chain.record.prompt_tokens += request.prompt_tokens
                 chain.record.cached_tokens += request.cached_tokens
+                chain.record.loaded_tokens += request.loaded_tokens
                 chain.record.preemptions = (chain.record.preemptions or 0) + request.preemptions
                 k = flight.k
                 learned.call_finished(program(chain.spec), k, now - chain.ready_at[k])

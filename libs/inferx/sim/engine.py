@@ -12,6 +12,12 @@ Each iteration:
   * waiting sequences are admitted in priority order while there is budget, a free
     sequence slot and KV memory for their uncached prompt (prefix-cache hits are free);
   * the step costs `EngineProfile.step_ms(decodes, prefill tokens, context tokens)`.
+With a host KV tier (`EngineProfile.host_kv_capacity_tokens`), prefix entries the GPU
+evicts go to host memory (`inferx.sim.host_kv`); a request whose prefix is there is
+admitted with room for it and first loads it back at `host_load_tokens_per_s`. The
+copy runs beside compute (vLLM's offloading connector uses its own CUDA stream): the
+request waits for it (one PCIe link, first come first served) and takes no part in
+the steps meanwhile; the others do not wait.
 Stretches of pure decoding with nothing to admit are planned as one multi-step plan
 (the batch cannot change until a sequence finishes), which keeps simulation fast.
 With every priority equal the order is arrival order: plain FCFS.
@@ -20,8 +26,10 @@ With every priority equal the order is arrival order: plain FCFS.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 
+from inferx.sim.host_kv import HostKv
 from inferx.sim.kv import KvPool, Segment
 from inferx.sim.profile import EngineProfile, prefill_pairs
 
@@ -43,6 +51,8 @@ class SimRequest:
     first_token_at: float | None = None
     finished_at: float | None = None
     preemptions: int = 0
+    loaded_tokens: int = 0  # prompt tokens loaded back from the host tier (first admission)
+    load_left: int = 0  # tokens still to load from the host tier before it can run
     _held: list[str] = field(default_factory=list)
     _private: int = 0
 
@@ -61,6 +71,7 @@ class Plan:
     step_s: float
     decodes: list[SimRequest]
     prefills: list[tuple[SimRequest, int]]
+    loading: bool = False  # loads from the host tier progress during these steps
 
     @property
     def duration_s(self) -> float:
@@ -77,12 +88,14 @@ class StepResult:
 class EngineModel:
     def __init__(self, profile: EngineProfile) -> None:
         self.profile = profile
-        self.kv = KvPool(profile.kv_capacity_tokens)
+        host = HostKv(profile.host_kv_capacity_tokens) if profile.host_kv_capacity_tokens else None
+        self.kv = KvPool(profile.kv_capacity_tokens, host)
         self.waiting: list[SimRequest] = []
         self.running: list[SimRequest] = []
         self.preemptions = 0
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
+        self.loaded_tokens_total = 0  # prompt tokens loaded back from the host tier
         self._seq = itertools.count()
 
     # ----- requests -------------------------------------------------------------------
@@ -118,6 +131,8 @@ class EngineModel:
                 continue  # preempted below to make room for a more important one
             if budget <= 0:
                 break
+            if request.load_left > 0:
+                continue  # its prefix is still on the way from the host tier
             if request.prefill_left > 0:
                 chunk = min(request.prefill_left, budget)
                 prefills.append((request, chunk))
@@ -141,11 +156,19 @@ class EngineModel:
                 break
             self.waiting.pop(0)
             self.running.append(request)
+            if request.load_left > 0:
+                continue
             chunk = min(request.prefill_left, budget)
             prefills.append((request, chunk))
             budget -= chunk
+        load_s = self._next_load_s()
         if not decodes and not prefills:
-            return None
+            if load_s is None:
+                return None
+            # Only loads under way: wait for the first to land, in decode-step-sized
+            # steps so that a request arriving meanwhile joins at the next one.
+            steps = max(1, math.ceil(load_s * 1000 / self.profile.decode_step_ms))
+            return Plan(min(steps, max_steps), load_s / steps, [], [], loading=True)
         steps = 1
         if not prefills:
             # Nothing can change until a sequence finishes (waiting ones are blocked on
@@ -159,7 +182,33 @@ class EngineModel:
             prefill_pairs(r.prompt_tokens + r.generated - r.prefill_left, chunk) for r, chunk in prefills
         )
         step_ms = self.profile.step_ms(len(decodes), prefill_tokens, context, pairs)
-        return Plan(steps, step_ms / 1000, decodes, prefills)
+        if load_s is not None and steps > 1:
+            # ... or until the first load lands, when the request that waits on it joins.
+            steps = max(1, min(steps, math.ceil(load_s * 1000 / step_ms)))
+        return Plan(steps, step_ms / 1000, decodes, prefills, loading=load_s is not None)
+
+    def _loading(self) -> list[SimRequest]:
+        """Requests waiting on a load from the host tier, first admitted first."""
+        return sorted((r for r in self.running if r.load_left > 0), key=lambda r: r.seq)
+
+    def _next_load_s(self) -> float | None:
+        """Seconds until the first load under way lands; None when none is."""
+        if self.kv.host is None:
+            return None
+        loading = self._loading()
+        if not loading:
+            return None
+        return loading[0].load_left / self.profile.host_load_tokens_per_s
+
+    def _advance_loads(self, seconds: float) -> None:
+        """The PCIe link moves `seconds` worth of tokens, to the loads in arrival order."""
+        budget = seconds * self.profile.host_load_tokens_per_s
+        for request in self._loading():
+            if budget <= 0:
+                break
+            moved = min(request.load_left, math.ceil(budget - 1e-6))
+            request.load_left -= moved
+            budget -= moved
 
     def commit(self, plan: Plan, steps: int, now: float) -> StepResult:
         """Apply `steps` (<= plan.steps) iterations of `plan`, ending at time `now`."""
@@ -167,6 +216,8 @@ class EngineModel:
         tokens: dict[str, int] = {}
         first: list[SimRequest] = []
         done: list[SimRequest] = []
+        if plan.loading:
+            self._advance_loads(steps * plan.step_s)
         if plan.decodes:
             self.kv.make_room(len(plan.decodes) * steps)
         for request in plan.decodes:
@@ -201,15 +252,27 @@ class EngineModel:
 
     def _admit(self, request: SimRequest, reserve: int) -> bool:
         """Pin the cached prefix, allocate the rest; False (nothing held) if it won't fit."""
-        hits: list[str] = []
+        prefix: list[str] = []  # the usable prefix: cached on the GPU or in the host tier
+        hits: list[str] = []  # ... of which on the GPU (pinned now)
+        loads: list[Segment] = []  # ... of which to load back from the host tier
         cached = 0
+        host = self.kv.host
         for segment in request.prompt:
-            if segment.key is None or segment.key not in self.kv:
+            if segment.key is None:
                 break
-            self.kv.acquire(segment.key)
-            hits.append(segment.key)
-            cached += segment.tokens
-        rest = request.prompt[len(hits) :]
+            if segment.key in self.kv:
+                self.kv.acquire(segment.key)
+                hits.append(segment.key)
+                cached += segment.tokens
+            elif host is not None and segment.key in host:
+                # Out of the host tier before making room: what make_room evicts to the
+                # host below must not push these out.
+                loads.append(Segment(segment.key, host.take(segment.key)))
+            else:
+                break
+            prefix.append(segment.key)
+        rest = request.prompt[len(prefix) :]
+        loaded = sum(s.tokens for s in loads)
         # Cached, but after a miss: not usable as a prefix; recompute into it. Pinned
         # before making room, or make_room may evict them and the inserts below would
         # then overcommit the pool.
@@ -218,11 +281,17 @@ class EngineModel:
             self.kv.acquire(key)
         need = sum(s.tokens for s in rest if s.key is None or s.key not in self.kv)
         need += request.generated + reserve  # recompute after preemption; room for decodes
-        if not self.kv.make_room(need):
+        if not self.kv.make_room(need + loaded):
             for key in reversed(hits + reused):
                 self.kv.release(key)
+            for segment in loads:
+                assert host is not None and segment.key is not None
+                host.store(segment.key, segment.tokens)
             return False
-        held = list(hits)
+        for segment in loads:
+            assert segment.key is not None
+            self.kv.insert(segment.key, segment.tokens, pinned=True)
+        held = list(prefix)
         private = request.generated
         for segment in rest:
             if segment.key is None:
@@ -235,12 +304,15 @@ class EngineModel:
         self.kv.alloc_private(private)
         request._held, request._private = held, private
         # The last prompt token is always computed: its logits give the first token.
-        uncached = request.prompt_tokens - cached
+        uncached = request.prompt_tokens - cached - loaded
         request.prefill_left = max(1, uncached + request.generated)
+        request.load_left = loaded
         if request.preemptions == 0:
             request.cached_tokens = cached
+            request.loaded_tokens = loaded
             self.prompt_tokens_total += request.prompt_tokens
             self.cached_tokens_total += cached
+            self.loaded_tokens_total += loaded
         return True
 
     def _free(self, request: SimRequest) -> None:

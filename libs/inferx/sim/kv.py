@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from inferx.sim.host_kv import HostKv
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -28,8 +30,9 @@ class _Entry:
 
 
 class KvPool:
-    def __init__(self, capacity_tokens: int) -> None:
+    def __init__(self, capacity_tokens: int, host: HostKv | None = None) -> None:
         self.capacity = capacity_tokens
+        self.host = host  # the offload tier evicted entries go to; None: they are lost
         self._entries: dict[str, _Entry] = {}
         self._lru: OrderedDict[str, None] = OrderedDict()  # refs == 0, least recent first
         self._evictable = 0
@@ -63,6 +66,8 @@ class KvPool:
             self._evictable -= entry.tokens
             self.used -= entry.tokens
             self.evictions += 1
+            if self.host is not None:
+                self.host.store(key, entry.tokens)
         return self.free >= tokens
 
     def acquire(self, key: str) -> None:
@@ -81,6 +86,8 @@ class KvPool:
 
     def insert(self, key: str, tokens: int, *, pinned: bool) -> None:
         """Add an entry; the caller has made room for it."""
+        if self.host is not None:
+            self.host.discard(key)  # recomputed into the GPU: one tier holds an entry
         self._entries[key] = _Entry(tokens, 1 if pinned else 0)
         self.used += tokens
         if not pinned:

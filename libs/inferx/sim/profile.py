@@ -22,6 +22,12 @@ Sources:
     - ~4 GB activations = ~52 GiB of KV cache / 128 KiB per token = 425,984 tokens.
   * block_size 16, max_num_seqs 256, max_batched_tokens 8192: vLLM's defaults for an
     OpenAI-compatible server with chunked prefill (V1 engine).
+  * host_kv_capacity_tokens, host_kv_gbps, kv_bytes_per_token: a KV offload tier in
+    host memory (vLLM's native CPU offloading, `--kv-offloading-size`), off at 0.
+    Prefix blocks the GPU evicts are kept there (LRU) and a prompt that finds them
+    loads them back over PCIe instead of re-prefilling: ~25 GB/s is what a PCIe 4.0
+    x16 link sustains (32 GB/s peak); 128 KiB per token is Llama-3-8B's KV (above),
+    so a load runs at ~190k tokens/s against prefill's 15k.
 """
 
 from __future__ import annotations
@@ -50,6 +56,14 @@ class EngineProfile(BaseModel):
     block_size: int = Field(16, gt=0)
     max_num_seqs: int = Field(256, gt=0)
     max_batched_tokens: int = Field(8192, gt=0, description="token budget of one step")
+    host_kv_capacity_tokens: int = Field(0, ge=0, description="KV offload tier in host memory; 0 = none")
+    host_kv_gbps: float = Field(25.0, gt=0, description="host <-> GPU KV transfer rate, GB/s")
+    kv_bytes_per_token: int = Field(131_072, gt=0, description="KV bytes per token (all layers)")
+
+    @property
+    def host_load_tokens_per_s(self) -> float:
+        """Tokens of KV a load from the host tier brings back per second."""
+        return self.host_kv_gbps * 1e9 / self.kv_bytes_per_token
 
     def decode_ms(self, batch: int) -> float:
         """Weight-bound part of a decode step for `batch` sequences."""

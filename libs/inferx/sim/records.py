@@ -30,6 +30,7 @@ class ChainRecord:
     ttft_s: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    loaded_tokens: int = 0  # prompt tokens loaded back from a KV offload tier (simulator)
     # None: this replay cannot see the chain's preemptions (a live replay only learns a
     # worker's total). Reports must not print a count nobody measured as 0.
     preemptions: int | None = None

