@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -56,6 +56,14 @@ class Hold:
 class _HopOutcome:
     context_tokens: int = 0  # what the hop left in its worker's prefix cache
     service_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class _ContextBlocks:
+    """Passed up from a worker's last chunk (not sent to the caller): the block keys
+    of the hop's prompt + output, as the worker's KV events key them."""
+
+    blocks: tuple[tuple[str, int], ...]
 
 
 class WorkerFailed(Unavailable):
@@ -107,6 +115,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if not self._directory.workers_for(request.model):
             raise Unavailable(no_worker_message(request.model, pool))
         view = hop_view(pool, request)  # the hop's facts, worked out once
+        # The prompt starts with the chain's latest context: its blocks, as keyed in the
+        # workers' KV events, say exactly where that context is cached.
+        blocks = self._dispatcher.contexts.get(pool, view.chain_key)
+        if blocks:
+            view = replace(view, prompt_blocks=blocks)
         # Room a look-ahead kept for this hop: its own reservation replaces that one.
         ahead = self._lookahead.take(view) if self._lookahead is not None else None
         # A worker that dies or fails mid-hop costs a re-dispatch to another one of the
@@ -173,6 +186,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     if event.kind == Event.KIND_FINISHED:
                         outcome.context_tokens = event.usage.prompt_tokens + event.usage.completion_tokens
                         outcome.service_s = event.engine_ms / 1000
+                    if isinstance(event, _ContextBlocks):
+                        self._dispatcher.contexts.put(pool, view.chain_key, event.blocks)
+                        continue
                     yield event
             except WorkerFailed:
                 self._health.hop_failed(worker_id)
@@ -220,6 +236,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 if not chunk.finished:
                     yield Event(kind=Event.KIND_TOKENS, text=chunk.text, worker_id=worker_id)
                     continue
+                if chunk.context_blocks:
+                    yield _ContextBlocks(tuple((b.key, b.tokens) for b in chunk.context_blocks))
                 yield Event(
                     kind=Event.KIND_FINISHED,
                     worker_id=worker_id,
@@ -374,6 +392,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def GetSchedulerStatus(self, request, context):
         queue = self._dispatcher.queue
+        index = self._dispatcher.prefix_index
         pools = sorted(set(queue.pools()) | set(self._directory.workers_by_pool))
         reply = scheduler_pb2.SchedulerStatus(
             policy=queue.policy_name, conservative=self._dispatcher.conservative
@@ -387,5 +406,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     worker=worker,
                     in_flight=queue.in_flight(worker.worker_id),
                     dispatched_total=queue.dispatched(worker.worker_id),
+                    kv_events_live=index.knows(worker.worker_id),
+                    kv_blocks_indexed=index.blocks_of(worker.worker_id),
+                    kv_tokens_indexed=index.tokens_of(worker.worker_id),
                 )
         return reply

@@ -68,6 +68,13 @@ class HopView:
     # hop's output or the chain's future.
     prefix_id: str = ""
     prefix_tokens: int = 0
+    # The prompt's leading blocks as (key, tokens), keyed as the workers key the blocks
+    # they report in KV events (`inferx.scheduling.prefix_index`): with an index fed by
+    # those events a policy knows exactly which worker holds how much of the prompt.
+    # () = unknown. The simulator knows every segment of the prompt (what hashing the
+    # text gives); live, the keys of the chain's previous context as its worker reported
+    # them (the prompt starts with that context).
+    prompt_blocks: tuple[tuple[str, int], ...] = ()
 
     @property
     def chain_key(self) -> str:

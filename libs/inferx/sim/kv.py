@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,18 @@ class _Entry:
     refs: int
 
 
+class KvListener(Protocol):
+    """Told of every cache entry stored and evicted: the engine's KV events (vLLM's
+    BlockStored / BlockRemoved), which a scheduler's prefix index is fed from."""
+
+    def stored(self, key: str, tokens: int) -> None: ...
+
+    def removed(self, key: str) -> None: ...
+
+
 class KvPool:
     def __init__(self, capacity_tokens: int) -> None:
+        self.listener: KvListener | None = None
         self.capacity = capacity_tokens
         self._entries: dict[str, _Entry] = {}
         self._lru: OrderedDict[str, None] = OrderedDict()  # refs == 0, least recent first
@@ -63,6 +74,8 @@ class KvPool:
             self._evictable -= entry.tokens
             self.used -= entry.tokens
             self.evictions += 1
+            if self.listener is not None:
+                self.listener.removed(key)
         return self.free >= tokens
 
     def acquire(self, key: str) -> None:
@@ -83,6 +96,8 @@ class KvPool:
         """Add an entry; the caller has made room for it."""
         self._entries[key] = _Entry(tokens, 1 if pinned else 0)
         self.used += tokens
+        if self.listener is not None:
+            self.listener.stored(key, tokens)
         if not pinned:
             self._lru[key] = None
             self._evictable += tokens
