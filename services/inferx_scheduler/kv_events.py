@@ -17,14 +17,14 @@ import grpc
 
 from inferx.discovery import ChannelPool
 from inferx.pools import PoolDirectory
-from inferx.scheduling.prefix_index import CLEARED, REMOVED, STORED, KvEvent, PrefixIndex
+from inferx.scheduling.prefix_index import CLEARED, REMOVED, STORED, EventKind, KvEvent, PrefixIndex
 from inferx.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("inferx.scheduler.kv_events")
 
 RETRY_S = 1.0  # after a stream ends or fails, before subscribing again
 
-_KINDS = {
+_KINDS: dict[int, EventKind] = {
     worker_pb2.KvEvent.KIND_STORED: STORED,
     worker_pb2.KvEvent.KIND_REMOVED: REMOVED,
     worker_pb2.KvEvent.KIND_CLEARED: CLEARED,

@@ -183,12 +183,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 async for event in self._run_on_worker(
                     generate, view, worker.address, worker_id, queue_ms, context, ahead
                 ):
-                    if event.kind == Event.KIND_FINISHED:
-                        outcome.context_tokens = event.usage.prompt_tokens + event.usage.completion_tokens
-                        outcome.service_s = event.engine_ms / 1000
                     if isinstance(event, _ContextBlocks):
                         self._dispatcher.contexts.put(pool, view.chain_key, event.blocks)
                         continue
+                    if event.kind == Event.KIND_FINISHED:
+                        outcome.context_tokens = event.usage.prompt_tokens + event.usage.completion_tokens
+                        outcome.service_s = event.engine_ms / 1000
                     yield event
             except WorkerFailed:
                 self._health.hop_failed(worker_id)

@@ -116,7 +116,8 @@ def test_translate_keys_vllm_blocks_by_token_ids() -> None:
         KvEvent(STORED, ((keys[2], 16),)),
         KvEvent(REMOVED, ((keys[2], 0),)),
     ]
-    cleared = translate(EngineKeyMap(), events_mod.KVEventBatch(ts=0.0, events=[events_mod.AllBlocksCleared()]))
+    batch = events_mod.KVEventBatch(ts=0.0, events=[events_mod.AllBlocksCleared()])
+    cleared = translate(EngineKeyMap(), batch)
     assert cleared == [KvEvent(CLEARED)]
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Block = tuple[str, int]  # (key, tokens)
+EventKind = Literal["stored", "removed", "cleared"]
 
 STORED: Literal["stored"] = "stored"
 REMOVED: Literal["removed"] = "removed"
@@ -39,7 +40,7 @@ class KvEvent:
     """One worker's cache change. `blocks` (stored) carry their sizes; for removed
     events the sizes are not needed (0)."""
 
-    kind: Literal["stored", "removed", "cleared"]
+    kind: EventKind
     blocks: tuple[Block, ...] = ()
 
 
