@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, Iterable
 from typing import Any
 
 from inferx.scheduling.prefix_index import CLEARED, REMOVED, STORED, EngineKeyMap, KvEvent
@@ -82,7 +82,7 @@ class KvEventHub:
                 continue
             queue.put_nowait(batch)
 
-    async def subscribe(self) -> AsyncIterator[list[KvEvent]]:
+    async def subscribe(self) -> AsyncGenerator[list[KvEvent], None]:
         """A snapshot (CLEARED, then STORED of every block held), then live batches."""
         queue: asyncio.Queue[list[KvEvent] | None] = asyncio.Queue()
         self._subscribers.add(queue)
