@@ -395,7 +395,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         index = self._dispatcher.prefix_index
         pools = sorted(set(queue.pools()) | set(self._directory.workers_by_pool))
         reply = scheduler_pb2.SchedulerStatus(
-            policy=queue.policy_name, conservative=self._dispatcher.conservative
+            policy=queue.policy_name,
+            conservative=self._dispatcher.conservative,
+            chain_contexts=len(self._dispatcher.contexts),
         )
         reply.worker_breakers.update(self._health.states())
         reply.model_to_pool.update(self._directory.model_to_pool)

@@ -79,6 +79,9 @@ async def test_worker_events_reach_the_schedulers_index(stack: LocalStack) -> No
             return (await _workers(scheduler))[ran_on].kv_tokens_indexed >= 40 * 16
 
         await poll_until(indexed, timeout_s=15, interval_s=0.1, what="the prompt's blocks in the index")
+        # The worker reported the hop's context keys: the chain's next prompt has them.
+        status = await scheduler.GetSchedulerStatus(scheduler_pb2.SchedulerStatusRequest(), timeout=5)
+        assert status.chain_contexts == 1
         workers = await _workers(scheduler)
         other = next(w for w in workers if w != ran_on)
         assert workers[other].kv_blocks_indexed == 0  # exact: the other worker holds none of it
