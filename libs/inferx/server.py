@@ -142,6 +142,10 @@ class ServiceComponent:
     async def ready(self) -> None:
         """Warm up (load a model, sync from etcd). Health is NOT_SERVING until done."""
 
+    async def draining(self) -> None:
+        """The drain begins (no new calls are taken): end calls that would never end by
+        themselves (server streams that follow state), so the drain does not wait on them."""
+
     async def stop(self) -> None:
         """Release resources after in-flight RPCs have drained."""
 
@@ -389,7 +393,12 @@ async def _shutdown(
     # Callers learn of the revoked lease through their etcd watch a moment later; keep
     # accepting calls that were already on their way meanwhile, so none is refused.
     await asyncio.sleep(deregister_grace_s)
-    await server.stop(grace_s)
+    stopping = asyncio.ensure_future(server.stop(grace_s))  # refuses new calls at once
+    try:
+        await component.draining()
+    except Exception:
+        log.exception("%s drain hook failed", kind)
+    await stopping
     if health_server is not None:  # probes saw NOT_SERVING for the whole drain
         await health_server.stop(0)
     try:

@@ -39,6 +39,7 @@ class KvEventHub:
         self._pending: list[KvEvent] = []
         self._flush: asyncio.Handle | None = None
         self.published = 0  # events given so far
+        self.closed = False
 
     @property
     def blocks(self) -> dict[str, int]:
@@ -82,8 +83,18 @@ class KvEventHub:
                 continue
             queue.put_nowait(batch)
 
+    def close(self) -> None:
+        """End every subscriber's stream (the worker is shutting down); later
+        subscriptions end at once."""
+        self.closed = True
+        for queue in self._subscribers:
+            queue.put_nowait(_END)
+        self._subscribers.clear()
+
     async def subscribe(self) -> AsyncGenerator[list[KvEvent], None]:
         """A snapshot (CLEARED, then STORED of every block held), then live batches."""
+        if self.closed:
+            return
         queue: asyncio.Queue[list[KvEvent] | None] = asyncio.Queue()
         self._subscribers.add(queue)
         try:

@@ -169,3 +169,14 @@ async def test_the_relay_reads_vllms_zmq_stream(tmp_path) -> None:
     finally:
         await relay.stop()
         pub.close(linger=0)
+
+
+async def test_closing_the_hub_ends_every_stream() -> None:
+    """A worker shutting down ends its KV-event streams (they would never end by
+    themselves and would hold the drain for its whole timeout)."""
+    hub = KvEventHub()
+    stream = hub.subscribe()
+    await _next(stream)
+    hub.close()
+    assert [batch async for batch in stream] == []
+    assert [batch async for batch in hub.subscribe()] == []  # later ones end at once
