@@ -70,6 +70,12 @@ class PermissionDenied(InferxError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class Unimplemented(InferxError):
+    """The server does not offer this call (e.g. a worker whose engine reports no KV events)."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
 _BY_CODE: dict[grpc.StatusCode, type[InferxError]] = {
     cls.code: cls
     for cls in (
@@ -83,6 +89,7 @@ _BY_CODE: dict[grpc.StatusCode, type[InferxError]] = {
         Internal,
         AlreadyExists,
         Unauthenticated,
+        Unimplemented,
         PermissionDenied,
     )
 }

@@ -165,6 +165,10 @@ class ServiceComponent:
         """Shutdown began (before deregistering and draining): hand over what others
         should take now rather than a lease TTL later (the scheduler's partitions)."""
 
+    async def ending_streams(self) -> None:
+        """The drain begins (no new calls are taken): end calls that would never end by
+        themselves (server streams that follow state), so the drain does not wait on them."""
+
     async def stop(self) -> None:
         """Release resources after in-flight RPCs have drained."""
 
@@ -432,7 +436,12 @@ async def _shutdown(
     # Long-lived hop streams take no new hop from here on and end once theirs are done,
     # so the drain below waits for hops, not for streams that would never end.
     hopstream.drain_all()
-    await server.stop(grace_s)
+    stopping = asyncio.ensure_future(server.stop(grace_s))  # refuses new calls at once
+    try:
+        await component.ending_streams()  # and the component's own endless streams
+    except Exception:
+        log.exception("%s drain hook failed", kind)
+    await stopping
     if health_server is not None:  # probes saw NOT_SERVING for the whole drain
         await health_server.stop(0)
     try:

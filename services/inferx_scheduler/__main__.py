@@ -13,6 +13,7 @@ from inferx_scheduler.budget_sync import KvBudget
 from inferx_scheduler.config import SchedulerSettings
 from inferx_scheduler.dispatcher import HopDispatcher
 from inferx_scheduler.health import WorkerHealth
+from inferx_scheduler.kv_events import KvEventSubscriber
 from inferx_scheduler.lookahead import LookAhead
 from inferx_scheduler.servicer import SchedulerServicer
 
@@ -38,6 +39,11 @@ class SchedulerComponent(ServiceComponent):
         # The memory-pools elect one ledger: every Reserve, Release and budget sync goes there.
         self.ledger = OwnerTable(runtime.etcd, "memory-pool")
         self.services.follow_leader("memory-pool", lambda: self.ledger.address_of(ALL_POOLS))
+        self.kv_events = (
+            KvEventSubscriber(self.directory, self.channels, self.dispatcher.prefix_index)
+            if settings.kv_events
+            else None
+        )
         self._health_interval_s = settings.health_check_interval_s
         self.budget = (
             KvBudget(
@@ -125,6 +131,8 @@ class SchedulerComponent(ServiceComponent):
         for mirror in (self.workers, self.models, self.services.mirror, self.ledger.mirror):
             await mirror.wait_synced(timeout_s=30)
         self.health.start(self._health_interval_s)
+        if self.kv_events is not None:
+            self.kv_events.start()
         if self.budget is not None:
             self.budget.start()
         if self.partitions is not None:
@@ -148,6 +156,8 @@ class SchedulerComponent(ServiceComponent):
         if self.lookahead is not None:
             await self.lookahead.close()
         await self.health.close()
+        if self.kv_events is not None:
+            await self.kv_events.close()
         for mirror in (self.workers, self.models, self.services.mirror, self.ledger.mirror):
             await mirror.close()
         await self.servicer.worker_streams.close()

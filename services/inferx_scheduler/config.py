@@ -81,6 +81,16 @@ class SchedulerSettings(ServiceSettings):
         "stretched, new standard and batch (batch) chains wait to start, as many running as an adaptive "
         "window allows, and past it are refused with RESOURCE_EXHAUSTED and a retry hint",
     )
+    kv_events: bool = Field(
+        True,
+        description="subscribe to each worker's KV events (ModelWorker.KvEvents) and keep an index of "
+        "which worker holds which prefix blocks (used by policies given --exact-prefix)",
+    )
+    exact_prefix: bool = Field(
+        False,
+        description="chain-aware and prefix-aware: place hops by where their prompt's blocks are cached, "
+        "read from the workers' KV events, instead of where the chain last ran (needs --kv-events)",
+    )
     kv_warm_s: float = Field(
         30.0,
         gt=0,
@@ -129,6 +139,7 @@ class SchedulerSettings(ServiceSettings):
             "offload_retention": self.offload_retention,
             "kv_warm_s": self.kv_warm_s,
             "overload_control": self.overload_control,
+            "exact_prefix": self.exact_prefix,
         }
 
     @field_validator("policy")

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from inferx.errors import Unavailable
 from inferx.metric_children import child
 from inferx.pools import PoolDirectory
+from inferx.scheduling.prefix_index import ChainContexts, PrefixIndex
 from inferx.scheduling.queue import DispatchQueue, QueuedHop, WorkerSlots
 from inferx.scheduling.registry import make_policy
 from inferx.scheduling.views import HopView
@@ -32,6 +33,11 @@ class HopDispatcher:
         self.queue = DispatchQueue(
             max_queued_per_pool, make_policy(policy, time_scale=time_scale, **(policy_options or {}))
         )
+        # Which worker holds which prefix blocks (fed by `kv_events.KvEventSubscriber`),
+        # and the block keys of each chain's latest context (from its workers' replies).
+        self.prefix_index = PrefixIndex()
+        self.contexts = ChainContexts()
+        self.queue.policy.use_prefix_index(self.prefix_index)
         self._waiters: dict[int, asyncio.Future[str]] = {}
         self._wake: asyncio.TimerHandle | None = None
         self._usable = usable or (lambda worker_id: True)

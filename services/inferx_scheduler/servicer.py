@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -66,6 +66,14 @@ class Hold:
 class _HopOutcome:
     context_tokens: int = 0  # what the hop left in its worker's prefix cache
     service_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class _ContextBlocks:
+    """Passed up from a worker's last chunk (not sent to the caller): the block keys
+    of the hop's prompt + output, as the worker's KV events key them."""
+
+    blocks: tuple[tuple[str, int], ...]
 
 
 class WorkerFailed(Unavailable):
@@ -143,6 +151,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             raise Unavailable(no_worker_message(request.model, pool))
         await self._check_owner(pool)
         view = hop_view(pool, request)  # the hop's facts, worked out once
+        # The prompt starts with the chain's latest context: its blocks, as keyed in the
+        # workers' KV events, say exactly where that context is cached.
+        blocks = self._dispatcher.contexts.get(pool, view.chain_key)
+        if blocks:
+            view = replace(view, prompt_blocks=blocks)
         # Room a look-ahead kept for this hop: its own reservation replaces that one.
         ahead = self._lookahead.take(view) if self._lookahead is not None else None
         # A worker that dies or fails mid-hop costs a re-dispatch to another one of the
@@ -228,6 +241,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 async for event in self._run_on_worker(
                     generate, view, worker.address, worker_id, queue_ms, context, ahead
                 ):
+                    if isinstance(event, _ContextBlocks):
+                        self._dispatcher.contexts.put(pool, view.chain_key, event.blocks)
+                        continue
                     if event.kind == Event.KIND_FINISHED:
                         outcome.context_tokens = event.usage.prompt_tokens + event.usage.completion_tokens
                         outcome.service_s = event.engine_ms / 1000
@@ -273,6 +289,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 if not chunk.finished:
                     yield Event(kind=Event.KIND_TOKENS, text=chunk.text, worker_id=worker_id)
                     continue
+                if chunk.context_blocks:
+                    yield _ContextBlocks(tuple((b.key, b.tokens) for b in chunk.context_blocks))
                 yield Event(
                     kind=Event.KIND_FINISHED,
                     worker_id=worker_id,
@@ -434,9 +452,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def GetSchedulerStatus(self, request, context):
         queue = self._dispatcher.queue
+        index = self._dispatcher.prefix_index
         pools = sorted(set(queue.pools()) | set(self._directory.workers_by_pool))
         reply = scheduler_pb2.SchedulerStatus(
-            policy=queue.policy_name, conservative=self._dispatcher.conservative
+            policy=queue.policy_name,
+            conservative=self._dispatcher.conservative,
+            chain_contexts=len(self._dispatcher.contexts),
         )
         if self._partitions is not None:
             # Only the pools this instance owns: another owner answers for the others.
@@ -450,5 +471,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     worker=worker,
                     in_flight=queue.in_flight(worker.worker_id),
                     dispatched_total=queue.dispatched(worker.worker_id),
+                    kv_events_live=index.knows(worker.worker_id),
+                    kv_blocks_indexed=index.blocks_of(worker.worker_id),
+                    kv_tokens_indexed=index.tokens_of(worker.worker_id),
                 )
         return reply

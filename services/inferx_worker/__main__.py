@@ -70,6 +70,11 @@ class WorkerComponent(ServiceComponent):
         await self._runtime.leases.put(key, to_json_bytes(info))
         log.info("worker registered at %s: %s", key, info)
 
+    async def ending_streams(self) -> None:
+        hub = self._engine.kv_events()
+        if hub is not None:
+            hub.close()  # KV-event streams follow the cache for ever: end them
+
     async def stop(self) -> None:
         if self._http is not None and self._http_api is not None:
             self._http_api.serving = False  # /health says so; calls in flight finish

@@ -10,7 +10,8 @@ import grpc
 from inferx import hopstream
 from inferx.chat_template import Chat
 from inferx.context_guard import ContextTooLong, check_or_truncate
-from inferx.errors import InferxError, Internal, InvalidArgument, Unavailable
+from inferx.errors import InferxError, Internal, InvalidArgument, Unavailable, Unimplemented
+from inferx.scheduling.prefix_index import KvEvent
 from inferx.tokens import DEFAULT_MAX_TOKENS
 from inferx.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from inferx_worker import metrics
@@ -70,6 +71,7 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServicer):
                     worker_id=self._worker_id,
                     engine_ms=engine_ms,
                     ttft_ms=ttft_ms,
+                    context_blocks=[worker_pb2.KvBlock(key=k, tokens=t) for k, t in chunk.context_blocks],
                 )
         finally:
             metrics.REQUESTS_RUNNING.dec()
@@ -120,6 +122,13 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServicer):
         except EngineError as exc:
             raise engine_failure(self._engine, exc) from None
 
+    async def KvEvents(self, request: worker_pb2.KvEventsRequest, context: grpc.aio.ServicerContext):
+        hub = self._engine.kv_events()
+        if hub is None:
+            raise Unimplemented(f"engine '{self._engine.name}' reports no KV events")
+        async for batch in hub.subscribe():
+            yield worker_pb2.KvEventBatch(events=[_event_pb(event) for event in batch])
+
     async def GetLoad(self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext):
         load = self._engine.load()
         capacity = self._engine.capacity()
@@ -154,3 +163,16 @@ def _rejected_request(cause: BaseException | None) -> bool:
     if isinstance(cause, ValueError | TypeError):
         return True
     return any(cls.__name__.endswith(("ClientError", "ValidationError")) for cls in type(cause).__mro__)
+
+
+_KIND = {
+    "stored": worker_pb2.KvEvent.KIND_STORED,
+    "removed": worker_pb2.KvEvent.KIND_REMOVED,
+    "cleared": worker_pb2.KvEvent.KIND_CLEARED,
+}
+
+
+def _event_pb(event: KvEvent) -> worker_pb2.KvEvent:
+    return worker_pb2.KvEvent(
+        kind=_KIND[event.kind], blocks=[worker_pb2.KvBlock(key=k, tokens=t) for k, t in event.blocks]
+    )

@@ -138,3 +138,28 @@ async def test_consumer_stopping_early_aborts_the_request(engine: VllmEngine):
     await wait_idle(engine)
     assert engine.load().running == 0
     assert engine.num_unfinished_requests() == 0
+
+
+async def test_kv_events_report_the_blocks_a_request_cached(engine: VllmEngine):
+    """vLLM's own BlockStored events (its ZMQ publisher, relayed) arrive at the worker's
+    hub keyed as the finished request reports its context: so the scheduler's index
+    finds exactly the blocks this engine holds of a chain's next prompt."""
+    hub = engine.kv_events()
+    assert hub is not None
+    stream = hub.subscribe()
+    first_batch = await asyncio.wait_for(stream.__anext__(), timeout=5)
+    assert first_batch[0].kind == "cleared"
+    block = engine.capacity().block_size
+    prompt = " ".join(f"Ticket {n}: the parcel arrived damaged and was replaced." for n in range(10))
+    final = (await collect(engine, EngineRequest("kv-events-1", prompt, max_tokens=4)))[-1]
+    assert final.prompt_tokens > 3 * block
+    context = final.context_blocks
+    assert len(context) == (final.prompt_tokens + final.completion_tokens - 1) // block
+    assert all(tokens == block for _, tokens in context)
+    await poll_until(
+        lambda: all(key in hub.blocks for key, _ in context),
+        timeout_s=10,
+        interval_s=0.05,
+        what="vLLM's BlockStored events for the request's blocks",
+    )
+    await stream.aclose()

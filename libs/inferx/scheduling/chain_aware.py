@@ -49,6 +49,14 @@ Admission: new batch chains wait while the pool is loaded past `batch_wait_load`
 (new standard chains past `standard_wait_load`), and are shed (RESOURCE_EXHAUSTED,
 with a retry hint) when the load is past `shed_load` and `shed_queue` batch hops per
 worker already wait. Realtime work is never held back or shed by the policy.
+Exact prefix location (`exact_prefix`, off by default): with an index fed by the
+workers' KV events (`inferx.scheduling.prefix_index`, as llm-d's precise prefix-cache
+scorer), what a worker holds of a hop's prompt is read, not guessed from where the
+chain last ran: the prefill estimate (buckets, the realtime guard, the affinity
+patience) counts the blocks really cached there, a home whose copy was evicted holds
+the chain no longer, and placement favours the worker holding most of the prompt (up
+to `rebalance_margin` of room; a new chain's shared system prompt counts too). A worker
+the index has no events from falls back to the estimate.
 Overload control (`overload_control`, off by default; `inferx.scheduling.overload`):
 past capacity, while realtime (standard) hops finish stretched, new standard and batch
 (batch) chains wait to start within an AIMD window of chains under way, and are shed
@@ -68,6 +76,7 @@ from typing import Literal
 from pydantic import TypeAdapter, ValidationError
 
 from inferx.scheduling.overload import ChainWindow, Stretch
+from inferx.scheduling.prefix_index import PrefixIndex
 from inferx.scheduling.registry import register_policy
 from inferx.scheduling.retention import GapModel, hold_seconds, offload_fits
 from inferx.scheduling.views import (
@@ -147,6 +156,9 @@ class ChainAwareConfig:
     overload_cooldown_s: float = 5.0
     overload_min_chains: float = 2.0
     overload_shed_factor: float = 2.0
+    # Where a prompt's blocks are cached, from the workers' KV events (an index the
+    # scheduler / simulator attaches), instead of where the chain last ran.
+    exact_prefix: bool = False
     kv_warm_s: float = 30.0  # "fixed": how long an idle chain's context is held on its worker
     # Realtime guard: a decode step carries the prefill chunks of everything admitted with
     # it, so a long prefill next to a realtime hop stalls every one of its tokens.
@@ -232,6 +244,20 @@ class ChainAwarePolicy:
         self._gaps = GapModel()  # learned tool/think gaps per program kind (priced retention)
         self._kv_capacity: dict[str, int] = {}  # worker -> KV tokens, as last seen
         self._host_kv: dict[str, tuple[int, float]] = {}  # worker -> its offload tier (tokens, load rate)
+        self._index: PrefixIndex | None = None  # KV-event-fed block locations (exact_prefix)
+
+    def use_prefix_index(self, index: PrefixIndex) -> None:
+        self._index = index
+
+    def _exact_cached(self, hop: HopView, worker_id: str | None) -> int | None:
+        """Tokens of the hop's prompt cached on the worker, from the KV-event index; None
+        when that is off or does not know (no events from the worker, no prompt keys)."""
+        index = self._index
+        if not self.config.exact_prefix or index is None or worker_id is None or not hop.prompt_blocks:
+            return None
+        if not index.knows(worker_id):
+            return None
+        return min(index.match(worker_id, hop.prompt_blocks), hop.prompt_tokens)
 
     # ----- chain state ------------------------------------------------------------------
 
@@ -311,6 +337,10 @@ class ChainAwarePolicy:
         """Tokens the hop must prefill: its prompt minus the context its chain left on
         the worker (`worker_id`, or wherever the chain's context is)."""
         state = self._chains.get(self._key(hop))
+        where = worker_id if worker_id is not None else (state.worker_id if state is not None else None)
+        exact = self._exact_cached(hop, where)
+        if exact is not None:
+            return hop.prompt_tokens - exact
         cached = 0
         if state is not None and state.worker_id and (worker_id is None or worker_id == state.worker_id):
             cached = state.context_tokens
@@ -370,7 +400,7 @@ class ChainAwarePolicy:
             times.append(queued.enqueued_at + self.config.guard_wait_s)
         state = self._chains.get(self._key(queued.view))
         if state is not None and state.worker_id is not None:
-            times.append(queued.enqueued_at + self._patience(state))
+            times.append(queued.enqueued_at + self._patience(state, queued.view))
         if self._hold_expiry:
             times.append(self._hold_expiry[0][0])  # held room comes free
         future = [t for t in times if t > now]
@@ -561,8 +591,10 @@ class ChainAwarePolicy:
             return 1 - max(used / worker.kv_capacity_tokens, worker.slot_load)
         return 1 - worker.slot_load
 
-    def _patience(self, state: ChainState) -> float:
-        moving_cost_s = state.context_tokens / self.config.prefill_tokens_per_s
+    def _patience(self, state: ChainState, hop: HopView) -> float:
+        cached = self._exact_cached(hop, state.worker_id)
+        tokens = state.context_tokens if cached is None else cached
+        moving_cost_s = tokens / self.config.prefill_tokens_per_s
         return min(self.config.max_affinity_wait_s, moving_cost_s * self.config.affinity_wait_factor)
 
     def _window_over(self, state: ChainState) -> bool:
@@ -644,22 +676,36 @@ class ChainAwarePolicy:
         home = None
         if state is not None and state.worker_id is not None:
             home = next((w for w in workers if w.worker_id == state.worker_id), None)
+        if (
+            home is not None
+            and state is not None
+            and state.context_tokens
+            and self._exact_cached(hop, home.worker_id) == 0
+        ):
+            home = None  # the context it left there was evicted: nothing ties the chain there
         if home is not None and state is not None:
             if self._fits(home, hop, placing=False, own_held=self._own_held(state, home)):
                 if not self._window_over(state):
                     return home.worker_id
                 # Past its reuse window: placed by load again (below).
-            elif now - queued.enqueued_at < self._patience(state):
+            elif now - queued.enqueued_at < self._patience(state, hop):
                 return None  # cheaper to wait for the warm worker than to re-prefill
         # Home, where the context already is, is judged as when the chain stays there.
         candidates = [w for w in workers if self._fits(w, hop, w is not home, self._own_held(state, w))]
         if not candidates:
             return None
+        margin = self.config.rebalance_margin
+        exact = {w.worker_id: self._exact_cached(hop, w.worker_id) for w in candidates}
 
         def score(worker: WorkerView) -> tuple:
             # Past its reuse window a chain is placed by load, but its own worker (which
-            # holds its prefix) wins unless another has clearly more room.
-            bonus = self.config.rebalance_margin if home is not None and worker is home else 0.0
+            # holds its prefix) wins unless another has clearly more room. Known exactly,
+            # every worker gets the bonus in proportion to what it holds of the prompt.
+            cached = exact[worker.worker_id]
+            if cached is not None and hop.prompt_tokens:
+                bonus = margin * cached / hop.prompt_tokens
+            else:
+                bonus = margin if home is not None and worker is home else 0.0
             room = self._headroom(worker, self._own_held(state, worker)) + bonus
             return (room, -worker.in_flight, worker.worker_id)
 

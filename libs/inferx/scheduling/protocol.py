@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
+from inferx.scheduling.prefix_index import PrefixIndex
 from inferx.scheduling.views import Admission, HopView, QueuedHop, WorkerView
 
 
@@ -59,4 +60,9 @@ class Policy(Protocol):
 
     def on_chain_end(self, chain_key: str, now: float) -> None:
         """The chain will send no more hops (when the caller knows it)."""
+        ...
+
+    def use_prefix_index(self, index: PrefixIndex) -> None:
+        """Where the workers' prefix blocks are, kept current from their KV events; a
+        policy that can use it (and is told to) places by it, else ignores it."""
         ...

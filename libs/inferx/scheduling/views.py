@@ -71,6 +71,13 @@ class HopView:
     # The kind of program the hop belongs to (its chain config's or the OpenAI front's
     # program name, and its tier): what tool/think gaps are learned per; "" = unknown.
     program: str = ""
+    # The prompt's leading blocks as (key, tokens), keyed as the workers key the blocks
+    # they report in KV events (`inferx.scheduling.prefix_index`): with an index fed by
+    # those events a policy knows exactly which worker holds how much of the prompt.
+    # () = unknown. The simulator knows every segment of the prompt (what hashing the
+    # text gives); live, the keys of the chain's previous context as its worker reported
+    # them (the prompt starts with that context).
+    prompt_blocks: tuple[tuple[str, int], ...] = ()
 
     @property
     def chain_key(self) -> str:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from inferx.scheduling.policy import Policy
+from inferx.scheduling.prefix_index import PrefixIndex, WorkerFeed
 from inferx.scheduling.queue import DispatchQueue, QueuedHop, Rejected, WorkerSlots
 from inferx.scheduling.views import TIER_BY_NAME, HopView
 from inferx.sim.engine import EngineModel, Plan, SimRequest
@@ -127,6 +128,13 @@ class ClusterSim:
         queue = DispatchQueue(max_queued_per_pool=1 << 30, policy=self.policy)
         workers = [_Worker(f"w{i}", EngineModel(profile)) for i in range(self.workers)]
         by_id = {w.worker_id: w for w in workers}
+        # Each engine's KV events (entries stored / evicted) feed the index a scheduler
+        # keeps from the workers' event streams; delivered at once (live, they lag by a
+        # step and a network hop). Policies use it only when told to (`exact_prefix`).
+        index = PrefixIndex()
+        for w in workers:
+            w.engine.kv.listener = WorkerFeed(index, w.worker_id)
+        self.policy.use_prefix_index(index)
         slots = {
             POOL: [
                 WorkerSlots(
@@ -244,6 +252,9 @@ class ClusterSim:
                 # What a router reads off the prompt: which shared prefix it starts with.
                 prefix_id=spec.shared_prefix if spec.shared_tokens else "",
                 prefix_tokens=spec.shared_tokens,
+                # The prompt's segments as the engines key them: what hashing the prompt
+                # text gives (live, the keys its worker reported for the chain's context).
+                prompt_blocks=tuple((s.key, s.tokens) for s in hop_segments(spec, k)[0] if s.key is not None),
             )
             try:
                 queued = queue.submit(POOL, spec.chain_id, str(k), now, view)

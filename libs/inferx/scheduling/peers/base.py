@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from inferx.scheduling.prefix_index import PrefixIndex
 from inferx.scheduling.views import ACCEPT, Admission, HopView, QueuedHop, WorkerView
 
 
@@ -68,4 +69,7 @@ class FcfsPeer:
         return None
 
     def on_chain_end(self, chain_key: str, now: float) -> None:
+        return None
+
+    def use_prefix_index(self, index: PrefixIndex) -> None:
         return None

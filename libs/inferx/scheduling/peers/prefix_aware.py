@@ -27,6 +27,12 @@ Differences from SGLang, all in its favour or neutral:
   * a worker without a free slot is never chosen (the scheduler's slots; SGLang would
     queue at the engine).
 The queue is FCFS, nothing is shed, engines keep prefix caching on.
+
+With `exact_prefix` the match is no longer a guess: it is read from an index fed by the
+workers' KV events (`inferx.scheduling.prefix_index`), as llm-d's precise prefix-cache
+scorer reads its kv-cache index -- the same information chain-aware's `exact_prefix`
+gets, so the comparison stays fair. A worker whose events are not (yet) known, or a hop
+whose prompt blocks are unknown, falls back to the approximate tree.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from inferx.scheduling.peers.base import FcfsPeer, free_kv
+from inferx.scheduling.prefix_index import PrefixIndex
 from inferx.scheduling.registry import register_policy
 from inferx.scheduling.views import HopView, QueuedHop, WorkerView
 
@@ -93,12 +100,28 @@ class PrefixAwarePolicy(FcfsPeer):
         balance_abs_threshold: int = 64,
         balance_rel_threshold: float = 1.5,
         miss_route: Literal["least-loaded", "smallest-tree"] = "least-loaded",
+        exact_prefix: bool = False,
     ) -> None:
+        if not isinstance(exact_prefix, bool):
+            raise ValueError(f"prefix-aware option exact_prefix: true or false, not {exact_prefix!r}")
+        self.exact_prefix = exact_prefix
+        self._index: PrefixIndex | None = None
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.miss_route = miss_route
         self._trees: dict[tuple[str, str], ApproxTree] = {}  # (pool, worker) -> tree
+
+    def use_prefix_index(self, index: PrefixIndex) -> None:
+        self._index = index
+
+    def match(self, hop: HopView, worker: WorkerView) -> int:
+        """Tokens of the hop's prompt the worker holds: exact from the KV-event index
+        when that is on and knows the worker, else the approximate tree's belief."""
+        index = self._index
+        if self.exact_prefix and index is not None and hop.prompt_blocks and index.knows(worker.worker_id):
+            return min(index.match(worker.worker_id, hop.prompt_blocks), hop.prompt_tokens)
+        return self.tree(hop.pool, worker).match(hop)
 
     def tree(self, pool: str, worker: WorkerView) -> ApproxTree:
         key = (pool, worker.worker_id)
@@ -121,7 +144,7 @@ class PrefixAwarePolicy(FcfsPeer):
         hop = queued.view
         # SGLang's two modes: balance first when the pool is skewed, else chase the cache.
         if not self.imbalanced(workers) and hop.prompt_tokens > 0:
-            matches = {w.worker_id: self.tree(hop.pool, w).match(hop) for w in free}
+            matches = {w.worker_id: self.match(hop, w) for w in free}
             best = max(free, key=lambda w: (matches[w.worker_id], -w.in_flight, w.worker_id))
             if matches[best.worker_id] / hop.prompt_tokens > self.cache_threshold:
                 return best.worker_id
@@ -162,7 +185,13 @@ class PrefixAwarePolicy(FcfsPeer):
     "prefix-aware",
     summary="FCFS queue, longest cached-prefix match above 30% unless load is imbalanced, else least-loaded",
     imitates="SGLang router cache_aware (approximate radix tree, balance thresholds 64 / 1.5)",
-    options=("cache_threshold", "balance_abs_threshold", "balance_rel_threshold", "miss_route"),
+    options=(
+        "cache_threshold",
+        "balance_abs_threshold",
+        "balance_rel_threshold",
+        "miss_route",
+        "exact_prefix",
+    ),
 )
 def _prefix_aware(time_scale: float = 1.0, **options: object) -> PrefixAwarePolicy:
     return PrefixAwarePolicy(**options)  # type: ignore[arg-type]

@@ -1,0 +1,196 @@
+"""The KV-event-fed prefix index (`inferx.scheduling.prefix_index`), the simulator's
+engines feeding it, and the policies reading it (`exact_prefix`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from inferx.scheduling.chain_aware import ChainAwareConfig, ChainAwarePolicy
+from inferx.scheduling.peers.prefix_aware import PrefixAwarePolicy
+from inferx.scheduling.prefix_index import (
+    CLEARED,
+    REMOVED,
+    STORED,
+    ChainContexts,
+    EngineKeyMap,
+    KvEvent,
+    PrefixIndex,
+    WorkerFeed,
+    chain_keys,
+)
+from inferx.scheduling.registry import make_policy
+from inferx.scheduling.views import HopView, QueuedHop, WorkerView
+from inferx.sim.cluster import ClusterSim
+from inferx.sim.engine import EngineModel, SimRequest
+from inferx.sim.kv import Segment
+from inferx.sim.profile import EngineProfile
+from inferx.sim.trace import TraceConfig, generate
+
+
+def test_chain_keys_name_a_block_and_everything_before_it() -> None:
+    tokens = list(range(10))
+    keys = chain_keys(tokens, 4)
+    assert len(keys) == 2  # the partial third block has no key
+    assert keys == chain_keys(tokens[:8], 4)  # stable, independent of what follows
+    assert chain_keys(tokens[4:8], 4, parent=keys[0]) == keys[1:]  # chaining = the whole sequence
+    other = chain_keys([99, 1, 2, 3, 4, 5, 6, 7], 4)
+    assert other[1] != keys[1]  # same block tokens after a different prefix: a different key
+    with pytest.raises(ValueError):
+        chain_keys(tokens, 0)
+
+
+def test_match_counts_the_leading_run_of_held_blocks() -> None:
+    index = PrefixIndex()
+    blocks = [("a", 16), ("b", 16), ("c", 8)]
+    assert not index.knows("w0")
+    index.apply("w0", KvEvent(STORED, (("a", 16), ("b", 16), ("c", 8))))
+    index.apply("w1", KvEvent(STORED, (("a", 16), ("c", 8))))
+    assert index.match("w0", blocks) == 40
+    assert index.match("w1", blocks) == 16  # "c" after a miss is no prefix hit
+    assert index.match("w2", blocks) == 0
+    assert index.holders("a") == {"w0", "w1"}
+    index.apply("w0", KvEvent(REMOVED, (("b", 0),)))
+    assert index.match("w0", blocks) == 16
+    assert index.tokens_of("w0") == 24 and index.blocks_of("w0") == 2
+    index.apply("w1", KvEvent(CLEARED))
+    assert index.knows("w1") and index.match("w1", blocks) == 0
+    assert index.holders("a") == {"w0"}
+    index.forget("w0")
+    assert not index.knows("w0") and index.holders("a") == frozenset()
+    index.removed("w3", ["zzz"])  # a removal of what was never stored: harmless
+
+
+def test_engine_key_map_rekeys_vllm_style_events_by_token_ids() -> None:
+    keymap = EngineKeyMap()
+    tokens = list(range(12))
+    first = keymap.stored([101, 102], None, tokens[:8], 4)
+    assert first is not None and [k for k, _ in first.blocks] == chain_keys(tokens, 4)[:2]
+    second = keymap.stored([103], 102, tokens[8:12], 4)
+    # Chained on the parent's key: the prompt's own keys find it.
+    assert second is not None and second.blocks == ((chain_keys(tokens, 4)[2], 4),)
+    assert keymap.stored([200], 999, [1, 2, 3, 4], 4) is None  # unknown parent: cannot chain
+    removed = keymap.removed([101, 555])
+    assert removed is not None and removed.blocks == ((chain_keys(tokens, 4)[0], 0),)
+    assert keymap.removed([555]) is None
+    assert keymap.cleared().kind == CLEARED
+    assert keymap.stored([104], 103, [1, 2, 3, 4], 4) is None  # cleared: parents forgotten
+
+
+def test_chain_contexts_are_bounded_lru() -> None:
+    contexts = ChainContexts(max_chains=2)
+    contexts.put("p", "a", [("k1", 16)])
+    contexts.put("p", "b", [("k2", 16)])
+    contexts.put("p", "c", [])  # nothing reported: nothing stored
+    assert contexts.get("p", "a") == (("k1", 16),)  # touched: "b" is now least recent
+    contexts.put("p", "d", [("k3", 16)])
+    assert contexts.get("p", "b") == () and len(contexts) == 2
+    assert contexts.get("other", "a") == ()
+
+
+def test_sim_engine_cache_changes_reach_the_index() -> None:
+    """Every entry the engine model stores or evicts is reported, so the index equals
+    the engine's cache at every point."""
+    profile = EngineProfile(kv_capacity_tokens=200, max_num_seqs=4)
+    engine = EngineModel(profile)
+    index = PrefixIndex()
+    engine.kv.listener = WorkerFeed(index, "w0")
+    assert index.knows("w0") and index.blocks_of("w0") == 0
+
+    def run(request: SimRequest) -> None:
+        engine.add(request)
+        now = 0.0
+        while not engine.idle:
+            plan = engine.plan()
+            assert plan is not None
+            now += plan.duration_s
+            engine.commit(plan, plan.steps, now)
+
+    prompt = (Segment("sys", 64), Segment("sys/a", 32))
+    run(SimRequest("r1", prompt, 8, output_segments=(Segment("sys/a/o", 8),)))
+    assert index.match("w0", [("sys", 64), ("sys/a", 32), ("sys/a/o", 8)]) == 104
+    # A second, larger request evicts the first one's (unpinned) entries.
+    run(SimRequest("r2", (Segment("other", 150),), 4))
+    held = {key for key in ("sys", "sys/a", "sys/a/o", "other") if key in engine.kv}
+    assert {key for key in ("sys", "sys/a", "sys/a/o", "other") if index.match("w0", [(key, 1)])} == held
+    assert "sys/a/o" not in held  # something was evicted, and the index saw it
+
+
+def _hop(prompt_blocks: tuple[tuple[str, int], ...], prompt_tokens: int, run_id: str = "r") -> QueuedHop:
+    view = HopView("p", run_id, "h1", prompt_tokens=prompt_tokens, max_tokens=16, prompt_blocks=prompt_blocks)
+    return QueuedHop(view, enqueued_at=0.0)
+
+
+WORKERS = [WorkerView("w0", 8, 0, 100_000, 0), WorkerView("w1", 8, 0, 100_000, 0)]
+
+
+def test_prefix_aware_reads_exact_matches_only_when_told() -> None:
+    index = PrefixIndex()
+    index.apply("w0", KvEvent(CLEARED))
+    index.apply("w1", KvEvent(STORED, (("sys", 900),)))
+    queued = _hop((("sys", 900), ("q", 100)), 1000)
+    exact = PrefixAwarePolicy(exact_prefix=True)
+    exact.use_prefix_index(index)
+    assert exact.choose_worker(queued, WORKERS, 0.0) == "w1"  # 90% cached there
+    guessing = PrefixAwarePolicy()
+    guessing.use_prefix_index(index)
+    # Its approximate tree has seen nothing: a miss, least loaded, ties by id.
+    assert guessing.choose_worker(queued, WORKERS, 0.0) == "w0"
+    # A worker the index has no events from falls back to the tree (which knows nothing).
+    index.forget("w1")
+    assert exact.choose_worker(queued, WORKERS, 0.0) == "w0"
+    with pytest.raises(ValueError, match="exact_prefix"):
+        make_policy("prefix-aware", exact_prefix="yes")
+
+
+def test_chain_aware_leaves_a_home_whose_context_was_evicted() -> None:
+    """The chain ran on w0 and left 5000 tokens there. Without events the policy sends
+    the next hop home; with events saying w0 evicted it and w1 holds the shared
+    system prompt, the hop goes to w1 and its prefill estimate is what w1 lacks."""
+    blocks = (("sys", 2000), ("ctx", 3000), ("new", 500))
+
+    def placed(exact: bool, index: PrefixIndex) -> tuple[str | None, int]:
+        policy = ChainAwarePolicy(ChainAwareConfig(exact_prefix=exact, realtime_guard=False))
+        policy.use_prefix_index(index)
+        first = _hop((("sys", 2000), ("ctx", 3000)), 5000)
+        policy.admit(first.view, WORKERS, [], 0.0)
+        policy.on_dispatch(first, "w0", 0.0)
+        first.worker_id = "w0"
+        policy.on_finish(first, 1.0, context_tokens=5000, service_s=1.0)
+        second = QueuedHop(
+            HopView("p", "r", "h2", prompt_tokens=5500, max_tokens=16, hop_index=1, prompt_blocks=blocks),
+            enqueued_at=2.0,
+        )
+        policy.admit(second.view, WORKERS, [], 2.0)
+        return policy.choose_worker(second, WORKERS, 2.0), policy._prefill_estimate(second.view, "w1")
+
+    index = PrefixIndex()
+    index.apply("w0", KvEvent(STORED, (("sys", 2000), ("ctx", 3000))))
+    index.apply("w1", KvEvent(STORED, (("sys", 2000),)))
+    assert placed(True, index) == ("w0", 3500)  # still cached at home: stays
+    index.apply("w0", KvEvent(REMOVED, (("sys", 0), ("ctx", 0))))
+    assert placed(False, index) == ("w0", 5500)  # guessing: home, and w1 is thought empty
+    assert placed(True, index) == ("w1", 3500)  # exact: w1 holds the system prompt
+
+
+def test_the_simulator_feeds_the_index_the_policy_reads() -> None:
+    """In the simulator, hops carry their prompt's segment keys and the engines' events
+    feed the index: the exact peer sees real matches and goes where they are largest."""
+    trace = generate(TraceConfig(seed=7, duration_s=40, rate_per_s=1.0))
+    policy = PrefixAwarePolicy(exact_prefix=True)
+    hits: list[tuple[int, int]] = []  # (match where it went, best match) when it chased the cache
+    original = policy.choose_worker
+
+    def spy(queued, workers, now):
+        chosen = original(queued, workers, now)
+        free = [w for w in workers if w.has_slot]
+        assert queued.view.prompt_blocks  # the simulator describes every prompt
+        matches = {w.worker_id: policy.match(queued.view, w) for w in free}
+        if chosen is not None and matches[chosen] / queued.view.prompt_tokens > policy.cache_threshold:
+            hits.append((matches[chosen], max(matches.values())))
+        return chosen
+
+    policy.choose_worker = spy  # type: ignore[method-assign]
+    run = ClusterSim(trace, policy, EngineProfile(), workers=2).run()
+    assert all(c.status == "ok" for c in run.chains)
+    assert policy._index is not None and policy._index.events > 0
+    assert len(hits) > 10 and all(here == best for here, best in hits)
