@@ -29,8 +29,8 @@ from inferx.httpserve import EmbeddedHttpServer
 from inferx.limits import RequestLimits
 from inferx.openai_compat import schema
 from inferx.openai_compat.errors import BodyTooLarge
-from inferx.openai_compat.http import error_reply_body, guarded, http_error
 from inferx.openai_compat.identity import ProgramIdentity, parse_identity
+from inferx.openai_http import error_reply_body, guarded, http_error
 from inferx_router.access import AccessControl
 from inferx_router.hops import HopDone
 from inferx_router.program_calls import CallDone, ProgramCalls

@@ -41,8 +41,8 @@ from inferx.chat_template import Chat
 from inferx.errors import InferxError, Unavailable
 from inferx.openai_compat import schema
 from inferx.openai_compat.errors import InvalidField, ModelNotFound
-from inferx.openai_compat.http import error_reply_body, guarded, http_error
 from inferx.openai_compat.render import chat_json, render_chat
+from inferx.openai_http import error_reply_body, guarded, http_error
 from inferx_worker import metrics
 from inferx_worker.engines.base import Engine, EngineChunk, EngineError, EngineRequest
 from inferx_worker.servicer import engine_failure

@@ -68,6 +68,9 @@ class Services:
     def pick(self, kind: str) -> str | None:
         return self.addresses[0] if kind == "memory-pool" and self.addresses else None
 
+    def leader(self, kind: str) -> str | None:
+        return None  # no election: any live memory-pool holds the budget
+
 
 class Deadline:
     def time_remaining(self) -> float | None:

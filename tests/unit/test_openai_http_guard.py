@@ -1,4 +1,4 @@
-"""The OpenAI-compatible APIs' one error guard (`inferx.openai_compat.http`): domain
+"""The OpenAI-compatible APIs' one error guard (`inferx.openai_http`): domain
 errors keep their status, a bug is a generic 500 naming the service (logged, never the
 traceback in the reply), unknown paths are OpenAI-shaped too."""
 
@@ -15,7 +15,7 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from inferx.errors import NotFound, ResourceExhausted
-from inferx.openai_compat.http import guarded, http_error
+from inferx.openai_http import guarded, http_error
 
 
 def app_raising(exc: Exception) -> TestClient:
