@@ -116,27 +116,46 @@ class ClusterSim:
     profile: EngineProfile = field(default_factory=EngineProfile)
     workers: int = 4
     horizon_factor: float = 20.0  # give up on chains this many windows after the start
+    # Model pools: worker i serves pool i mod pools, and so does chain i of the trace
+    # (several models behind one scheduler, each pool placed on its own).
+    pools: int = 1
+    # The queue the policy decides through; the decision-cost benchmark times its calls.
+    queue_factory: Callable[[Policy], DispatchQueue] | None = None
+
+    def pool_names(self) -> list[str]:
+        return [POOL] if self.pools == 1 else [f"{POOL}-{p}" for p in range(self.pools)]
 
     def run(self, progress: Callable[[int], None] | None = None) -> ReplayResult:
         profile = self.profile
-        queue = DispatchQueue(max_queued_per_pool=1 << 30, policy=self.policy)
+        if not 1 <= self.pools <= self.workers:
+            raise ValueError(f"{self.pools} pools need at least as many workers (got {self.workers})")
+        if self.queue_factory is not None:
+            queue = self.queue_factory(self.policy)
+        else:
+            queue = DispatchQueue(max_queued_per_pool=1 << 30, policy=self.policy)
         workers = [_Worker(f"w{i}", EngineModel(profile)) for i in range(self.workers)]
         by_id = {w.worker_id: w for w in workers}
+        names = self.pool_names()
+        # Tuples: the queue takes an unchanged worker set for what it is without comparing.
         slots = {
-            POOL: [
-                WorkerSlots(w.worker_id, profile.max_num_seqs, profile.kv_capacity_tokens) for w in workers
-            ]
+            pool: tuple(
+                WorkerSlots(w.worker_id, profile.max_num_seqs, profile.kv_capacity_tokens)
+                for w in workers[p :: self.pools]
+            )
+            for p, pool in enumerate(names)
         }
+        pool_of: dict[str, str] = {}  # chain id -> its pool
         events: list[tuple[float, int, str, object]] = []
         order = itertools.count()
         flights: dict[str, _InFlight] = {}
         tick_at: float | None = None
         horizon = self.trace.window_s * self.horizon_factor
-        chains = []
+        chains: list[_Chain] = []
         for spec in self.trace.chains:
             record = ChainRecord.start(spec, alone_s=alone_latency_s(spec, profile), profile=profile)
             record.preemptions = 0  # the simulator sees every preemption of every request
             chain = _Chain(spec, record, ChainProgress(spec))
+            pool_of[spec.chain_id] = names[len(chains) % len(names)]
             chains.append(chain)
             for k in spec.roots():
                 heapq.heappush(events, (spec.arrival_s, next(order), "hop", (chain, k)))
@@ -214,8 +233,9 @@ class ClusterSim:
             hop_index, remaining_hops = chain.progress.issue(k)
             structure = None if spec.is_sequence else [spec.deps(j) for j in range(len(spec.hops))]
             remaining = learned.remaining_s(program(spec), k, len(spec.hops), structure)
+            pool = pool_of[spec.chain_id]
             view = HopView(
-                POOL,
+                pool,
                 spec.chain_id,
                 str(k),
                 tier=TIER_BY_NAME[spec.tier],
@@ -230,7 +250,7 @@ class ClusterSim:
                 prefix_tokens=spec.shared_tokens,
             )
             try:
-                queued = queue.submit(POOL, spec.chain_id, str(k), now, view)
+                queued = queue.submit(pool, spec.chain_id, str(k), now, view)
             except Rejected:
                 finish_chain(chain, now, "shed")
                 return
