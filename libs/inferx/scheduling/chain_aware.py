@@ -222,6 +222,7 @@ class ChainAwarePolicy:
     def __init__(self, config: ChainAwareConfig | None = None) -> None:
         self.config = config or ChainAwareConfig()
         self._chains: OrderedDict[ChainKey, ChainState] = OrderedDict()  # least recent first
+        self._pools_of: dict[str, set[str]] = {}  # chain key -> the pools it has state in
         # KV held for idle chains and look-aheads, per (worker, tier of the chain).
         self._held: dict[tuple[str, int], int] = {}
         self._hold_expiry: list[tuple[float, int, ChainKey]] = []  # heap of (until, seq, chain)
@@ -257,6 +258,7 @@ class ChainAwarePolicy:
         state = self._chains.get(key)
         if state is None:
             state = self._chains[key] = ChainState(first_seen=now, last_seen=now)
+            self._pools_of.setdefault(key[1], set()).add(key[0])
         state.last_seen = now
         self._chains.move_to_end(key)
         self._expire(now)
@@ -277,6 +279,10 @@ class ChainAwarePolicy:
     def _forget(self, key: ChainKey) -> None:
         self._hold(key, self._chains[key], 0, 0.0)
         del self._chains[key]
+        pools = self._pools_of[key[1]]
+        pools.discard(key[0])
+        if not pools:
+            del self._pools_of[key[1]]
         tier = self._active.pop(key, None)
         if tier is not None:
             self._active_count[(key[0], tier)] -= 1
@@ -421,15 +427,32 @@ class ChainAwarePolicy:
         return state.first_seen if state else math.inf
 
     def sort_key(self, queued: QueuedHop, now: float) -> tuple:
+        # What `_tier`, `_under_way`, `bucket` and `_progress` say, with the chain looked
+        # up once: this runs for every queued hop on every pass.
         hop = queued.view
-        starved = now - queued.enqueued_at > self.config.starvation_s
-        return (
-            self._tier(queued, now),
-            0 if self._under_way(hop) else 1,
-            0 if starved else self.bucket(hop),
-            self._progress(hop),
-            queued.seq,
-        )
+        config = self.config
+        state = self._chains.get((hop.pool, hop.chain_key))
+        waited = now - queued.enqueued_at
+        tier: int = hop.tier_rank
+        if waited > config.tier_starvation_s:
+            tier = max(TIER_REALTIME, tier - 1)
+        under_way = hop.hop_index > 0 or (state is not None and state.hops_done > 0)
+        bucket = 0
+        if waited <= config.starvation_s:
+            cached = state.context_tokens if state is not None and state.worker_id else 0
+            tokens = max(hop.prompt_tokens - cached, 0)
+            bucket = len(config.buckets)
+            for index, bound in enumerate(config.buckets):
+                if tokens < bound:
+                    bucket = index
+                    break
+        if config.progress == "slack" and hop.deadline is not None:
+            progress = hop.deadline - hop.remaining_critical_path_s
+        elif config.progress == "attained":
+            progress = -(state.attained_s if state else 0.0)
+        else:
+            progress = state.first_seen if state else math.inf
+        return (tier, 0 if under_way else 1, bucket, progress, queued.seq)
 
     def order(
         self, queued: Sequence[QueuedHop], workers: Sequence[WorkerView], now: float
@@ -933,8 +956,8 @@ class ChainAwarePolicy:
             self._hold(key, state, 0, 0.0)
 
     def on_chain_end(self, chain_key: str, now: float) -> None:
-        for key in [k for k in self._chains if k[1] == chain_key]:
-            self._forget(key)
+        for pool in sorted(self._pools_of.get(chain_key, ())):
+            self._forget((pool, chain_key))
 
 
 _CONFIG = TypeAdapter(ChainAwareConfig)

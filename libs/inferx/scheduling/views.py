@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from enum import IntEnum
 from typing import overload
 
@@ -72,7 +73,7 @@ class HopView:
     prefix_id: str = ""
     prefix_tokens: int = 0
 
-    @property
+    @cached_property  # read for every queued hop on every pass
     def chain_key(self) -> str:
         """A session's hops share a context (and a worker) across runs; else the run."""
         return self.session_id or self.run_id
@@ -81,11 +82,11 @@ class HopView:
     def key(self) -> HopKey:
         return (self.run_id, self.hop_id)
 
-    @property
+    @cached_property  # read for every queued hop on every pass
     def tier_rank(self) -> Tier:
         return Tier(self.tier) if self.tier in TIER_NAMES else Tier.STANDARD
 
-    @property
+    @cached_property  # read for every queued hop on every pass
     def kv_tokens(self) -> int:
         """KV the hop pins while it runs: its whole prompt plus what it may generate."""
         return self.prompt_tokens + self.max_tokens
