@@ -40,13 +40,12 @@ def cmd_decision_cost(args: argparse.Namespace, out: Console, err: Console, save
         for depth in depths:
             if not args.json:
                 err.print(f"steady state: {workers} workers, {depth} queued hops ...", style="dim")
-            rows.append(
-                decision_cost.steady(trace.chains, workers, depth, args.cost_cycles, policy, profile)
-            )
+            rows.append(decision_cost.steady(trace.chains, workers, depth, args.cost_cycles, policy, profile))
             save(context=_context(args, policy, duration), rows=[asdict(r) for r in rows])
     save(complete=True)
     if args.json:
-        print(json.dumps({"context": _context(args, policy, duration), "rows": [asdict(r) for r in rows]}, indent=2))
+        context = _context(args, policy, duration)
+        print(json.dumps({"context": context, "rows": [asdict(r) for r in rows]}, indent=2))
         return 0
     # A Markdown table: what docs/benchmarks.md quotes, and readable in a terminal.
     out.print(f"decision cost per hop ({policy}; CPU time of the scheduler's calls only)\n")
@@ -62,8 +61,9 @@ def cmd_decision_cost(args: argparse.Namespace, out: Console, err: Console, save
         if r.extra:
             out.print(
                 f"{r.label}: {r.extra['completed']:.0f}/{r.extra['chains']:.0f} chains completed, at most "
-                f"{r.extra['max_chains_under_way']:.0f} under way at once; simulation {r.extra['sim_wall_s']:.1f} s "
-                f"wall, of which decisions (CPU) {r.extra['decision_wall_s']:.2f} s",
+                f"{r.extra['max_chains_under_way']:.0f} under way at once; simulation "
+                f"{r.extra['sim_wall_s']:.1f} s wall, of which decisions (CPU) "
+                f"{r.extra['decision_wall_s']:.2f} s",
                 style="dim",
             )
     return 0

@@ -7,8 +7,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from functools import cached_property
 from enum import IntEnum
+from functools import cached_property
 from typing import overload
 
 from inferx.tokens import DEFAULT_MAX_TOKENS

@@ -114,7 +114,9 @@ def _percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _figures(label: str, workers: int, pools: int, per_hop_ns: Sequence[int], queue: TimedQueue) -> CostFigures:
+def _figures(
+    label: str, workers: int, pools: int, per_hop_ns: Sequence[int], queue: TimedQueue
+) -> CostFigures:
     hops = len(per_hop_ns)
     us = [ns / 1000 for ns in per_hop_ns]
     passes = len(queue.pass_ns)
