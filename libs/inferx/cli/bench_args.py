@@ -213,6 +213,12 @@ def _decision_cost_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--cost-cycles", type=int, default=500, help="steady state: finish+submit+assign rounds timed (500)"
     )
+    group.add_argument(
+        "--cost-scan",
+        action="store_true",
+        help="also time each run with the policy scanning the pool (no indexes): the same "
+        "decisions (tested), the cost before the indexes",
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -34,14 +34,22 @@ def cmd_decision_cost(args: argparse.Namespace, out: Console, err: Console, save
         scaled = trace.at_rate(args.cost_rate_per_worker * workers).head(duration)
         if not args.json:
             err.print(f"replaying {len(scaled.chains)} chains on {workers} workers ...", style="dim")
-        rows.append(decision_cost.replay(scaled, workers, args.pools, policy, profile))
-        save(context=_context(args, policy, duration), rows=[asdict(r) for r in rows])
+        for indexed in (True, False) if args.cost_scan else (True,):
+            row = decision_cost.replay(scaled, workers, args.pools, policy, profile, indexed)
+            row.label += "" if indexed else " (scan)"
+            rows.append(row)
+            save(context=_context(args, policy, duration), rows=[asdict(r) for r in rows])
     for workers in sizes:
         for depth in depths:
             if not args.json:
                 err.print(f"steady state: {workers} workers, {depth} queued hops ...", style="dim")
-            rows.append(decision_cost.steady(trace.chains, workers, depth, args.cost_cycles, policy, profile))
-            save(context=_context(args, policy, duration), rows=[asdict(r) for r in rows])
+            for indexed in (True, False) if args.cost_scan else (True,):
+                row = decision_cost.steady(
+                    trace.chains, workers, depth, args.cost_cycles, policy, profile, indexed=indexed
+                )
+                row.label += "" if indexed else " (scan)"
+                rows.append(row)
+                save(context=_context(args, policy, duration), rows=[asdict(r) for r in rows])
     save(complete=True)
     if args.json:
         context = _context(args, policy, duration)
@@ -79,4 +87,5 @@ def _context(args: argparse.Namespace, policy: str, duration: float) -> dict:
         "rate_per_worker": args.cost_rate_per_worker,
         "duration_s": duration,
         "cycles": args.cost_cycles,
+        "scan_reference": args.cost_scan,
     }
