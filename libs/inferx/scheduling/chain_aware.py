@@ -205,8 +205,8 @@ class _PoolIndex:
     rank: dict[str, int]  # worker id -> its place in id order (ties go to the larger id)
     by_room: list[tuple[float, int, int, str]]  # (-room, in flight, -rank, id), ascending
     room_key: dict[str, tuple[float, int, int, str]]
-    by_kv: list[tuple[int, str]]  # (KV in flight, id), ascending
-    kv_key: dict[str, tuple[int, str]]
+    by_kv: list[tuple[int, int, str]]  # (KV in flight, hops in flight, id), ascending
+    kv_key: dict[str, tuple[int, int, str]]
     held: int = 0  # sum of resident() over the members
     epoch: int = 0  # bumped whenever a member's load or held room changes
     dirty: set[str] = field(default_factory=set)
@@ -343,7 +343,7 @@ class ChainAwarePolicy:
                     del index.by_room[bisect.bisect_left(index.by_room, old_room)]
                     bisect.insort(index.by_room, room)
                     index.room_key[worker_id] = room
-                kv = (worker.kv_in_flight, worker_id)
+                kv = (worker.kv_in_flight, worker.in_flight, worker_id)
                 old_kv = index.kv_key[worker_id]
                 if kv != old_kv:
                     del index.by_kv[bisect.bisect_left(index.by_kv, old_kv)]
@@ -359,7 +359,7 @@ class ChainAwarePolicy:
                 self._index_of[worker_id].remove(old)
         rank = {worker_id: n for n, worker_id in enumerate(sorted(w.worker_id for w in pool))}
         room_key = {w.worker_id: self._room_key(w, rank[w.worker_id]) for w in pool}
-        kv_key = {w.worker_id: (w.kv_in_flight, w.worker_id) for w in pool}
+        kv_key = {w.worker_id: (w.kv_in_flight, w.in_flight, w.worker_id) for w in pool}
         index = _PoolIndex(
             generation=pool.generation,
             members=frozenset(rank),
@@ -774,15 +774,29 @@ class ChainAwarePolicy:
             consider(home)  # its cost counts only what it lacks of the context
         prefill = max(hop.prompt_tokens, 0) / self.config.prefill_tokens_per_s
         per_token = self.config.kv_read_s_per_token
-        for kv, worker_id in self._index(pool).by_kv:
-            if worker_id == home_id:
-                continue
+        by_kv = self._index(pool).by_kv
+        found_at: int | None = None  # KV in flight of the best found in this visit, if exact
+        i = 0
+        while i < len(by_kv):
+            kv, _, worker_id = by_kv[i]
             bound = 0.0 + prefill + hop.max_tokens * kv * per_token  # `cost` with no stall
             if bound + margin >= here_cost or (best_key is not None and bound > best_key[0]):
                 break
+            if found_at == kv:
+                # The best so far has this KV and costs no more than the bound, and the
+                # rest of its group come after it in (hops in flight, id): none of them
+                # can be less. Idle workers (a large group at low load) end here.
+                i = bisect.bisect_left(by_kv, (kv + 1,))
+                continue
+            i += 1
+            if worker_id == home_id:
+                continue
             worker = pool.get(worker_id)
             assert worker is not None
+            before = best
             consider(worker)
+            if best is not before and best_key is not None and best_key[0] == bound:
+                found_at = kv
         if best is None or best_key is None:
             return here.worker_id
         return best.worker_id if best_key[0] + margin < here_cost else here.worker_id
