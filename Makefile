@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 MODEL_DIR := .inferx/models/tiny-llama
 PYTEST_ARGS ?=
 
-.PHONY: setup proto model etcd promtool nodejs check-deploy run test test-unit test-integration test-e2e lint bench bench-overload clean
+.PHONY: setup proto model etcd promtool nodejs check-deploy run test test-unit test-integration test-e2e lint bench bench-decisions bench-overload clean
 
 setup: $(STAMP) proto etcd promtool nodejs model
 
@@ -96,6 +96,13 @@ bench: setup
 	    $$( [ $$profile = default ] || echo --profile $$profile ) \
 	    --compare $(BENCH_POLICIES) --plot .inferx/bench-plots/$$workload-$$name.png; \
 	done; done
+	$(MAKE) bench-decisions
+
+# The scheduler's decision cost per hop at 4, 32 and 128 workers and 10..1000 queued hops,
+# indexed against the scan over the pool (CPU time of the policy's calls; docs/benchmarks.md).
+bench-decisions: setup
+	$(VENV)/bin/inferx sim --decision-cost --cost-scan --cost-workers 4 32 128 \
+	  --cost-depths 10 100 1000 --cost-cycles 150 --duration 20
 
 # Past capacity (issue #13): realtime attainment, shed and preemptions at 2x the strongest
 # peer's capacity at SLO on the Llama-3-8B profile (the rates are docs/benchmarks.md's).

@@ -34,7 +34,7 @@ from google.protobuf import json_format
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from inferx import __version__, hopstream, telemetry
+from inferx import __version__, hopstream, telemetry, wire
 from inferx.errors import InferxError, Internal, InvalidArgument, abort_with
 from inferx.etcd import LeaseKeeper, make_client, service_key
 from inferx.settings import ServiceSettings, load_settings
@@ -315,6 +315,12 @@ async def _serve(
             ("grpc.so_reuseport", 0),
             # Larger messages are refused by gRPC itself, with RESOURCE_EXHAUSTED.
             ("grpc.max_receive_message_length", settings.max_request_bytes),
+            *wire.server_options(
+                max_connection_age_s=settings.max_connection_age_s,
+                max_connection_age_grace_s=settings.max_connection_age_grace_s,
+                keepalive_time_s=settings.keepalive_time_s,
+                keepalive_timeout_s=settings.keepalive_timeout_s,
+            ),
         ],
     )
     health_servicer = health.aio.HealthServicer()

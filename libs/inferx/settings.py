@@ -108,6 +108,23 @@ class ServiceSettings(TransportSettings):
     drain_timeout_s: float = Field(
         15.0, ge=0, description="on SIGTERM, how long in-flight RPCs may take to finish"
     )
+    # Mesh-friendly connections: gRPC channels live for ever, so an L4 load balancer (a
+    # Kubernetes Service, a mesh's TCP proxy) would never move them to a new replica.
+    max_connection_age_s: float = Field(
+        300.0,
+        ge=0,
+        description="close each client connection after this long (a GOAWAY: clients reconnect, "
+        "through the load balancer, so new replicas get their share); 0 = never",
+    )
+    max_connection_age_grace_s: float = Field(
+        30.0, ge=0, description="calls in flight on a connection that aged out get this long to finish"
+    )
+    keepalive_time_s: float = Field(
+        60.0, gt=0, description="ping a client whose connection has been quiet this long"
+    )
+    keepalive_timeout_s: float = Field(
+        20.0, gt=0, description="close a connection whose ping went unanswered this long"
+    )
     max_request_bytes: int = Field(
         16 * 1024 * 1024,
         ge=1024,

@@ -123,12 +123,14 @@ def run_simulated(
     workers: int,
     progress: ProgressFactory,
     options: dict[str, Any] | None = None,
+    pools: int = 1,
 ) -> list[ReplayResult]:
     runs = []
     for name in policies:
         started = time.perf_counter()
         with progress(f"simulating {name}", len(trace.chains)) as advance:
-            run = ClusterSim(trace, make_policy(name, **(options or {})), profile, workers).run(advance)
+            policy = make_policy(name, **(options or {}))
+            run = ClusterSim(trace, policy, profile, workers, pools=pools).run(advance)
         run.wall_s = time.perf_counter() - started
         runs.append(run)
     return runs

@@ -191,6 +191,10 @@ def runner_json(summaries, comparison, context):
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
+    if getattr(args, "decision_cost", False):
+        from inferx.cli.decision_cost import cmd_decision_cost
+
+        return cmd_decision_cost(args, out, err, _Results(args, "decision-cost").save)
     policies = _policies(args)
     if getattr(args, "capacity", False):
         from inferx.cli.capacity import cmd_capacity
@@ -202,10 +206,13 @@ def cmd_sim(args: argparse.Namespace) -> int:
     profile, trace, choice = _prepare(args)
     saved = _Results(args, "sim")
     options = runner.policy_options(args.option, policies)
+    pools = getattr(args, "pools", 1)
+    if not 1 <= pools <= args.workers:
+        raise InvalidArgument(f"--pools must be between 1 and --workers ({args.workers})")
     runs = runner.run_simulated(
-        trace, policies, profile, args.workers, _progress_factory(not args.json), options
+        trace, policies, profile, args.workers, _progress_factory(not args.json), options, pools=pools
     )
-    where = f"simulator ({profile.name}, SIMULATED engines)"
+    where = f"simulator ({profile.name}, SIMULATED engines{f', {pools} pools' if pools > 1 else ''})"
     return _finish(args, runs, choice, profile, trace, where, saved)
 
 

@@ -189,9 +189,48 @@ def _peer_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _decision_cost_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--pools",
+        type=int,
+        default=1,
+        help="model pools: worker i and chain i of the trace go to pool i mod N (default 1)",
+    )
+    group = parser.add_argument_group("--decision-cost")
+    group.add_argument(
+        "--decision-cost",
+        action="store_true",
+        help="time the scheduler's decisions (queue + policy calls only, not the SIMULATED engines) "
+        "per hop: a replay of the trace at each --cost-workers size, then a pool held at each "
+        "--cost-depths queue depth; p50/p99 per hop and hops/s one scheduler partition decides",
+    )
+    group.add_argument(
+        "--cost-workers", type=int, nargs="+", default=[4, 32, 128], help="cluster sizes (4 32 128)"
+    )
+    group.add_argument(
+        "--cost-depths", type=int, nargs="+", default=[10, 100, 1000], help="queued hops (10 100 1000)"
+    )
+    group.add_argument(
+        "--cost-rate-per-worker",
+        type=float,
+        default=0.25,
+        help="replay: chain arrivals per second per worker (0.25); --duration (60 s) of them",
+    )
+    group.add_argument(
+        "--cost-cycles", type=int, default=500, help="steady state: finish+submit+assign rounds timed (500)"
+    )
+    group.add_argument(
+        "--cost-scan",
+        action="store_true",
+        help="also time each run with the policy scanning the pool (no indexes): the same "
+        "decisions (tested), the cost before the indexes",
+    )
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     sim = sub.add_parser("sim", help="replay a trace through the policies in virtual time")
     _common(sim)
+    _decision_cost_arguments(sim)
     sim.set_defaults(handler=_handler("cmd_sim"), simulate=True)
 
     bench = sub.add_parser("bench", help="benchmark the scheduling policies on a trace")

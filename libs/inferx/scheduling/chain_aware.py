@@ -65,12 +65,13 @@ past `overload_shed_factor` windows' worth waiting.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from pydantic import TypeAdapter, ValidationError
@@ -86,6 +87,7 @@ from inferx.scheduling.views import (
     TIER_STANDARD,
     Admission,
     HopView,
+    PoolWorkers,
     QueuedHop,
     WorkerView,
 )
@@ -223,12 +225,37 @@ class ChainState:
 ChainKey = tuple[str, str]  # (pool, chain key): affinity is per pool (a chain may use several models)
 
 
+@dataclass
+class _PoolIndex:
+    """What the policy keeps per pool so that a decision need not scan the pool (when
+    the queue hands it a `PoolWorkers`): its workers ordered by placement score (most
+    room first), and by the KV running on them (the realtime guard's cost grows with
+    it), and the KV held for chains on them. Entries of workers whose load or held room
+    changed are re-sorted when the index is next read."""
+
+    generation: int  # of the PoolWorkers it was built from
+    members: frozenset[str]
+    rank: dict[str, int]  # worker id -> its place in id order (ties go to the larger id)
+    by_room: list[tuple[float, int, int, str]]  # (-room, in flight, -rank, id), ascending
+    room_key: dict[str, tuple[float, int, int, str]]
+    by_kv: list[tuple[int, int, str]]  # (KV in flight, hops in flight, id), ascending
+    kv_key: dict[str, tuple[int, int, str]]
+    held: int = 0  # sum of resident() over the members
+    epoch: int = 0  # bumped whenever a member's load or held room changes
+    dirty: set[str] = field(default_factory=set)
+    # (realtime?, tiers whose holds count) -> (epoch, the smallest hop's KV that fitted
+    # on no worker of the pool as a newcomer): bigger hops need not look until it changes.
+    no_room: dict[tuple[bool, int], tuple[int, int]] = field(default_factory=dict)
+    capacities_seen: bool = False  # order() has recorded the members' KV capacities
+
+
 class ChainAwarePolicy:
     name = "chain-aware"
 
     def __init__(self, config: ChainAwareConfig | None = None) -> None:
         self.config = config or ChainAwareConfig()
         self._chains: OrderedDict[ChainKey, ChainState] = OrderedDict()  # least recent first
+        self._pools_of: dict[str, set[str]] = {}  # chain key -> the pools it has state in
         # KV held for idle chains and look-aheads, per (worker, tier of the chain).
         self._held: dict[tuple[str, int], int] = {}
         self._hold_expiry: list[tuple[float, int, ChainKey]] = []  # heap of (until, seq, chain)
@@ -244,15 +271,22 @@ class ChainAwarePolicy:
         self._gaps = GapModel()  # learned tool/think gaps per program kind (priced retention)
         self._kv_capacity: dict[str, int] = {}  # worker -> KV tokens, as last seen
         self._host_kv: dict[str, tuple[int, float]] = {}  # worker -> its offload tier (tokens, load rate)
-        self._index: PrefixIndex | None = None  # KV-event-fed block locations (exact_prefix)
+        self._prefix_index: PrefixIndex | None = None  # KV-event-fed block locations (exact_prefix)
+        self._held_sum: dict[str, int] = {}  # worker -> its held KV over all tiers
+        self._indexes: dict[str, _PoolIndex] = {}  # pool -> index (PoolWorkers only)
+        self._index_of: dict[str, list[_PoolIndex]] = {}  # worker -> indexes it is in
 
     def use_prefix_index(self, index: PrefixIndex) -> None:
-        self._index = index
+        self._prefix_index = index
+
+    def _exact_known(self, hop: HopView) -> bool:
+        """Exact prefix locations may answer for this hop (`exact_prefix`, an index, keys)."""
+        return self.config.exact_prefix and self._prefix_index is not None and bool(hop.prompt_blocks)
 
     def _exact_cached(self, hop: HopView, worker_id: str | None) -> int | None:
         """Tokens of the hop's prompt cached on the worker, from the KV-event index; None
         when that is off or does not know (no events from the worker, no prompt keys)."""
-        index = self._index
+        index = self._prefix_index
         if not self.config.exact_prefix or index is None or worker_id is None or not hop.prompt_blocks:
             return None
         if not index.knows(worker_id):
@@ -276,6 +310,7 @@ class ChainAwarePolicy:
         state = self._chains.get(key)
         if state is None:
             state = self._chains[key] = ChainState(first_seen=now, last_seen=now)
+            self._pools_of.setdefault(key[1], set()).add(key[0])
         state.last_seen = now
         self._chains.move_to_end(key)
         self._expire(now)
@@ -299,6 +334,10 @@ class ChainAwarePolicy:
             self._gaps.observe_end(state.program_kind)  # it never came back
         self._hold(key, state, 0, 0.0)
         del self._chains[key]
+        pools = self._pools_of[key[1]]
+        pools.discard(key[0])
+        if not pools:
+            del self._pools_of[key[1]]
         tier = self._active.pop(key, None)
         if tier is not None:
             self._active_count[(key[0], tier)] -= 1
@@ -310,7 +349,10 @@ class ChainAwarePolicy:
         delta = tokens - state.held_tokens
         if delta and state.worker_id is not None:
             slot = (state.worker_id, state.tier)
-            self._held[slot] = max(0, self._held.get(slot, 0) + delta)
+            old = self._held.get(slot, 0)
+            new = self._held[slot] = max(0, old + delta)
+            if new != old:
+                self._held_changed(state.worker_id, new - old)
         state.held_tokens, state.held_until = tokens, until
         if tokens:
             heapq.heappush(self._hold_expiry, (until, next(self._hold_seq), key))
@@ -318,7 +360,81 @@ class ChainAwarePolicy:
     def resident(self, worker_id: str, up_to_tier: int = TIER_BATCH) -> int:
         """KV held on the worker for chains between hops and for look-aheads (of chains
         whose tier is `up_to_tier` or more urgent)."""
+        if up_to_tier >= TIER_BATCH:
+            return self._held_sum.get(worker_id, 0)
         return sum(self._held.get((worker_id, tier), 0) for tier in range(TIER_REALTIME, up_to_tier + 1))
+
+    # ----- indexes over a pool's workers ------------------------------------------------
+
+    def _held_changed(self, worker_id: str, delta: int) -> None:
+        self._held_sum[worker_id] = self._held_sum.get(worker_id, 0) + delta
+        for index in self._index_of.get(worker_id, ()):
+            index.held += delta
+        self._load_changed(worker_id)
+
+    def _load_changed(self, worker_id: str) -> None:
+        """The worker's load or held room changed: its index entries are stale."""
+        for index in self._index_of.get(worker_id, ()):
+            index.dirty.add(worker_id)
+            index.epoch += 1
+
+    def _room_key(self, worker: WorkerView, rank: int) -> tuple[float, int, int, str]:
+        # The placement score of a worker that is not the chain's own (see `_choose`),
+        # negated so that ascending order is best first.
+        return (-self._headroom(worker), worker.in_flight, -rank, worker.worker_id)
+
+    def _index(self, pool: PoolWorkers) -> _PoolIndex:
+        index = self._indexes.get(pool.pool)
+        if index is None or index.generation != pool.generation:
+            return self._build_index(pool)
+        if index.dirty:
+            for worker_id in index.dirty:
+                worker = pool.get(worker_id)
+                if worker is None:
+                    continue
+                room = self._room_key(worker, index.rank[worker_id])
+                old_room = index.room_key[worker_id]
+                if room != old_room:
+                    del index.by_room[bisect.bisect_left(index.by_room, old_room)]
+                    bisect.insort(index.by_room, room)
+                    index.room_key[worker_id] = room
+                kv = (worker.kv_in_flight, worker.in_flight, worker_id)
+                old_kv = index.kv_key[worker_id]
+                if kv != old_kv:
+                    del index.by_kv[bisect.bisect_left(index.by_kv, old_kv)]
+                    bisect.insort(index.by_kv, kv)
+                    index.kv_key[worker_id] = kv
+            index.dirty.clear()
+        return index
+
+    def _build_index(self, pool: PoolWorkers) -> _PoolIndex:
+        old = self._indexes.get(pool.pool)
+        if old is not None:
+            for worker_id in old.members:
+                self._index_of[worker_id].remove(old)
+        rank = {worker_id: n for n, worker_id in enumerate(sorted(w.worker_id for w in pool))}
+        room_key = {w.worker_id: self._room_key(w, rank[w.worker_id]) for w in pool}
+        kv_key = {w.worker_id: (w.kv_in_flight, w.in_flight, w.worker_id) for w in pool}
+        index = _PoolIndex(
+            generation=pool.generation,
+            members=frozenset(rank),
+            rank=rank,
+            by_room=sorted(room_key.values()),
+            room_key=room_key,
+            by_kv=sorted(kv_key.values()),
+            kv_key=kv_key,
+            held=sum(self.resident(worker_id) for worker_id in rank),
+        )
+        for worker_id in rank:
+            self._index_of.setdefault(worker_id, []).append(index)
+        self._indexes[pool.pool] = index
+        return index
+
+    @staticmethod
+    def _find(workers: Sequence[WorkerView], worker_id: str | None) -> WorkerView | None:
+        if isinstance(workers, PoolWorkers):
+            return workers.get(worker_id)
+        return next((w for w in workers if w.worker_id == worker_id), None)
 
     def _set_tier(self, key: ChainKey, state: ChainState, tier: int) -> None:
         if tier != state.tier:
@@ -370,15 +486,32 @@ class ChainAwarePolicy:
         return state.first_seen if state else math.inf
 
     def sort_key(self, queued: QueuedHop, now: float) -> tuple:
+        # What `_tier`, `_under_way`, `bucket` and `_progress` say, with the chain looked
+        # up once: this runs for every queued hop on every pass.
         hop = queued.view
-        starved = now - queued.enqueued_at > self.config.starvation_s
-        return (
-            self._tier(queued, now),
-            0 if self._under_way(hop) else 1,
-            0 if starved else self.bucket(hop),
-            self._progress(hop),
-            queued.seq,
-        )
+        config = self.config
+        state = self._chains.get((hop.pool, hop.chain_key))
+        waited = now - queued.enqueued_at
+        tier: int = hop.tier_rank
+        if waited > config.tier_starvation_s:
+            tier = max(TIER_REALTIME, tier - 1)
+        under_way = hop.hop_index > 0 or (state is not None and state.hops_done > 0)
+        bucket = 0
+        if waited <= config.starvation_s:
+            cached = state.context_tokens if state is not None and state.worker_id else 0
+            tokens = max(hop.prompt_tokens - cached, 0)
+            bucket = len(config.buckets)
+            for index, bound in enumerate(config.buckets):
+                if tokens < bound:
+                    bucket = index
+                    break
+        if config.progress == "slack" and hop.deadline is not None:
+            progress = hop.deadline - hop.remaining_critical_path_s
+        elif config.progress == "attained":
+            progress = -(state.attained_s if state else 0.0)
+        else:
+            progress = state.first_seen if state else math.inf
+        return (tier, 0 if under_way else 1, bucket, progress, queued.seq)
 
     def order(
         self, queued: Sequence[QueuedHop], workers: Sequence[WorkerView], now: float
@@ -386,10 +519,14 @@ class ChainAwarePolicy:
         self._expire(now)  # room whose hold ended is free for this pass
         # Load is taken once per pass: hops held back stay held back for this pass.
         self._pass_load = self.load(workers)
-        for worker in workers:
-            self._kv_capacity[worker.worker_id] = worker.kv_capacity_tokens
-            tier = (worker.host_kv_capacity_tokens, worker.host_kv_load_tokens_per_s)
-            self._host_kv[worker.worker_id] = tier
+        index = self._index(workers) if isinstance(workers, PoolWorkers) else None
+        if index is None or not index.capacities_seen:  # they change only with the worker set
+            for worker in workers:
+                self._kv_capacity[worker.worker_id] = worker.kv_capacity_tokens
+                tier = (worker.host_kv_capacity_tokens, worker.host_kv_load_tokens_per_s)
+                self._host_kv[worker.worker_id] = tier
+            if index is not None:
+                index.capacities_seen = True
         return sorted(queued, key=lambda q: self.sort_key(q, now))
 
     def wake_at(self, queued: QueuedHop, now: float) -> float | None:
@@ -414,6 +551,14 @@ class ChainAwarePolicy:
 
     def load(self, workers: Sequence[WorkerView]) -> float:
         """Busiest of slots and KV (running + idle chains' contexts) across the pool."""
+        if isinstance(workers, PoolWorkers):  # the same sums, kept up to date
+            if not workers.slots:
+                return 1.0
+            load = workers.in_flight / workers.slots
+            if workers.kv_capacity_tokens:
+                used = workers.kv_in_flight + self._index(workers).held
+                load = max(load, used / workers.kv_capacity_tokens)
+            return load
         slots = sum(max(w.max_concurrency, 1) for w in workers)
         if not slots:
             return 1.0
@@ -623,7 +768,8 @@ class ChainAwarePolicy:
                 and waited < self.config.guard_wait_s
             ):
                 return None  # its prefill would stall the realtime decodes there: wait for them
-            worker = next(w for w in workers if w.worker_id == chosen)
+            worker = self._find(workers, chosen)
+            assert worker is not None
             if (
                 worker.kv_capacity_tokens
                 and worker.kv_in_flight + hop.kv_tokens
@@ -662,20 +808,82 @@ class ChainAwarePolicy:
             kv_read = hop.max_tokens * worker.kv_in_flight * self.config.kv_read_s_per_token
             return stall + prefill + kv_read
 
-        here = next((w for w in workers if w.worker_id == chosen), None)
+        here = self._find(workers, chosen)
         if here is None:
             return chosen
         state = self._chains.get(self._key(hop))
+        if isinstance(workers, PoolWorkers) and not self._exact_known(hop):
+            # (Known exactly, any worker may hold part of the prompt: the indexed visit's
+            # bound -- the whole prompt prefilled off the chain's own worker -- would not hold.)
+            return self._least_stalled_indexed(hop, workers, state, here, cost)
         fitting = [w for w in workers if self._fits(w, hop, True, self._own_held(state, w))]
         best = min(fitting, key=lambda w: (cost(w), w.in_flight, w.worker_id), default=here)
         return best.worker_id if cost(best) + self.config.realtime_move_margin_s < cost(here) else chosen
+
+    def _least_stalled_indexed(
+        self,
+        hop: HopView,
+        pool: PoolWorkers,
+        state: ChainState | None,
+        here: WorkerView,
+        cost: Callable[[WorkerView], float],
+    ) -> str:
+        """`_least_stalled` without scanning the pool: workers other than the chain's
+        own are visited by the KV running on them, least first. Their cost is at least
+        the prefill of the whole prompt plus reading that KV (no stall), so the visit
+        stops once that bound exceeds the best cost found (nothing later can be the
+        least) or can no longer beat staying where it is by the margin."""
+        margin = self.config.realtime_move_margin_s
+        here_cost = cost(here)
+        best: WorkerView | None = None
+        best_key: tuple[float, int, str] | None = None
+
+        def consider(worker: WorkerView) -> None:
+            nonlocal best, best_key
+            if self._fits(worker, hop, True, self._own_held(state, worker)):
+                key = (cost(worker), worker.in_flight, worker.worker_id)
+                if best_key is None or key < best_key:
+                    best, best_key = worker, key
+
+        home_id = state.worker_id if state is not None else None
+        home = pool.get(home_id) if home_id else None
+        if home is not None:
+            consider(home)  # its cost counts only what it lacks of the context
+        prefill = max(hop.prompt_tokens, 0) / self.config.prefill_tokens_per_s
+        per_token = self.config.kv_read_s_per_token
+        by_kv = self._index(pool).by_kv
+        found_at: int | None = None  # KV in flight of the best found in this visit, if exact
+        i = 0
+        while i < len(by_kv):
+            kv, _, worker_id = by_kv[i]
+            bound = 0.0 + prefill + hop.max_tokens * kv * per_token  # `cost` with no stall
+            if bound + margin >= here_cost or (best_key is not None and bound > best_key[0]):
+                break
+            if found_at == kv:
+                # The best so far has this KV and costs no more than the bound, and the
+                # rest of its group come after it in (hops in flight, id): none of them
+                # can be less. Idle workers (a large group at low load) end here.
+                i = bisect.bisect_left(by_kv, (kv + 1,))
+                continue
+            i += 1
+            if worker_id == home_id:
+                continue
+            worker = pool.get(worker_id)
+            assert worker is not None
+            before = best
+            consider(worker)
+            if best is not before and best_key is not None and best_key[0] == bound:
+                found_at = kv
+        if best is None or best_key is None:
+            return here.worker_id
+        return best.worker_id if best_key[0] + margin < here_cost else here.worker_id
 
     def _choose(self, queued: QueuedHop, workers: Sequence[WorkerView], now: float) -> str | None:
         hop = queued.view
         state = self._chains.get(self._key(hop))
         home = None
         if state is not None and state.worker_id is not None:
-            home = next((w for w in workers if w.worker_id == state.worker_id), None)
+            home = self._find(workers, state.worker_id)
         if (
             home is not None
             and state is not None
@@ -690,18 +898,14 @@ class ChainAwarePolicy:
                 # Past its reuse window: placed by load again (below).
             elif now - queued.enqueued_at < self._patience(state, hop):
                 return None  # cheaper to wait for the warm worker than to re-prefill
-        # Home, where the context already is, is judged as when the chain stays there.
-        candidates = [w for w in workers if self._fits(w, hop, w is not home, self._own_held(state, w))]
-        if not candidates:
-            return None
         margin = self.config.rebalance_margin
-        exact = {w.worker_id: self._exact_cached(hop, w.worker_id) for w in candidates}
+        exact = self._exact_known(hop)
 
         def score(worker: WorkerView) -> tuple:
             # Past its reuse window a chain is placed by load, but its own worker (which
             # holds its prefix) wins unless another has clearly more room. Known exactly,
             # every worker gets the bonus in proportion to what it holds of the prompt.
-            cached = exact[worker.worker_id]
+            cached = self._exact_cached(hop, worker.worker_id) if exact else None
             if cached is not None and hop.prompt_tokens:
                 bonus = margin * cached / hop.prompt_tokens
             else:
@@ -709,7 +913,40 @@ class ChainAwarePolicy:
             room = self._headroom(worker, self._own_held(state, worker)) + bonus
             return (room, -worker.in_flight, worker.worker_id)
 
+        if isinstance(workers, PoolWorkers) and not exact:
+            # The same choice without scanning: the best other worker is the first that
+            # fits in score order (only the chain's own worker scores differently; with
+            # exact prefix locations every worker may, so that case scans below).
+            candidates = [w for w in (self._most_room(workers, hop, home),) if w is not None]
+            if home is not None and self._fits(home, hop, False, self._own_held(state, home)):
+                candidates.append(home)
+        else:
+            # Home, where the context already is, is judged as when the chain stays there.
+            candidates = [w for w in workers if self._fits(w, hop, w is not home, self._own_held(state, w))]
+        if not candidates:
+            return None
         return max(candidates, key=score).worker_id
+
+    def _most_room(self, pool: PoolWorkers, hop: HopView, home: WorkerView | None) -> WorkerView | None:
+        """The worker other than `home` with the best placement score where the hop fits
+        as a newcomer, or None. When none fits, not even `home` as a newcomer, hops at
+        least as big (of the same kind) skip the search until a worker's load changes."""
+        index = self._index(pool)
+        memo_key = (hop.tier_rank == TIER_REALTIME, hop.tier_rank if self.config.tiered_holds else TIER_BATCH)
+        memo = index.no_room.get(memo_key)
+        if memo is not None and memo[0] == index.epoch and hop.kv_tokens >= memo[1]:
+            return None
+        home_id = home.worker_id if home is not None else None
+        for _, _, _, worker_id in index.by_room:
+            if worker_id == home_id:
+                continue
+            worker = pool.get(worker_id)
+            if worker is not None and self._fits(worker, hop, True):
+                return worker
+        if home is None or not self._fits(home, hop, True):
+            if memo is None or memo[0] != index.epoch or hop.kv_tokens < memo[1]:
+                index.no_room[memo_key] = (index.epoch, hop.kv_tokens)
+        return None
 
     def plan_ahead(self, hop: HopView, workers: Sequence[WorkerView], until: float, now: float) -> str | None:
         """Hold room for a chain's coming hop (`hop` describes it: its pool, size) on the
@@ -728,7 +965,7 @@ class ChainAwarePolicy:
             used = worker.kv_in_flight + self.resident(worker.worker_id) - self._own_held(state, worker)
             return used + tokens <= worker.kv_capacity_tokens * self.config.kv_budget
 
-        home = next((w for w in workers if w.worker_id == state.worker_id), None)
+        home = self._find(workers, state.worker_id)
         target = home if home is not None and room(home) else None
         if state.in_flight and target is None:
             # A hop of the chain runs in this pool now: its next one follows it on the
@@ -757,6 +994,7 @@ class ChainAwarePolicy:
     # ----- bookkeeping ------------------------------------------------------------------
 
     def on_dispatch(self, queued: QueuedHop, worker_id: str, now: float) -> None:
+        self._load_changed(worker_id)  # the queue counts the hop on it now
         key = self._key(queued.view)
         prefill = self._prefill_estimate(queued.view, worker_id)
         if self.config.overload_control:
@@ -783,6 +1021,8 @@ class ChainAwarePolicy:
 
     def on_finish(self, queued: QueuedHop, now: float, context_tokens: int, service_s: float) -> None:
         hop = queued.view
+        if queued.worker_id is not None:
+            self._load_changed(queued.worker_id)  # the queue no longer counts the hop there
         if self.config.overload_control and queued.worker_id is not None:
             self._observe_stretch(queued, now, context_tokens, service_s)
         if hop.tier_rank == TIER_REALTIME and queued.worker_id is not None:
@@ -824,8 +1064,8 @@ class ChainAwarePolicy:
             self._hold(key, state, 0, 0.0)
 
     def on_chain_end(self, chain_key: str, now: float) -> None:
-        for key in [k for k in self._chains if k[1] == chain_key]:
-            self._forget(key)
+        for pool in sorted(self._pools_of.get(chain_key, ())):
+            self._forget((pool, chain_key))
 
 
 _CONFIG = TypeAdapter(ChainAwareConfig)

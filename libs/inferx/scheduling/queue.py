@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 from inferx.scheduling.policy import BaselinePolicy, Policy
-from inferx.scheduling.views import TIER_NAMES, HopView, QueuedHop, WorkerSlots, WorkerView
+from inferx.scheduling.views import TIER_NAMES, HopView, PoolWorkers, QueuedHop, WorkerSlots, WorkerView
 
 __all__ = ["DispatchQueue", "QueueFull", "Rejected", "QueuedHop", "WorkerSlots"]
 
@@ -39,11 +40,22 @@ class PoolState:
 
 
 class DispatchQueue:
-    def __init__(self, max_queued_per_pool: int = 1024, policy: Policy | None = None) -> None:
+    """`indexed=False` hands the policy a fresh list of worker views at every call
+    instead of the queue's `PoolWorkers`: the same decisions, found by scanning the
+    pool (the reference the indexed path is tested against)."""
+
+    def __init__(
+        self, max_queued_per_pool: int = 1024, policy: Policy | None = None, *, indexed: bool = True
+    ) -> None:
         self.max_queued_per_pool = max_queued_per_pool
         self.policy: Policy = policy or BaselinePolicy()
+        self.indexed = indexed
         self._pools: dict[str, PoolState] = {}
-        self._workers: dict[str, list[WorkerSlots]] = {}  # last known, for admission
+        self._workers: dict[str, Sequence[WorkerSlots]] = {}  # last known, for admission
+        # Per pool, the views of its workers, kept up to date as hops start and finish
+        # (rebuilt only when the worker set changes), and which pools a worker is in.
+        self._views: dict[str, PoolWorkers] = {}
+        self._member_of: dict[str, list[str]] = {}
         self._in_flight: dict[str, int] = {}
         self._kv_in_flight: dict[str, int] = {}
         self._dispatched: dict[str, int] = {}
@@ -65,7 +77,7 @@ class DispatchQueue:
         if len(state.queue) >= self.max_queued_per_pool:
             raise QueueFull(f"pool '{pool}' has {len(state.queue)} hops queued (the bound)")
         view = view or HopView(pool, run_id, hop_id)
-        admission = self.policy.admit(view, self.worker_views(pool), state.queue, now)
+        admission = self.policy.admit(view, self._policy_views(pool), state.queue, now)
         if not admission.accept:
             raise Rejected(admission.reason, admission.retry_after_s)
         hop = QueuedHop(view, now, next(self._seq))
@@ -84,51 +96,95 @@ class DispatchQueue:
             return False
 
     def worker_views(self, pool: str) -> list[WorkerView]:
-        return [
-            WorkerView(
-                w.worker_id,
-                w.max_concurrency,
-                self._in_flight.get(w.worker_id, 0),
-                w.kv_capacity_tokens,
-                self._kv_in_flight.get(w.worker_id, 0),
-                w.host_kv_capacity_tokens,
-                w.host_kv_load_tokens_per_s,
+        return list(self.pool_workers(pool))
+
+    def pool_workers(self, pool: str) -> PoolWorkers:
+        """The pool's workers as last registered, with their current load."""
+        views = self._views.get(pool)
+        if views is None:
+            views = self._views[pool] = PoolWorkers(pool)
+        return views
+
+    def _policy_views(self, pool: str) -> PoolWorkers | list[WorkerView]:
+        views = self.pool_workers(pool)
+        return views if self.indexed else list(views)
+
+    def _set_workers(self, workers_by_pool: Mapping[str, Sequence[WorkerSlots]]) -> None:
+        """Rebuild the views of the pools whose worker set (or slots) changed."""
+        changed = False
+        for pool, workers in workers_by_pool.items():
+            known = self._workers.get(pool)
+            # A tuple passed again is unchanged (the simulator's); a list may have been
+            # edited in place since, so it is compared.
+            if known is not None and ((workers is known and isinstance(workers, tuple)) or workers == known):
+                continue
+            changed = True
+            self._workers[pool] = workers if isinstance(workers, tuple) else list(workers)
+            self._views[pool] = PoolWorkers(
+                pool,
+                [
+                    WorkerView(
+                        w.worker_id,
+                        w.max_concurrency,
+                        self._in_flight.get(w.worker_id, 0),
+                        w.kv_capacity_tokens,
+                        self._kv_in_flight.get(w.worker_id, 0),
+                        w.host_kv_capacity_tokens,
+                        w.host_kv_load_tokens_per_s,
+                    )
+                    for w in workers
+                ],
             )
-            for w in self._workers.get(pool, [])
-        ]
+        for pool in [p for p in self._workers if p not in workers_by_pool]:
+            changed = True
+            del self._workers[pool]
+            self._views.pop(pool, None)
+        if changed:
+            self._member_of = {}
+            for pool, views in self._views.items():
+                for view in views:
+                    self._member_of.setdefault(view.worker_id, []).append(pool)
+
+    def _load_changed(self, worker_id: str) -> None:
+        in_flight = self._in_flight.get(worker_id, 0)
+        kv = self._kv_in_flight.get(worker_id, 0)
+        for pool in self._member_of.get(worker_id, ()):
+            views = self._views[pool]
+            old = views.get(worker_id)
+            if old is not None:
+                views.replace(replace(old, in_flight=in_flight, kv_in_flight=kv))
 
     def plan_ahead(self, view: HopView, until: float, now: float) -> str | None:
         """Hold room in `view.pool` for a chain's coming hop (the policy decides where)."""
         self._now = max(self._now, now)
-        return self.policy.plan_ahead(view, self.worker_views(view.pool), until, self._now)
+        return self.policy.plan_ahead(view, self._policy_views(view.pool), until, self._now)
 
     def drop_ahead(self, view: HopView) -> None:
         self.policy.drop_ahead(view)
 
     def assign(
-        self, workers_by_pool: dict[str, list[WorkerSlots]], now: float | None = None
+        self, workers_by_pool: Mapping[str, Sequence[WorkerSlots]], now: float | None = None
     ) -> list[QueuedHop]:
         """Move queued hops onto workers as the policy decides; returns the hops assigned."""
         now = self._now if now is None else max(self._now, now)
         self._now = now
-        self._workers = {pool: list(workers) for pool, workers in workers_by_pool.items()}
+        self._set_workers(workers_by_pool)
         assigned: list[QueuedHop] = []
         self.next_wake = None
         for pool, state in self._pools.items():
             if not state.queue:
                 continue
-            views = {v.worker_id: v for v in self.worker_views(pool)}
-            if not any(v.has_slot for v in views.values()):
+            views = self.pool_workers(pool)
+            if not views.any_slot:
                 continue
-            for hop in list(self.policy.order(state.queue, list(views.values()), now)):
-                worker_id = self.policy.choose_worker(hop, list(views.values()), now)
-                if worker_id is None or worker_id not in views:
+            for hop in list(self.policy.order(state.queue, self._policy_views(pool), now)):
+                worker_id = self.policy.choose_worker(hop, self._policy_views(pool), now)
+                if worker_id is None or views.get(worker_id) is None:
                     continue
                 hop.engine_priority = self.policy.engine_priority(hop, now)
                 self._start(state, hop, worker_id, now)
-                views[worker_id] = views[worker_id].with_hop(hop.view.kv_tokens)
                 assigned.append(hop)
-                if not any(v.has_slot for v in views.values()):
+                if not views.any_slot:
                     break
             else:
                 # Every worker kept a slot free: some hops wait on time, not on a slot.
@@ -147,6 +203,7 @@ class DispatchQueue:
         self._in_flight[worker_id] = self._in_flight.get(worker_id, 0) + 1
         self._kv_in_flight[worker_id] = self._kv_in_flight.get(worker_id, 0) + hop.view.kv_tokens
         self._dispatched[worker_id] = self._dispatched.get(worker_id, 0) + 1
+        self._load_changed(worker_id)
         state.running += 1
         self.policy.on_dispatch(hop, worker_id, now)
 
@@ -167,6 +224,7 @@ class DispatchQueue:
         self._in_flight[hop.worker_id] = max(0, count - 1)
         kv = self._kv_in_flight.get(hop.worker_id, 0)
         self._kv_in_flight[hop.worker_id] = max(0, kv - hop.view.kv_tokens)
+        self._load_changed(hop.worker_id)
         state = self._pools.get(hop.pool)
         if state is not None:
             state.running = max(0, state.running - 1)

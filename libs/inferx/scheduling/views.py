@@ -4,8 +4,12 @@ protobufs and by the simulator from a trace, so one policy serves both."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from functools import cached_property
+from typing import overload
 
 from inferx.tokens import DEFAULT_MAX_TOKENS
 
@@ -79,7 +83,7 @@ class HopView:
     # them (the prompt starts with that context).
     prompt_blocks: tuple[tuple[str, int], ...] = ()
 
-    @property
+    @cached_property  # read for every queued hop on every pass
     def chain_key(self) -> str:
         """A session's hops share a context (and a worker) across runs; else the run."""
         return self.session_id or self.run_id
@@ -88,11 +92,11 @@ class HopView:
     def key(self) -> HopKey:
         return (self.run_id, self.hop_id)
 
-    @property
+    @cached_property  # read for every queued hop on every pass
     def tier_rank(self) -> Tier:
         return Tier(self.tier) if self.tier in TIER_NAMES else Tier.STANDARD
 
-    @property
+    @cached_property  # read for every queued hop on every pass
     def kv_tokens(self) -> int:
         """KV the hop pins while it runs: its whole prompt plus what it may generate."""
         return self.prompt_tokens + self.max_tokens
@@ -172,3 +176,70 @@ class Admission:
 
 
 ACCEPT = Admission()
+
+
+_generations = itertools.count(1)
+
+
+class PoolWorkers(Sequence[WorkerView]):
+    """A pool's workers as the dispatch queue keeps them between decisions: one view per
+    worker, replaced in place as hops start and finish, with lookup by id and pool-wide
+    sums kept as they change. A policy handed one need not scan the pool to find a
+    worker or to total its load, which is what keeps a decision's cost flat as the
+    cluster grows; any other sequence of views means the same, read by scanning.
+    `generation` changes whenever the membership (or a worker's slots) does, so what a
+    policy indexed by worker can tell when to rebuild."""
+
+    def __init__(self, pool: str, views: Sequence[WorkerView] = ()) -> None:
+        self.pool = pool
+        self.generation = next(_generations)
+        self._views: dict[str, WorkerView] = {}
+        self._order: list[str] = []
+        self.slots = 0  # sum of max(max_concurrency, 1)
+        self.in_flight = 0
+        self.kv_capacity_tokens = 0
+        self.kv_in_flight = 0
+        self.with_slot = 0  # workers with a free slot
+        for view in views:
+            if view.worker_id in self._views:
+                continue  # a worker registered twice counts once, as a dict of views would
+            self._order.append(view.worker_id)
+            self._views[view.worker_id] = view
+            self.slots += max(view.max_concurrency, 1)
+            self.kv_capacity_tokens += view.kv_capacity_tokens
+            self._add(view, 1)
+
+    def _add(self, view: WorkerView, sign: int) -> None:
+        self.in_flight += sign * view.in_flight
+        self.kv_in_flight += sign * view.kv_in_flight
+        self.with_slot += sign * view.has_slot
+
+    def get(self, worker_id: str | None) -> WorkerView | None:
+        return self._views.get(worker_id) if worker_id is not None else None
+
+    def replace(self, view: WorkerView) -> None:
+        """A worker's load changed (same slots and capacity)."""
+        old = self._views[view.worker_id]
+        self._add(old, -1)
+        self._views[view.worker_id] = view
+        self._add(view, 1)
+
+    @property
+    def any_slot(self) -> bool:
+        return self.with_slot > 0
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __iter__(self) -> Iterator[WorkerView]:
+        views = self._views
+        return (views[worker_id] for worker_id in self._order)
+
+    @overload
+    def __getitem__(self, index: int) -> WorkerView: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[WorkerView]: ...
+    def __getitem__(self, index: int | slice) -> WorkerView | list[WorkerView]:
+        if isinstance(index, slice):
+            return [self._views[worker_id] for worker_id in self._order[index]]
+        return self._views[self._order[index]]

@@ -122,10 +122,23 @@ class ClusterSim:
     # and not when the program ends (the router's idle end sends nothing). Off: a
     # declared chain (the router knows its DAG).
     programs: bool = False
+    # Model pools: worker i serves pool i mod pools, and so does chain i of the trace
+    # (several models behind one scheduler, each pool placed on its own).
+    pools: int = 1
+    # The queue the policy decides through; the decision-cost benchmark times its calls.
+    queue_factory: Callable[[Policy], DispatchQueue] | None = None
+
+    def pool_names(self) -> list[str]:
+        return [POOL] if self.pools == 1 else [f"{POOL}-{p}" for p in range(self.pools)]
 
     def run(self, progress: Callable[[int], None] | None = None) -> ReplayResult:
         profile = self.profile
-        queue = DispatchQueue(max_queued_per_pool=1 << 30, policy=self.policy)
+        if not 1 <= self.pools <= self.workers:
+            raise ValueError(f"{self.pools} pools need at least as many workers (got {self.workers})")
+        if self.queue_factory is not None:
+            queue = self.queue_factory(self.policy)
+        else:
+            queue = DispatchQueue(max_queued_per_pool=1 << 30, policy=self.policy)
         workers = [_Worker(f"w{i}", EngineModel(profile)) for i in range(self.workers)]
         by_id = {w.worker_id: w for w in workers}
         # Each engine's KV events (entries stored / evicted) feed the index a scheduler
@@ -135,8 +148,10 @@ class ClusterSim:
         for w in workers:
             w.engine.kv.listener = WorkerFeed(index, w.worker_id)
         self.policy.use_prefix_index(index)
+        names = self.pool_names()
+        # Tuples: the queue takes an unchanged worker set for what it is without comparing.
         slots = {
-            POOL: [
+            pool: tuple(
                 WorkerSlots(
                     w.worker_id,
                     profile.max_num_seqs,
@@ -144,19 +159,22 @@ class ClusterSim:
                     profile.host_kv_capacity_tokens,
                     profile.host_load_tokens_per_s if profile.host_kv_capacity_tokens else 0.0,
                 )
-                for w in workers
-            ]
+                for w in workers[p :: self.pools]
+            )
+            for p, pool in enumerate(names)
         }
+        pool_of: dict[str, str] = {}  # chain id -> its pool
         events: list[tuple[float, int, str, object]] = []
         order = itertools.count()
         flights: dict[str, _InFlight] = {}
         tick_at: float | None = None
         horizon = self.trace.window_s * self.horizon_factor
-        chains = []
+        chains: list[_Chain] = []
         for spec in self.trace.chains:
             record = ChainRecord.start(spec, alone_s=alone_latency_s(spec, profile), profile=profile)
             record.preemptions = 0  # the simulator sees every preemption of every request
             chain = _Chain(spec, record, ChainProgress(spec))
+            pool_of[spec.chain_id] = names[len(chains) % len(names)]
             chains.append(chain)
             for k in spec.roots():
                 heapq.heappush(events, (spec.arrival_s, next(order), "hop", (chain, k)))
@@ -238,8 +256,9 @@ class ClusterSim:
             remaining = learned.remaining_s(program(spec), k, len(spec.hops), structure)
             if self.programs:
                 remaining_hops, remaining = None, 0.0  # what the OpenAI front tells the scheduler
+            pool = pool_of[spec.chain_id]
             view = HopView(
-                POOL,
+                pool,
                 spec.chain_id,
                 str(k),
                 tier=TIER_BY_NAME[spec.tier],
@@ -257,7 +276,7 @@ class ClusterSim:
                 prompt_blocks=tuple((s.key, s.tokens) for s in hop_segments(spec, k)[0] if s.key is not None),
             )
             try:
-                queued = queue.submit(POOL, spec.chain_id, str(k), now, view)
+                queued = queue.submit(pool, spec.chain_id, str(k), now, view)
             except Rejected:
                 finish_chain(chain, now, "shed")
                 return
