@@ -91,17 +91,7 @@ class ServiceLocator:
         """Like `pick`, but when no instance of `kind` is registered, wait up to
         `timeout_s` for one (a service whose lease lapsed under load re-registers;
         the caller's deadline, not a race, decides)."""
-        loop = asyncio.get_running_loop()
-        until = loop.time() + timeout_s
-        while (address := self.pick(kind)) is None:
-            left = until - loop.time()
-            if left <= 0:
-                return None
-            try:
-                await asyncio.wait_for(self._updated.wait(), left)
-            except TimeoutError:
-                return None
-        return address
+        return await etcd.wait_watched(lambda: self.pick(kind), lambda: self._updated, timeout_s)
 
     def follow_leader(self, kind: str, leader: Callable[[], str | None]) -> None:
         """`kind`'s instances elect one leader (`leader()` says where it is, None while

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import aetcd
 import aetcd.exceptions
@@ -20,6 +20,8 @@ import aetcd.watcher
 import grpc
 
 from inferx.tls import ETCD_FLAGS, TARGET_NAME_OVERRIDE, TlsFiles, TlsMaterial, etcd_credentials, load_tls
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -249,6 +251,25 @@ class LeaseKeeper:
                     log.warning("etcd unreachable (%s); keeping local state and retrying", exc)
                     failing = True
                 await asyncio.sleep(min(1.0, interval))
+
+
+async def wait_watched(
+    find: Callable[[], T | None], updated: Callable[[], asyncio.Event], timeout_s: float
+) -> T | None:
+    """What `find()` returns once it is not None, re-asked on each change of a watched
+    mirror (`updated()`: the event set on its next change), waiting up to `timeout_s`;
+    None when the time runs out."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + timeout_s
+    while (found := find()) is None:
+        left = until - loop.time()
+        if left <= 0:
+            return None
+        try:
+            await asyncio.wait_for(updated().wait(), left)
+        except TimeoutError:
+            return None
+    return found
 
 
 class PrefixMirror:

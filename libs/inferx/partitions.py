@@ -130,19 +130,12 @@ class OwnerTable:
     async def wait_owner(self, pool: str, timeout_s: float, *, not_address: str = "") -> Owner | None:
         """The owner of `pool` once it has one (other than `not_address`: the one that
         just failed), waiting up to `timeout_s`; None when the time runs out."""
-        loop = asyncio.get_running_loop()
-        until = loop.time() + timeout_s
-        while True:
+
+        def other_owner() -> Owner | None:
             owner = self.owners.get(pool)
-            if owner is not None and owner.address != not_address:
-                return owner
-            left = until - loop.time()
-            if left <= 0:
-                return None
-            try:
-                await asyncio.wait_for(self._updated.wait(), left)
-            except TimeoutError:
-                return None
+            return owner if owner is not None and owner.address != not_address else None
+
+        return await etcd.wait_watched(other_owner, lambda: self._updated, timeout_s)
 
 
 class PartitionElector:
