@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from inferx.cli.main import main
+from inferx.scheduling.chain_aware import ChainAwareConfig, ChainAwarePolicy
 from inferx.scheduling.policy import Policy
 from inferx.scheduling.queue import DispatchQueue, QueuedHop, Rejected, WorkerSlots
-from inferx.scheduling.chain_aware import ChainAwareConfig, ChainAwarePolicy
 from inferx.scheduling.registry import make_policy
 from inferx.scheduling.views import HopView, PoolWorkers, Tier, WorkerView
 from inferx.sim import decision_cost
@@ -109,7 +109,9 @@ SKIP_OPTIONS = [
 ]
 
 
-@pytest.mark.parametrize("options", SKIP_OPTIONS, ids=["default", "tiered-overload", "strict-attained", "no-guard"])
+@pytest.mark.parametrize(
+    "options", SKIP_OPTIONS, ids=["default", "tiered-overload", "strict-attained", "no-guard"]
+)
 def test_skipping_idle_pools_decides_exactly_as_passing_over_every_pool(options: dict) -> None:
     fast = replay_log(True, options)
     full = replay_log(True, options, skip=False)

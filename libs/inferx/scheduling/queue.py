@@ -284,7 +284,8 @@ class DispatchQueue:
             # again at the same time it changes nothing (see `ReportsChanges.advance`).
             policy.advance(now)
             self._advanced = True
-        if quiet.version != state.version or now >= quiet.recheck_at or policy.pass_stamp(pool) != quiet.stamp:
+        changed = quiet.version != state.version or policy.pass_stamp(pool) != quiet.stamp
+        if changed or now >= quiet.recheck_at:
             state.quiet = None
             return False
         self.passes_skipped += 1
