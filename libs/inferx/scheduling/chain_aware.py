@@ -275,6 +275,11 @@ class ChainAwarePolicy:
         self._held_sum: dict[str, int] = {}  # worker -> its held KV over all tiers
         self._indexes: dict[str, _PoolIndex] = {}  # pool -> index (PoolWorkers only)
         self._index_of: dict[str, list[_PoolIndex]] = {}  # worker -> indexes it is in
+        # Per pool, bumped whenever the state of its chains (affinity, holds, slack spent,
+        # windows, chains under way) may have changed: with the index epoch (its workers'
+        # load and held room) it is the `pass_stamp` that lets the queue skip a pool
+        # nothing happened to.
+        self._pool_epoch: Counter[str] = Counter()
 
     def use_prefix_index(self, index: PrefixIndex) -> None:
         self._prefix_index = index
@@ -307,6 +312,7 @@ class ChainAwarePolicy:
         return None
 
     def _touch(self, key: ChainKey, now: float) -> ChainState:
+        self._pool_epoch[key[0]] += 1
         state = self._chains.get(key)
         if state is None:
             state = self._chains[key] = ChainState(first_seen=now, last_seen=now)
@@ -329,6 +335,7 @@ class ChainAwarePolicy:
             self._forget(key)
 
     def _forget(self, key: ChainKey) -> None:
+        self._pool_epoch[key[0]] += 1
         state = self._chains[key]
         if state.idle_since is not None and state.open_ended and self.config.learn_program_ends:
             self._gaps.observe_end(state.program_kind)  # it never came back
@@ -344,6 +351,7 @@ class ChainAwarePolicy:
 
     def _hold(self, key: ChainKey, state: ChainState, tokens: int, until: float) -> None:
         """Hold `tokens` of the chain's worker's KV for it until `until` (0: let go)."""
+        self._pool_epoch[key[0]] += 1
         if state.worker_id is None:
             tokens = 0
         delta = tokens - state.held_tokens
@@ -532,15 +540,69 @@ class ChainAwarePolicy:
     def wake_at(self, queued: QueuedHop, now: float) -> float | None:
         """When waiting alone may change this hop's fate (affinity patience runs out,
         the starvation bounds pass); None if only other events can."""
+        times = self.wake_times(queued)
+        shared = self.shared_wake()
+        if shared is not None:
+            times.append(shared)
+        future = [t for t in times if t > now]
+        return min(future) if future else None
+
+    def wake_times(self, queued: QueuedHop) -> list[float]:
+        """The hop's own times in `wake_at` (they change only with its chain's state)."""
         times = [queued.enqueued_at + self.config.tier_starvation_s]
         if self.config.realtime_guard and queued.view.tier_rank != TIER_REALTIME:
             times.append(queued.enqueued_at + self.config.guard_wait_s)
         state = self._chains.get(self._key(queued.view))
         if state is not None and state.worker_id is not None:
             times.append(queued.enqueued_at + self._patience(state, queued.view))
-        if self._hold_expiry:
-            times.append(self._hold_expiry[0][0])  # held room comes free
-        future = [t for t in times if t > now]
+        return times
+
+    def shared_wake(self) -> float | None:
+        """The time in `wake_at` common to every hop: the next held room to come free."""
+        return self._hold_expiry[0][0] if self._hold_expiry else None
+
+    # ----- skipping pools nothing happened to (`DispatchQueue(skip_idle_pools=True)`) ---
+
+    def pass_stamp(self, pool: str) -> tuple[int, int, int] | None:
+        """Changes whenever anything `choose_worker` reads for the pool's hops may have
+        changed, other than the time (see `recheck_at`): its chains' state, and its
+        workers' load and held room. None: no stamp can be given (exact prefix
+        locations change with every KV event; no index of the pool yet)."""
+        index = self._indexes.get(pool)
+        if index is None or self.config.exact_prefix:
+            return None
+        return (self._pool_epoch[pool], index.generation, index.epoch)
+
+    def advance(self, now: float) -> None:
+        """What `order` does with the time alone: holds that ended let go, chains idle
+        past their TTL forgotten (the queue calls it where it skips a pass)."""
+        self._expire(now)
+
+    def recheck_at(self, queued: QueuedHop, now: float) -> float | None:
+        """The earliest time after `now` at which `choose_worker`'s answer for this hop
+        may change with the time alone (nothing else changing; see `pass_stamp`): the
+        tier starvation bound, the affinity patience, the realtime guard's waits and the
+        chain's slack (the budget, the deadline). None: never. Ordering by starvation
+        is not here: when no hop can go, their order changes nothing. A little early
+        (conservative) against rounding: a pass a hair too early is only a full pass."""
+        hop = queued.view
+        config = self.config
+        enqueued = queued.enqueued_at
+        times = [enqueued + config.tier_starvation_s]
+        state = self._chains.get(self._key(hop))
+        if state is not None and state.worker_id is not None:
+            times.append(enqueued + self._patience(state, hop))
+        if config.realtime_guard and hop.tier_rank != TIER_REALTIME:
+            times.append(enqueued + config.guard_wait_s)
+            times.append(enqueued + config.guard_max_wait_s)
+            if hop.deadline is not None:
+                times.append(hop.deadline - hop.remaining_critical_path_s)  # `_may_wait`: late
+            if state is not None and state.initial_slack_s is not None:
+                budget = config.guard_slack_share * max(state.initial_slack_s, 0.0)
+                times.append(enqueued + budget - state.queued_s)  # `_may_wait`: budget spent
+        # Each condition flips once (they are monotone in time); those that flipped well
+        # before `now` are settled. One within rounding of `now` makes it `now`: recheck.
+        future = [t - 1e-6 for t in times if t + 1e-6 > now]
         return min(future) if future else None
 
     def engine_priority(self, queued: QueuedHop, now: float) -> int:
@@ -576,6 +638,7 @@ class ChainAwarePolicy:
         queued: Sequence[QueuedHop],
         now: float,
     ) -> Admission:
+        self._pool_epoch[hop.pool] += 1
         self._observe_gap(hop, now)
         state = self._touch(self._key(hop), now)
         if state.initial_slack_s is None and hop.deadline is not None:
@@ -995,6 +1058,7 @@ class ChainAwarePolicy:
 
     def on_dispatch(self, queued: QueuedHop, worker_id: str, now: float) -> None:
         self._load_changed(worker_id)  # the queue counts the hop on it now
+        self._pool_epoch[queued.pool] += 1
         key = self._key(queued.view)
         prefill = self._prefill_estimate(queued.view, worker_id)
         if self.config.overload_control:
@@ -1021,6 +1085,7 @@ class ChainAwarePolicy:
 
     def on_finish(self, queued: QueuedHop, now: float, context_tokens: int, service_s: float) -> None:
         hop = queued.view
+        self._pool_epoch[hop.pool] += 1  # its chain's state, the pool's windows
         if queued.worker_id is not None:
             self._load_changed(queued.worker_id)  # the queue no longer counts the hop there
         if self.config.overload_control and queued.worker_id is not None:

@@ -10,10 +10,12 @@ The default policy is `baseline` (FCFS, round-robin), the service's is chain-awa
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol, cast, runtime_checkable
 
 from inferx.scheduling.policy import BaselinePolicy, Policy
 from inferx.scheduling.views import TIER_NAMES, HopView, PoolWorkers, QueuedHop, WorkerSlots, WorkerView
@@ -33,23 +35,82 @@ class Rejected(Exception):
         self.retry_after_s = retry_after_s
 
 
+@runtime_checkable
+class ReportsChanges(Protocol):
+    """What a policy tells the queue so that it may skip a pool's pass (see
+    `DispatchQueue`); `ChainAwarePolicy` implements it."""
+
+    def pass_stamp(self, pool: str) -> Hashable | None:
+        """Changes whenever anything its answers for the pool's hops depend on, other
+        than the time, may have changed; None: it cannot tell (never skip)."""
+        ...
+
+    def advance(self, now: float) -> None:
+        """What `order` does with the time alone, for a pass that is skipped. Called at
+        most once per `assign` (after a pass or another `advance` at the same time a
+        second call must change nothing)."""
+        ...
+
+    def recheck_at(self, queued: QueuedHop, now: float) -> float | None:
+        """The earliest time after `now` its answer for the hop may change with time
+        alone (None: never); early is safe, late is a wrong decision."""
+        ...
+
+    def wake_times(self, queued: QueuedHop) -> list[float]:
+        """`wake_at(queued, now)` is the least of these and `shared_wake()` after `now`."""
+        ...
+
+    def shared_wake(self) -> float | None: ...
+
+
+@dataclass
+class QuietPass:
+    """A pool's last pass assigned nothing; until one of these changes, neither would
+    the next one."""
+
+    version: int  # the queue's version of the pool (its hops, its workers' load and set)
+    stamp: Hashable  # the policy's `pass_stamp`
+    recheck_at: float  # the earliest time some hop's answer may change with time alone
+    wake_times: list[float]  # sorted: the hops' own times in `wake_at`
+
+
 @dataclass
 class PoolState:
     queue: deque[QueuedHop] = field(default_factory=deque)
     running: int = 0
+    version: int = 0  # bumped when its queue or its workers' load or set change
+    quiet: QuietPass | None = None
 
 
 class DispatchQueue:
     """`indexed=False` hands the policy a fresh list of worker views at every call
     instead of the queue's `PoolWorkers`: the same decisions, found by scanning the
-    pool (the reference the indexed path is tested against)."""
+    pool (the reference the indexed path is tested against).
+
+    `skip_idle_pools`: an `assign` call skips the pass over a pool whose last pass
+    assigned nothing when nothing it depends on changed since -- no hop submitted or
+    cancelled there, no load or worker change on its workers, the same policy stamp
+    (its chains' state, its workers' held room), and no hop's answer due to change
+    with time alone (`recheck_at`) -- because that pass would assign nothing again.
+    It still does what the skipped pass would have done with the time (`advance`) and
+    reports the same `next_wake`. Only with a policy that reports its changes
+    (`ReportsChanges`) and indexed views; `False` passes over every pool every time
+    (the reference the skipping is tested against)."""
 
     def __init__(
-        self, max_queued_per_pool: int = 1024, policy: Policy | None = None, *, indexed: bool = True
+        self,
+        max_queued_per_pool: int = 1024,
+        policy: Policy | None = None,
+        *,
+        indexed: bool = True,
+        skip_idle_pools: bool = True,
     ) -> None:
         self.max_queued_per_pool = max_queued_per_pool
         self.policy: Policy = policy or BaselinePolicy()
         self.indexed = indexed
+        self.skip_idle_pools = skip_idle_pools and indexed and isinstance(self.policy, ReportsChanges)
+        self.passes_skipped = 0  # pool passes skipped so far (for benchmarks)
+        self._advanced = False  # this `assign` call has let the policy see the time
         self._pools: dict[str, PoolState] = {}
         self._workers: dict[str, Sequence[WorkerSlots]] = {}  # last known, for admission
         # Per pool, the views of its workers, kept up to date as hops start and finish
@@ -82,6 +143,7 @@ class DispatchQueue:
             raise Rejected(admission.reason, admission.retry_after_s)
         hop = QueuedHop(view, now, next(self._seq))
         state.queue.append(hop)
+        state.version += 1
         return hop
 
     def cancel(self, hop: QueuedHop) -> bool:
@@ -91,9 +153,10 @@ class DispatchQueue:
             return False
         try:
             state.queue.remove(hop)
-            return True
         except ValueError:
             return False
+        state.version += 1
+        return True
 
     def worker_views(self, pool: str) -> list[WorkerView]:
         return list(self.pool_workers(pool))
@@ -120,6 +183,7 @@ class DispatchQueue:
                 continue
             changed = True
             self._workers[pool] = workers if isinstance(workers, tuple) else list(workers)
+            self._changed(pool)
             self._views[pool] = PoolWorkers(
                 pool,
                 [
@@ -137,6 +201,7 @@ class DispatchQueue:
             )
         for pool in [p for p in self._workers if p not in workers_by_pool]:
             changed = True
+            self._changed(pool)
             del self._workers[pool]
             self._views.pop(pool, None)
         if changed:
@@ -145,10 +210,16 @@ class DispatchQueue:
                 for view in views:
                     self._member_of.setdefault(view.worker_id, []).append(pool)
 
+    def _changed(self, pool: str) -> None:
+        state = self._pools.get(pool)
+        if state is not None:
+            state.version += 1
+
     def _load_changed(self, worker_id: str) -> None:
         in_flight = self._in_flight.get(worker_id, 0)
         kv = self._kv_in_flight.get(worker_id, 0)
         for pool in self._member_of.get(worker_id, ()):
+            self._changed(pool)
             views = self._views[pool]
             old = views.get(worker_id)
             if old is not None:
@@ -171,12 +242,17 @@ class DispatchQueue:
         self._set_workers(workers_by_pool)
         assigned: list[QueuedHop] = []
         self.next_wake = None
+        self._advanced = False
         for pool, state in self._pools.items():
             if not state.queue:
                 continue
             views = self.pool_workers(pool)
             if not views.any_slot:
                 continue
+            if self._skip(pool, state, now):
+                continue
+            before = len(assigned)
+            self._advanced = True  # `order` does it
             for hop in list(self.policy.order(state.queue, self._policy_views(pool), now)):
                 worker_id = self.policy.choose_worker(hop, self._policy_views(pool), now)
                 if worker_id is None or views.get(worker_id) is None:
@@ -192,7 +268,53 @@ class DispatchQueue:
                     wake = self.policy.wake_at(hop, now)
                     if wake is not None and (self.next_wake is None or wake < self.next_wake):
                         self.next_wake = wake
+                if self.skip_idle_pools and len(assigned) == before:
+                    self._note_quiet(pool, state, now)
         return assigned
+
+    def _skip(self, pool: str, state: PoolState, now: float) -> bool:
+        """Whether the pool's pass may be skipped (see the class docstring); if so, what
+        it would have done with the time is done and its `wake_at` times counted."""
+        quiet = state.quiet
+        if quiet is None:
+            return False
+        policy = cast(ReportsChanges, self.policy)  # checked once, in __init__ (a costly check)
+        if not self._advanced:
+            # As `order` would have: held room that came free is let go. Once per call:
+            # again at the same time it changes nothing (see `ReportsChanges.advance`).
+            policy.advance(now)
+            self._advanced = True
+        changed = quiet.version != state.version or policy.pass_stamp(pool) != quiet.stamp
+        if changed or now >= quiet.recheck_at:
+            state.quiet = None
+            return False
+        self.passes_skipped += 1
+        # `next_wake` as the pass would have found it: the hops' own times still ahead,
+        # and the policy's shared one.
+        times = quiet.wake_times
+        i = bisect.bisect_right(times, now)
+        wake = times[i] if i < len(times) else None
+        shared = policy.shared_wake()
+        if shared is not None and shared > now and (wake is None or shared < wake):
+            wake = shared
+        if wake is not None and (self.next_wake is None or wake < self.next_wake):
+            self.next_wake = wake
+        return True
+
+    def _note_quiet(self, pool: str, state: PoolState, now: float) -> None:
+        """The pool's pass assigned nothing: note what would have to change for the
+        next one to assign anything."""
+        policy = cast(ReportsChanges, self.policy)
+        stamp = policy.pass_stamp(pool)
+        if stamp is None:
+            return
+        recheck = float("inf")
+        for hop in state.queue:
+            at = policy.recheck_at(hop, now)
+            if at is not None and at < recheck:
+                recheck = at
+        times = sorted(t for hop in state.queue for t in policy.wake_times(hop))
+        state.quiet = QuietPass(state.version, stamp, recheck, times)
 
     def _start(self, state: PoolState, hop: QueuedHop, worker_id: str, now: float) -> None:
         if state.queue and state.queue[0] is hop:
@@ -237,6 +359,7 @@ class DispatchQueue:
             return []
         hops = list(state.queue)
         state.queue.clear()
+        state.version += 1
         return hops
 
     def queued_by_tier(self, pool: str) -> dict[str, int]:
