@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -67,6 +67,21 @@ def dump_logs(stack: LocalStack) -> None:
 
 
 @contextlib.contextmanager
+def started(stack: LocalStack, start: Callable[[LocalStack], None]) -> Iterator[LocalStack]:
+    """`start(stack)`, printing the logs when it fails; the stack is stopped at the end."""
+    try:
+        start(stack)
+    except BaseException:
+        dump_logs(stack)
+        stack.stop()
+        raise
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+@contextlib.contextmanager
 def running_sim_stack(
     tmp: Path,
     *,
@@ -80,8 +95,8 @@ def running_sim_stack(
     """etcd + all services + `workers` sim workers (with `worker_args` added to their
     flags), example models and chains loaded; the logs are printed when start-up fails,
     and everything is stopped at the end."""
-    stack = make_stack(tmp, lease_ttl_s=lease_ttl_s, insecure=insecure, tls_server_name=tls_server_name)
-    try:
+
+    def start(stack: LocalStack) -> None:
         stack.start_core()
         stack.load_models(read_models_file(EXAMPLES / "models.yaml"))
         for _ in range(workers):
@@ -89,14 +104,10 @@ def running_sim_stack(
         for worker in stack.workers:
             wait_serving(worker, 60)
         stack.put_chains(sorted((EXAMPLES / "chains").glob("*.yaml")))
-    except BaseException:
-        dump_logs(stack)
-        stack.stop()
-        raise
-    try:
+
+    stack = make_stack(tmp, lease_ttl_s=lease_ttl_s, insecure=insecure, tls_server_name=tls_server_name)
+    with started(stack, start):
         yield stack
-    finally:
-        stack.stop()
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import pytest
 from inferx.client import InferxClient
 from inferx.devstack import LocalStack, ManagedProcess, read_models_file, wait_serving
 from inferx.v1 import scheduler_pb2, scheduler_pb2_grpc
-from tests.conftest import EXAMPLES, dump_logs, make_stack
+from tests.conftest import EXAMPLES, make_stack, started
 from tests.integration.faults import describe, run_batch
 from tests.integration.test_observability import metrics_addresses, scrape, total
 from tests.polling import poll_until
@@ -58,8 +58,8 @@ def two_scheduler_stack(tmp: Path, streams: bool) -> Iterator[LocalStack]:
     """etcd, every service with two schedulers, two sim workers; the router and the
     schedulers with or without hop streams."""
     flags = [] if streams else ["--no-hop-streams"]
-    stack = make_stack(tmp)
-    try:
+
+    def start(stack: LocalStack) -> None:
         stack.start_etcd()
         stack.start_service("router", flags)
         stack.start_service("scheduler", flags)
@@ -71,14 +71,9 @@ def two_scheduler_stack(tmp: Path, streams: bool) -> Iterator[LocalStack]:
             stack.start_worker("tiny-llama", "sim", ["--sim-speed", "2"])
         for worker in stack.workers:
             wait_serving(worker, 60)
-    except BaseException:
-        dump_logs(stack)
-        stack.stop()
-        raise
-    try:
+
+    with started(make_stack(tmp), start) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 async def stream_calls(stack: LocalStack, kind: str, method: str) -> tuple[float, float]:
