@@ -297,3 +297,12 @@ def test_inferx_diagnostics_differ_from_the_benchmark_only_as_named() -> None:
         assert ended == ({**plain, "X-InferX-Program-End": "true"} if k == last else plain)
         no_deadline = identity("inferx-no-deadline", chain, k, 5.0)[0]
         assert no_deadline == {h: v for h, v in plain.items() if h != "X-InferX-Deadline-Ms"}
+
+
+def test_two_ladder_steps_meet_the_target_despite_floating_point():
+    # sqrt(1.5) ** 2 == 1.4999999999999998: two steps up the ladder are the 1.5x target.
+    step = peer.DEFAULT_RATE_STEP
+    assert step**2 < 1.5
+    assert peer.meets_ratio(0.735 * step**2 / 0.735, peer.CAPACITY_TARGET)
+    assert not peer.meets_ratio(step, peer.CAPACITY_TARGET)
+    assert not peer.meets_ratio(1.49, peer.CAPACITY_TARGET)

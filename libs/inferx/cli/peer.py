@@ -227,7 +227,9 @@ def verdict_lines(comparison: dict[str, Any], summary: dict[str, Any]) -> list[s
             if comparison.get("inferx_capacity_is_lower_bound")
             else ""
         )
-        met = "met" if ratio >= comparison["capacity_target"] else "not met"
+        from inferx.bench.peer import meets_ratio
+
+        met = "met" if meets_ratio(ratio, comparison["capacity_target"]) else "not met"
         lines.append(
             f"capacity at SLO: InferX / best vllm-router mode ({comparison['best_peer']}) = "
             f"{ratio:.2f}x{bound}, median over the {summary.get('seeds_with_a_ratio', summary['seeds'])} "
