@@ -190,7 +190,9 @@ class RouterComponent(ServiceComponent):
         quotas = TenantQuotas()  # one per router: gRPC runs and HTTP calls count alike
         # Every hop to a scheduler, from chains and programs alike, on one stream per scheduler.
         streams = scheduler_streams(self.channels, enabled=settings.hop_streams)
-        self.executor = SchedulerExecutor(self.services, self.channels, targets, streams)
+        self.executor = SchedulerExecutor(
+            self.services, self.channels, targets, streams, pool_of=self.directory.pool_of
+        )
         # Dynamic programs' calls: the HTTP front and Router.CallModel share one path.
         self.calls = ProgramCalls(
             self.directory,

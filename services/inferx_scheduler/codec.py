@@ -44,6 +44,7 @@ def hop_view(pool: str, request: scheduler_pb2.HopRequest) -> HopView:
         remaining_hops=ctx.remaining_hops if ctx.HasField("remaining_hops") else None,
         # Per chain config and tier, as the simulator learns (one config, one tier).
         program=f"{ctx.chain_name}/{TIER_NAMES.get(tier, 'standard')}" if ctx.chain_name else "",
+        last_worker_id=ctx.last_worker_id,
     )
 
 

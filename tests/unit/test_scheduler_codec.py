@@ -45,6 +45,7 @@ def test_hop_view_maps_every_context_field(clocks) -> None:
         hop_index=4,
         remaining_hops=3,
         remaining_critical_path_ms=2_500.0,
+        last_worker_id="w7",
     )
     assert hop_view("pool-a", req) == HopView(
         pool="pool-a",
@@ -59,6 +60,7 @@ def test_hop_view_maps_every_context_field(clocks) -> None:
         hop_index=4,
         remaining_critical_path_s=2.5,
         remaining_hops=3,
+        last_worker_id="w7",
     )
 
 
