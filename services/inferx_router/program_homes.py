@@ -224,8 +224,8 @@ class ProgramHomes:
         """Where a program this router holds no record of continues (see the module's
         doc): at once, unless another router holds it (then it is asked for)."""
         key = etcd.program_key(tenant, program_id)
+        raw = self.mirror.items.get(key)
         for _ in range(3):  # the marker may change under the request: read it again
-            raw = self.mirror.items.get(key)
             marker = Marker.decode(raw)
             found = continuation_of(marker, self.instance_id)
             if found is not None:
@@ -234,6 +234,11 @@ class ProgramHomes:
             answer = await self._ask(key, raw, marker)
             if answer is not None:
                 return answer
+            try:  # from etcd itself: the mirror may not have seen the change yet
+                current = await self._client.get(key.encode())
+            except etcd.ETCD_DOWN_ERRORS:
+                return Continuation(marker.hop_index, marker.run_id)
+            raw = current.value if current is not None else None
         return Continuation()
 
     async def _ask(self, key: str, raw: bytes, marker: Marker) -> Continuation | None:

@@ -12,7 +12,7 @@ from inferx import etcd
 from inferx.openai_compat.identity import ProgramIdentity
 from inferx.v1 import router_pb2
 from inferx_router import shared_runs
-from inferx_router.program_homes import Continuation, Marker, continuation_of, key_parts
+from inferx_router.program_homes import Continuation, Marker, ProgramHomes, continuation_of, key_parts
 from inferx_router.programs import MOVED, ProgramBook, Ticket
 from inferx_router.records import RUNNING, RunStore, run_trace_message
 
@@ -142,3 +142,140 @@ def test_shared_records_keep_the_link_and_older_ones_read_without_it() -> None:
     assert (record.first_hop_index, record.continues_run_id) == (4, "a-run0")
     older = shared_runs.encode(ticket.program.record).replace(b',"first_hop_index":4', b"")
     assert shared_runs.decode(older.replace(b',"continues_run_id":"a-run0"', b"")).first_hop_index == 0
+
+
+# ----- the exchange between two routers, over a fake etcd ------------------------------------
+
+
+class FakeEtcd:
+    """Just what ProgramHomes uses of aetcd: put/get/delete, leases, a compare-and-put
+    transaction; every change is delivered to the routers' mirrors (as their watch would)."""
+
+    class _Tx:
+        class _Value:
+            def __init__(self, key: bytes) -> None:
+                self.key = key
+
+            def __eq__(self, other: object) -> bool | tuple:  # type: ignore[override]
+                return ("value", self.key, other)
+
+        def value(self, key: bytes) -> FakeEtcd._Tx._Value:
+            return FakeEtcd._Tx._Value(key)
+
+        def put(self, key: bytes, value: bytes, lease: int | None = None) -> tuple:
+            return ("put", key, value)
+
+    def __init__(self) -> None:
+        self.data: dict[bytes, bytes] = {}
+        self.transactions = FakeEtcd._Tx()
+        self.watchers: list[ProgramHomes] = []
+        self._leases = 0
+
+    def _notify(self, key: bytes) -> None:
+        for homes in self.watchers:
+            value = self.data.get(key)
+            if value is None:
+                homes.mirror.items.pop(key.decode(), None)
+            else:
+                homes.mirror.items[key.decode()] = value
+            homes._changed(key.decode(), value)
+
+    async def put(self, key: bytes, value: bytes, lease: int | None = None) -> None:
+        self.data[key] = value
+        self._notify(key)
+
+    async def get(self, key: bytes):
+        value = self.data.get(key)
+        return None if value is None else type("KV", (), {"value": value})()
+
+    async def delete(self, key: bytes) -> None:
+        self.data.pop(key, None)
+        self._notify(key)
+
+    async def transaction(self, compare, success, failure):
+        ok = all(self.data.get(key) == value for _, key, value in compare)
+        for _, key, value in success if ok else failure:
+            await self.put(key, value)
+        return ok, []
+
+    async def lease(self, ttl: int):
+        self._leases += 1
+        return type("Lease", (), {"id": self._leases})()
+
+    async def refresh_lease(self, lease_id: int):
+        return type("Refresh", (), {"TTL": 10})()
+
+    async def revoke_lease(self, lease_id: int) -> None:
+        pass
+
+
+def two_routers(fake: FakeEtcd, wait_s: float = 1.0) -> tuple[ProgramHomes, ProgramHomes, Clock]:
+    clock = Clock()
+    homes = []
+    for name in ("a", "b"):
+        book = router_book(name, clock, RunStore())
+        home = ProgramHomes(fake, f"router-{name}", book, lease_ttl_s=10, handoff_wait_s=wait_s)
+        book.on_end = home.ended
+        fake.watchers.append(home)
+        homes.append(home)
+    return homes[0], homes[1], clock
+
+
+async def settle(*homes: ProgramHomes) -> None:
+    for home in homes:
+        await home._writes.join()
+
+
+def test_a_program_held_by_another_router_is_handed_over_with_its_count() -> None:
+    async def main() -> None:
+        fake = FakeEtcd()
+        a, b, clock = two_routers(fake)
+        a.start()
+        b.start()
+        await asyncio.sleep(0)  # the keepers take their leases
+        for _ in range(3):
+            ticket = a.book.begin(ProgramIdentity("p"))
+            if ticket.opened:
+                a.opened(ticket.program)
+            done(a.book, ticket, clock)
+        await settle(a)
+        key = etcd.program_key("default", "p").encode()
+        held = Marker.decode(fake.data[key])
+        assert held is not None and held.router == "router-a" and held.run_id == "a-run0"
+        found = await b.arrive("default", "p")  # a's watch hands it over meanwhile
+        assert found == Continuation(3, "a-run0")
+        assert a.book.get("default", "p") is None and a.handed_over == 1
+        ticket = b.book.begin(
+            ProgramIdentity("p"), first_hop_index=found.hop_index, continues_run_id=found.run_id
+        )
+        b.opened(ticket.program)
+        done(b.book, ticket, clock)
+        await settle(a, b)
+        mine = Marker.decode(fake.data[key])
+        assert mine is not None and (mine.router, mine.hop_index) == ("router-b", 3)
+        # b's program ends (its end mark): its marker goes; a later call anywhere is new
+        done(b.book, b.book.begin(ProgramIdentity("p", program_end=True)), clock)
+        await settle(b)
+        assert key not in fake.data
+        assert await a.arrive("default", "p") == Continuation()
+        await a.close()
+        await b.close()
+
+    asyncio.run(main())
+
+
+def test_a_holder_that_does_not_answer_is_waited_for_at_most_the_hand_over_wait() -> None:
+    async def main() -> None:
+        fake = FakeEtcd()
+        _, b, _ = two_routers(fake, wait_s=0.2)
+        fake.watchers = [b]  # router a is dead: nobody hands its program over
+        key = etcd.program_key("default", "p").encode()
+        fake.data[key] = Marker("router-a", "a-run4", 7, lease=1).encode()
+        b.mirror.items[key.decode()] = fake.data[key]
+        started = asyncio.get_running_loop().time()
+        found = await b.arrive("default", "p")
+        waited = asyncio.get_running_loop().time() - started
+        assert found == Continuation(7, "a-run4")  # the dead holder's record start: a lower bound
+        assert 0.2 <= waited < 1.0
+
+    asyncio.run(main())
