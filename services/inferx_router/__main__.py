@@ -93,7 +93,8 @@ class RouterSettings(ServiceSettings):
         True,
         description="a dynamic program whose calls land on several routers stays one program: the "
         "routers say in etcd which of them holds each open program (one put when a router opens it, one "
-        "delete when it ends, none per call) and hand it over when its calls move; off: each router keeps "
+        "delete when it ends, one read when a router first sees it, none per call) and hand it over when "
+        "its calls move; off: each router keeps "
         "its own record and count of it",
     )
     program_handoff_wait_s: float = Field(

@@ -7,8 +7,10 @@ In etcd, `/inferx/v1/programs/<tenant>/<program id>` = `Marker`: the router hold
 the program's open record, that record's run id and first hop index. Writes: one put
 when a router opens a record of a program, one delete when it ends it (the client's
 end mark, idle, eviction), both in the background, under the router's own lease (a
-router that dies takes its markers with it). None per call. Reads: none on a call's
-path: every router mirrors the prefix (one watch).
+router that dies takes its markers with it). Reads: one get on the first call of a
+program a router does not know (its watch of the prefix may lag a marker put a moment
+ago); none on the calls after it. Every router mirrors the prefix (one watch): that is
+how a holder hears that another router asks for its program.
 
 A call of a program this router holds no record of:
   * no marker: a new program; it starts at hop 0 at once;
@@ -37,6 +39,7 @@ from dataclasses import asdict, dataclass
 import aetcd
 
 from inferx import etcd
+from inferx_router import metrics
 from inferx_router.programs import END, EVICTED, IDLE, Program, ProgramBook
 
 log = logging.getLogger("inferx.router.programs")
@@ -225,6 +228,16 @@ class ProgramHomes:
         doc): at once, unless another router holds it (then it is asked for)."""
         key = etcd.program_key(tenant, program_id)
         raw = self.mirror.items.get(key)
+        if raw is None:
+            # New to the mirror. The watch may lag a marker put a moment ago (a client's
+            # calls moving faster than it under load): etcd itself says, once per program
+            # a router sees for the first time.
+            try:
+                current = await self._client.get(key.encode())
+            except etcd.ETCD_DOWN_ERRORS as exc:
+                log.warning("cannot look program %s up (%s): a new record of it", key, exc)
+                return Continuation()
+            raw = current.value if current is not None else None
         for _ in range(3):  # the marker may change under the request: read it again
             marker = Marker.decode(raw)
             found = continuation_of(marker, self.instance_id)
@@ -269,9 +282,11 @@ class ProgramHomes:
                     self.handoff_wait_s,
                     marker.hop_index,
                 )
+                metrics.PROGRAM_HANDOVERS.labels("unanswered").inc()
                 return Continuation(marker.hop_index, marker.run_id)
             if answer is None:  # it ended there meanwhile (or its holder's lease did)
                 return Continuation()
+            metrics.PROGRAM_HANDOVERS.labels("taken").inc()
             return Continuation(answer.hop_index, answer.run_id)
         finally:
             if self._waiting.get(key) is future:
@@ -297,9 +312,11 @@ class ProgramHomes:
         program = self.book.hand_over(*parts) if parts is not None else None
         self._mine.discard(key)
         if program is None:  # not open here any more: the asker starts afresh
+            log.info("program %s asked for by router %s is not open here", key, marker.to)
             self._writes.put_nowait(lambda: self._keeper.delete(key))
             return
         self.handed_over += 1
+        metrics.PROGRAM_HANDOVERS.labels("given").inc()
         log.info("program %s moved to router %s at hop %d", key, marker.to, program.next_hop_index)
         answer = Marker("", program.run_id, program.next_hop_index)
 

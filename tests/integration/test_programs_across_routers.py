@@ -23,6 +23,7 @@ from inferx.client import InferxClient
 from inferx.devstack import LocalStack, read_models_file, wait_serving
 from inferx.v1 import router_pb2, router_pb2_grpc
 from tests.conftest import EXAMPLES, make_stack, started
+from tests.integration.test_observability import metrics_addresses, scrape, total
 from tests.polling import poll_until
 
 pytestmark = pytest.mark.integration
@@ -100,6 +101,13 @@ async def test_a_program_whose_calls_alternate_between_routers_stays_one_program
     assert [f.run_id for f in done] == [stays[0]] * 3 + [stays[1]] * 2 + [stays[2], stays[3]]
     # The scheduler keys the program by its id, not by the router: one worker throughout.
     assert len({f.worker_id for f in done}) == 1, [f.worker_id for f in done]
+    # three hand-overs, each given by one router and taken by the other
+    given = taken = 0.0
+    for metrics_address in (await metrics_addresses(stack))["router"]:
+        samples = scrape(metrics_address)
+        given += total(samples, "inferx_program_handovers_total", outcome="given")
+        taken += total(samples, "inferx_program_handovers_total", outcome="taken")
+    assert given == taken == 3, (given, taken)
     for address in (a, b):
         found = await full_trace(address, program, len(plan))
         assert [h.node_id for h in found.finished.hops] == [f"call-{i}" for i in range(len(plan))]
