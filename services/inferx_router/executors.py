@@ -22,8 +22,10 @@ from inferx_router.scheduler_target import Failure, HopAttempts, SchedulerTarget
 Event = scheduler_pb2.HopEvent
 
 
-def hop_request(hop: ModelHop, last_worker_id: str = "") -> scheduler_pb2.HopRequest:
-    """`last_worker_id`: where the chain's latest hop in the pool ran (`WorkerHints`)."""
+def hop_request(hop: ModelHop, last_worker: Callable[[str], str] | None = None) -> scheduler_pb2.HopRequest:
+    """`last_worker(model)`: where the chain's latest hop in that model's pool ran
+    (`WorkerHints`; "" = not known), for the hop and its next hops."""
+    last_worker = last_worker or (lambda model: "")
     request = scheduler_pb2.HopRequest(
         context=common_pb2.HopContext(
             run_id=hop.run_id,
@@ -42,10 +44,11 @@ def hop_request(hop: ModelHop, last_worker_id: str = "") -> scheduler_pb2.HopReq
                     model=nxt.model,
                     prompt_tokens=nxt.prompt_tokens,
                     max_tokens=nxt.max_tokens,
+                    last_worker_id=last_worker(nxt.model) if nxt.model else "",
                 )
                 for nxt in hop.next_hops
             ],
-            last_worker_id=last_worker_id,
+            last_worker_id=last_worker(hop.model),
         ),
         model=hop.model,
         prompt=hop.prompt,
@@ -127,8 +130,8 @@ class SchedulerExecutor:
             address = await self._targets.first(hop.model, timeout_s)
         attempts = HopAttempts()
         streamed = [False]
-        chain_key, pool = hop.session_id or hop.run_id, self._pool_of(hop.model)
-        request = hop_request(hop, self.hints.get(chain_key, pool, time.monotonic()))
+        chain_key, pool, now = hop.session_id or hop.run_id, self._pool_of(hop.model), time.monotonic()
+        request = hop_request(hop, lambda model: self.hints.get(chain_key, self._pool_of(model), now))
 
         def text_out(piece: str) -> None:
             streamed[0] = True

@@ -66,6 +66,7 @@ def next_hop_views(hop: HopView, request: scheduler_pb2.HopRequest, pool_of) -> 
                 prompt_tokens=int(nxt.prompt_tokens),
                 max_tokens=nxt.max_tokens or DEFAULT_MAX_TOKENS,
                 hop_index=hop.hop_index + 1,
+                last_worker_id=nxt.last_worker_id,
             )
         )
     return views

@@ -7,6 +7,7 @@ then, and only on a worker alive in the pool."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -15,7 +16,7 @@ from inferx.scheduling.queue import DispatchQueue
 from inferx.scheduling.views import HopView, Tier, WorkerSlots
 from inferx.v1 import scheduler_pb2
 from inferx_router.executors import SchedulerExecutor, hop_request
-from inferx_router.hops import ModelHop, WorkerHints
+from inferx_router.hops import ModelHop, NextHop, WorkerHints
 
 WORKERS = {"p": [WorkerSlots("a", 4), WorkerSlots("b", 4), WorkerSlots("c", 4)]}
 
@@ -178,6 +179,28 @@ def test_the_router_sends_each_hop_the_worker_of_its_chains_latest_hop_in_the_po
     assert asyncio.run(main()) == ["", "w1", "", "", "", "w2"]
 
 
-def test_hop_request_carries_the_hint() -> None:
-    assert hop_request(model_hop("r", "h", "m"), "w9").context.last_worker_id == "w9"
+def test_hop_request_carries_the_hints_of_the_hop_and_its_next_hops() -> None:
+    hop = replace(
+        model_hop("r", "h", "m"), next_hops=(NextHop("n1", "big", 100, 8), NextHop("n2", "", 100, 8))
+    )
+    known = {"m": "w9", "big": "w3"}
+    request = hop_request(hop, lambda model: known.get(model, ""))
+    assert request.context.last_worker_id == "w9"
+    assert [n.last_worker_id for n in request.context.next_hops] == ["w3", ""]
     assert hop_request(model_hop("r", "h", "m")).context.last_worker_id == ""
+
+
+def test_a_look_ahead_for_a_chain_with_no_record_holds_room_on_the_hinted_worker() -> None:
+    """After a failover the new owner's look-ahead (room for the chain's next hop in
+    another pool) would otherwise make a record of its own -- which then wins over the
+    hint the hop brings."""
+    for hint, expected in (("a", "a"), ("gone", None)):
+        q = chain_aware()
+        busy(q, "a", 2, now=0)
+        assert q.assign(WORKERS, now=0.5) == []  # the pool's workers, as the queue knows them
+        coming = HopView("p", "c", "3", hop_index=3, prompt_tokens=6000, last_worker_id=hint)
+        worker = q.plan_ahead(coming, until=10.0, now=1)
+        assert (worker == "a") == (expected == "a"), (hint, worker)
+        submit(q, later_hop(hint), now=2)
+        (hop,) = q.assign(WORKERS, now=2)
+        assert hop.worker_id == worker  # the hop finds its room held there

@@ -1040,6 +1040,8 @@ class ChainAwarePolicy:
         key = self._key(hop)
         state = self._touch(key, now)
         self._set_tier(key, state, hop.tier_rank)
+        if state.worker_id is None and hop.last_worker_id and self.config.worker_hints:
+            self._adopt_hint(state, hop, workers)  # hold it where the chain's context is
         tokens = hop.kv_tokens
 
         def room(worker: WorkerView) -> bool:
