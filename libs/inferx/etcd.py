@@ -37,6 +37,7 @@ AUTH_TENANTS = f"{ROOT}/auth/tenants/"
 AUTH_TOKENS = f"{ROOT}/auth/tokens/"
 RUNS = f"{ROOT}/runs/"  # finished run records, <tenant>/<run id>, under leases (retention)
 PARTITIONS = f"{ROOT}/partitions/"  # <kind>/<pool> -> the instance that owns the pool (lease)
+PROGRAMS = f"{ROOT}/programs/"  # <tenant>/<program id> -> the router holding it open (lease)
 
 
 def service_key(kind: str, instance_id: str) -> str:
@@ -62,6 +63,12 @@ def runs_prefix(tenant: str) -> str:
 
 def run_key(tenant: str, run_id: str) -> str:
     return f"{runs_prefix(tenant)}{run_id}"
+
+
+def program_key(tenant: str, program_id: str) -> str:
+    """Which router holds a dynamic program open (tenant names hold no '/'; the
+    program id, as the client gave it, may)."""
+    return f"{PROGRAMS}{tenant}/{program_id}"
 
 
 def partitions_prefix(kind: str) -> str:
@@ -190,6 +197,19 @@ class LeaseKeeper:
                 log.warning("etcd put of %s failed (%s); will retry with the lease", key, exc)
                 self._lease = None  # forces a re-grant and re-put of everything
 
+    def forget(self, key: str) -> None:
+        """Stop keeping `key` (it stays in etcd under the lease, but is not put again
+        when the lease is granted anew)."""
+        self._keys.pop(key, None)
+
+    async def delete(self, key: str) -> None:
+        """Stop keeping `key` and delete it now."""
+        self._keys.pop(key, None)
+        try:
+            await self._client.delete(key.encode())
+        except ETCD_DOWN_ERRORS as exc:
+            log.warning("etcd delete of %s failed (%s); it ends with the lease", key, exc)
+
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="lease-keeper")
@@ -285,11 +305,16 @@ class PrefixMirror:
         client: aetcd.Client,
         prefix: str,
         on_change: Callable[[dict[str, bytes]], None] | None = None,
+        *,
+        on_event: Callable[[str, bytes | None], None] | None = None,
     ) -> None:
         self._client = client
         self.prefix = prefix
         self.items: dict[str, bytes] = {}
         self._on_change = on_change
+        # Per key changed (None: deleted), for a mirror too large to hand over whole on
+        # each change; on a re-list, every key that differs from what was known.
+        self._on_event = on_event
         self._task: asyncio.Task[None] | None = None
         self._synced = asyncio.Event()
 
@@ -313,6 +338,13 @@ class PrefixMirror:
                 pass
             self._task = None
 
+    def _event(self, key: str, value: bytes | None) -> None:
+        if self._on_event is not None:
+            try:
+                self._on_event(key, value)
+            except Exception:  # a bad listener must not kill the watch
+                log.exception("listener of %s failed", self.prefix)
+
     def _changed(self) -> None:
         if self._on_change is not None:
             try:
@@ -326,8 +358,13 @@ class PrefixMirror:
             watch = None
             try:
                 listing = await self._client.get_prefix(self.prefix.encode())
-                self.items = {kv.key.decode(): kv.value for kv in listing}
+                known, self.items = self.items, {kv.key.decode(): kv.value for kv in listing}
                 revision = listing.header.revision if listing.header else 0
+                for key in known.keys() - self.items.keys():
+                    self._event(key, None)
+                for key, value in self.items.items():
+                    if known.get(key) != value:
+                        self._event(key, value)
                 self._changed()
                 self._synced.set()
                 if failing:
@@ -338,8 +375,10 @@ class PrefixMirror:
                     key = event.kv.key.decode()
                     if event.kind == "PUT":
                         self.items[key] = event.kv.value
+                        self._event(key, event.kv.value)
                     else:
                         self.items.pop(key, None)
+                        self._event(key, None)
                     self._changed()
                 # The iterator ends only when cancelled; loop to re-list.
             except asyncio.CancelledError:

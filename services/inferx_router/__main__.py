@@ -27,6 +27,7 @@ from inferx_router.http_front import HttpServer, OpenAIFront
 from inferx_router.knowledge import KnowledgeBase
 from inferx_router.load import LoadMonitor
 from inferx_router.program_calls import ProgramCalls
+from inferx_router.program_homes import ProgramHomes
 from inferx_router.programs import ProgramBook
 from inferx_router.scheduler_target import SchedulerTargets
 from inferx_router.servicer import RouterServicer
@@ -87,6 +88,21 @@ class RouterSettings(ServiceSettings):
         gt=0,
         description="a dynamic program (OpenAI front, CallModel) with no call for this long ends: its record "
         "is finished (the scheduler's hold of its KV lapses by itself)",
+    )
+    shared_programs: bool = Field(
+        True,
+        description="a dynamic program whose calls land on several routers stays one program: the "
+        "routers say in etcd which of them holds each open program (one put when a router opens it, one "
+        "delete when it ends, one read when a router first sees it, none per call) and hand it over when "
+        "its calls move; off: each router keeps "
+        "its own record and count of it",
+    )
+    program_handoff_wait_s: float = Field(
+        1.0,
+        gt=0,
+        le=30,
+        description="a program call arriving at a router while another holds the program waits this long "
+        "at most for the hand-over (a holder that died is not waited for longer)",
     )
     # Limits on what callers send (docs/limits.md). Over one: INVALID_ARGUMENT naming it
     # (HTTP 400, 413 for the body); over --max-request-bytes: gRPC's RESOURCE_EXHAUSTED.
@@ -190,7 +206,9 @@ class RouterComponent(ServiceComponent):
         quotas = TenantQuotas()  # one per router: gRPC runs and HTTP calls count alike
         # Every hop to a scheduler, from chains and programs alike, on one stream per scheduler.
         streams = scheduler_streams(self.channels, enabled=settings.hop_streams)
-        self.executor = SchedulerExecutor(self.services, self.channels, targets, streams)
+        self.executor = SchedulerExecutor(
+            self.services, self.channels, targets, streams, pool_of=self.directory.pool_of
+        )
         # Dynamic programs' calls: the HTTP front and Router.CallModel share one path.
         self.calls = ProgramCalls(
             self.directory,
@@ -200,7 +218,22 @@ class RouterComponent(ServiceComponent):
             default_timeout_s=settings.http_timeout_s,
             book=ProgramBook(idle_s=settings.program_idle_s),
             request_limits=settings.request_limits,
+            homes=(
+                (
+                    lambda book: ProgramHomes(
+                        runtime.etcd,
+                        runtime.instance_id,
+                        book,
+                        lease_ttl_s=settings.lease_ttl_s,
+                        handoff_wait_s=settings.program_handoff_wait_s,
+                    )
+                )
+                if settings.shared_programs
+                else None
+            ),
         )
+        if self.calls.homes is not None:
+            self.mirrors.append(self.calls.homes.mirror)
         self._sweep_every_s = min(max(settings.program_idle_s / 4, 0.05), 5.0)
         self._sweeper: asyncio.Task[None] | None = None
         self.http: HttpServer | None = None
@@ -243,6 +276,8 @@ class RouterComponent(ServiceComponent):
             await mirror.wait_synced(timeout_s=30)
         self.load.start()
         self.shared.start()
+        if self.calls.homes is not None:
+            self.calls.homes.start()
         self._sweeper = asyncio.create_task(self._sweep_programs(), name="program-sweep")
         if self.http is not None:  # after the mirrors: the models are known from the first call
             try:
@@ -265,6 +300,8 @@ class RouterComponent(ServiceComponent):
         if self._sweeper is not None:
             self._sweeper.cancel()
         await self.load.close()
+        if self.calls.homes is not None:
+            await self.calls.homes.close()  # its markers go with its lease
         await self.shared.close()  # what is queued is put first (up to 2 s)
         for mirror in self.mirrors:
             await mirror.close()

@@ -16,13 +16,16 @@ from inferx.hopstream import HOPS, StreamPool
 from inferx.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from inferx.wire import tier_to_proto
 from inferx_router import metrics
-from inferx_router.hops import HopDone, ModelHop
+from inferx_router.hops import HopDone, ModelHop, WorkerHints
 from inferx_router.scheduler_target import Failure, HopAttempts, SchedulerTargets, classify, trailers_of
 
 Event = scheduler_pb2.HopEvent
 
 
-def hop_request(hop: ModelHop) -> scheduler_pb2.HopRequest:
+def hop_request(hop: ModelHop, last_worker: Callable[[str], str] | None = None) -> scheduler_pb2.HopRequest:
+    """`last_worker(model)`: where the chain's latest hop in that model's pool ran
+    (`WorkerHints`; "" = not known), for the hop and its next hops."""
+    last_worker = last_worker or (lambda model: "")
     request = scheduler_pb2.HopRequest(
         context=common_pb2.HopContext(
             run_id=hop.run_id,
@@ -41,9 +44,11 @@ def hop_request(hop: ModelHop) -> scheduler_pb2.HopRequest:
                     model=nxt.model,
                     prompt_tokens=nxt.prompt_tokens,
                     max_tokens=nxt.max_tokens,
+                    last_worker_id=last_worker(nxt.model) if nxt.model else "",
                 )
                 for nxt in hop.next_hops
             ],
+            last_worker_id=last_worker(hop.model),
         ),
         model=hop.model,
         prompt=hop.prompt,
@@ -87,7 +92,9 @@ class _Resend(Exception):
 
 class SchedulerExecutor:
     """Runs model hops through the scheduler that owns their pool (`targets`; without
-    it, any scheduler found in etcd), on that scheduler's hop stream (`streams`)."""
+    it, any scheduler found in etcd), on that scheduler's hop stream (`streams`).
+    Each hop carries where its chain's latest hop in the pool ran (`hints`, learned from
+    the hops' results): a scheduler new to the chain (after a failover) keeps it there."""
 
     def __init__(
         self,
@@ -95,11 +102,16 @@ class SchedulerExecutor:
         channels: ChannelPool,
         targets: SchedulerTargets | None = None,
         streams: StreamPool | None = None,
+        *,
+        pool_of: Callable[[str], str] | None = None,
+        hints: WorkerHints | None = None,
     ) -> None:
         self._services = services
         self._channels = channels
         self._targets = targets
         self.streams = streams if streams is not None else scheduler_streams(channels)
+        self._pool_of = pool_of or (lambda model: model)
+        self.hints = hints if hints is not None else WorkerHints()
 
     async def run_hop(
         self,
@@ -118,6 +130,8 @@ class SchedulerExecutor:
             address = await self._targets.first(hop.model, timeout_s)
         attempts = HopAttempts()
         streamed = [False]
+        chain_key, pool, now = hop.session_id or hop.run_id, self._pool_of(hop.model), time.monotonic()
+        request = hop_request(hop, lambda model: self.hints.get(chain_key, self._pool_of(model), now))
 
         def text_out(piece: str) -> None:
             streamed[0] = True
@@ -128,9 +142,16 @@ class SchedulerExecutor:
             if address is None:
                 raise Unavailable(f"no scheduler registered in etcd within the hop's {timeout_s:.1f} s")
             try:
-                return await self._submit(
-                    address, hop, until - time.monotonic(), on_dispatched, text_out if on_text else None
+                done = await self._submit(
+                    address,
+                    request,
+                    hop,
+                    until - time.monotonic(),
+                    on_dispatched,
+                    text_out if on_text else None,
                 )
+                self.hints.put(chain_key, pool, done.worker_id, time.monotonic())
+                return done
             except _Resend as resend:
                 if self._targets is None or not attempts.again(resend.failure, streamed=streamed[0]):
                     raise Unavailable(
@@ -144,6 +165,7 @@ class SchedulerExecutor:
     async def _submit(
         self,
         address: str,
+        request: scheduler_pb2.HopRequest,
         hop: ModelHop,
         timeout_s: float,
         on_dispatched: Callable[[str], None],
@@ -156,7 +178,7 @@ class SchedulerExecutor:
         text: list[str] = []
         done: HopDone | None = None
         try:
-            async for event in self.streams.call(address, hop_request(hop), timeout_s):
+            async for event in self.streams.call(address, request, timeout_s):
                 if event.text:
                     text.append(event.text)  # each piece of text arrives once (TOKENS, then FINISHED's tail)
                     if on_text is not None:

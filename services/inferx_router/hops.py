@@ -3,6 +3,7 @@ back: plain values, so the walker runs (and is unit-tested) without gRPC."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -62,3 +63,42 @@ class ModelExecutor(Protocol):
         """Run one model hop within `timeout_s`. Raises TimeoutError when the time runs
         out, an InferxError for a failure the caller may retry or degrade around."""
         ...
+
+
+class WorkerHints:
+    """Where each chain's latest model hop ran, per pool, as the router saw it (pure:
+    time passed in). Sent with the chain's next hop in that pool (`HopContext.
+    last_worker_id`) so a scheduler that has no record of the chain -- it took the pool
+    over from one that died -- keeps it on the worker that holds its context.
+
+    Keyed as the scheduler keys affinity: the chain key (session id, else run id) and
+    the pool. Bounded: least recently used entries go past `capacity`, and an entry is
+    not sent after `ttl_s` (the worker has likely evicted the context by then)."""
+
+    def __init__(self, capacity: int = 100_000, ttl_s: float = 600.0) -> None:
+        self.capacity = capacity
+        self.ttl_s = ttl_s
+        self._last: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+    def get(self, chain_key: str, pool: str, now: float) -> str:
+        """The worker of the chain's latest finished hop in the pool; "" = none known."""
+        entry = self._last.get((chain_key, pool))
+        if entry is None:
+            return ""
+        worker_id, at = entry
+        if now - at > self.ttl_s:
+            del self._last[(chain_key, pool)]
+            return ""
+        return worker_id
+
+    def put(self, chain_key: str, pool: str, worker_id: str, now: float) -> None:
+        if not chain_key or not worker_id:
+            return
+        key = (chain_key, pool)
+        self._last[key] = (worker_id, now)
+        self._last.move_to_end(key)
+        while len(self._last) > self.capacity:
+            self._last.popitem(last=False)

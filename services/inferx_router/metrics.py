@@ -86,8 +86,15 @@ PROGRAMS_OPEN = Gauge(
 )
 PROGRAMS_ENDED = Counter(
     "inferx_programs_ended_total",
-    "Dynamic programs whose record ended (reason=end|idle|evicted|full)",
+    "Dynamic programs whose record ended (reason=end|idle|evicted|full|moved)",
     ["chain", "reason"],
+)
+# A program's calls moving between routers (program_homes): given=handed to another
+# router, taken=received from one, unanswered=its holder did not answer in time.
+PROGRAM_HANDOVERS = Counter(
+    "inferx_program_handovers_total",
+    "Dynamic programs handed over between routers (their calls moved), by outcome",
+    ["outcome"],
 )
 # Finished run records shared in etcd (shared_runs): op=put|read, result=ok|failed|dropped|too_large.
 SHARED_RUN_RECORDS = Counter(

@@ -35,6 +35,7 @@ from inferx.v1 import common_pb2, router_pb2
 from inferx_router import metrics
 from inferx_router.access import AccessControl
 from inferx_router.hops import HopDone, ModelHop
+from inferx_router.program_homes import Continuation, ProgramHomes
 from inferx_router.programs import Call, Program, ProgramBook, Ticket, program_hop
 
 
@@ -71,6 +72,7 @@ class ProgramCalls:
         default_timeout_s: float,
         book: ProgramBook | None = None,
         request_limits: RequestLimits | None = None,
+        homes: Callable[[ProgramBook], ProgramHomes] | None = None,
     ) -> None:
         self._directory = directory
         self._request_limits = request_limits or RequestLimits()
@@ -79,7 +81,9 @@ class ProgramCalls:
         self._quotas = quotas
         self._default_timeout_ms = int(default_timeout_s * 1000)
         self.book = book if book is not None else ProgramBook()
-        self.book.on_end = _observe_end
+        # Where each open program is held, across routers (None: this router alone).
+        self.homes = homes(self.book) if homes is not None else None
+        self.book.on_end = self._ended
 
     # ----- requests ---------------------------------------------------------------------------
 
@@ -163,7 +167,22 @@ class ProgramCalls:
             "inferx.call_id": call.call_id,
         }
         with telemetry.span(f"program {identity.name}", attributes, parent=parent) as span:
-            ticket = self.book.begin(identity, tenant=who.tenant, trace_id=telemetry.trace_id_of(span))
+            found = Continuation()
+            shared = self.homes is not None and identity.program_id
+            if shared and self.book.get(who.tenant, identity.program_id) is None:
+                # New here (no etcd call: the mirror says), or held by another router.
+                assert self.homes is not None
+                found = await self.homes.arrive(who.tenant, identity.program_id)
+            ticket = self.book.begin(
+                identity,
+                tenant=who.tenant,
+                trace_id=telemetry.trace_id_of(span),
+                first_hop_index=found.hop_index,
+                continues_run_id=found.run_id,
+            )
+            if shared and ticket.opened and not ticket.last:
+                assert self.homes is not None
+                self.homes.opened(ticket.program)
             metrics.PROGRAMS_OPEN.set(len(self.book))
             span.set_attributes(
                 {"inferx.run_id": ticket.program.run_id, "inferx.hop_index": ticket.hop_index}
@@ -253,6 +272,11 @@ class ProgramCalls:
                 task.cancel()  # recorded in the program as a cancelled call
 
     # ----- upkeep ---------------------------------------------------------------------------
+
+    def _ended(self, program: Program) -> None:
+        _observe_end(program)
+        if self.homes is not None:
+            self.homes.ended(program)
 
     def sweep(self) -> list[Program]:
         """End the programs idle past the book's idle time (see `programs`)."""

@@ -21,7 +21,10 @@ while it runs and `inferx stats <name>` over the ended ones. A program ends
   * when `capacity` programs are open and another starts (`evicted`: the least recently
     active idle one);
   * when its record holds `MAX_CALLS_PER_RECORD` calls (`full`): the next call starts a
-    new record (a new run id) of the same program, whose hops continue counting.
+    new record (a new run id) of the same program, whose hops continue counting;
+  * when another router takes the program over (`moved`, `hand_over`: the client's
+    calls now land there, `program_homes`): that router's record continues this one's
+    count and links to it (`RunRecord.continues_run_id`).
 Another call with the id of an ended program starts a new record of it.
 """
 
@@ -45,7 +48,7 @@ MAX_CALLS_PER_RECORD = 1000
 DEFAULT_IDLE_S = 300.0
 DEFAULT_CAPACITY = 10_000
 
-END, IDLE, EVICTED, FULL = "end", "idle", "evicted", "full"  # why a program's record ended
+END, IDLE, EVICTED, FULL, MOVED = "end", "idle", "evicted", "full", "moved"  # why a record ended
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,11 @@ class Program:
     def finished(self) -> router_pb2.ChainFinished:
         return self.record.finished
 
+    @property
+    def next_hop_index(self) -> int:
+        """The hop index of the program's next call (after those begun in this record)."""
+        return self.first_hop_index + self.calls
+
 
 @dataclass(frozen=True)
 class Ticket:
@@ -104,6 +112,7 @@ class Ticket:
     hop_index: int  # for the scheduler: calls of the program before this one
     begun: float  # on the book's clock
     last: bool  # the program's last call
+    opened: bool = False  # this call started the record
 
 
 class ProgramBook:
@@ -139,25 +148,41 @@ class ProgramBook:
     def get(self, tenant: str, program_id: str) -> Program | None:
         return self._open.get((tenant, program_id))
 
+    def open_programs(self) -> list[Program]:
+        """The open programs with an id, least recently active first."""
+        return list(self._open.values())
+
     # ----- calls -----------------------------------------------------------------------------
 
-    def begin(self, identity: ProgramIdentity, *, tenant: str = DEFAULT_TENANT, trace_id: str = "") -> Ticket:
+    def begin(
+        self,
+        identity: ProgramIdentity,
+        *,
+        tenant: str = DEFAULT_TENANT,
+        trace_id: str = "",
+        first_hop_index: int = 0,
+        continues_run_id: str = "",
+    ) -> Ticket:
         """Count a call into its program (starting a record when there is none) and keep
-        the record in the store; `finish` must follow, whatever happens to the call."""
+        the record in the store; `finish` must follow, whatever happens to the call.
+        A record started here counts from `first_hop_index` and continues the record
+        `continues_run_id` (where another router held the program: `program_homes`)."""
         now = self._clock()
         key = (tenant, identity.program_id)
         program = self._open.get(key) if identity.program_id else None
-        first_hop_index = 0
+        opened = program is None
         if program is not None and program.calls >= MAX_CALLS_PER_RECORD:
             del self._open[key]
             first_hop_index = program.first_hop_index + program.calls
+            continues_run_id = ""  # the same router: the count goes on, the record is new
             if program.in_flight:  # it ends when they finish
                 program.ending, program.ending_reason = True, FULL
             else:
                 self._end(program, FULL)
             program = None
+            opened = True
         if program is None:
-            program = self._start(tenant, identity, now, trace_id, first_hop_index)
+            program = self._start(tenant, identity, now, trace_id, first_hop_index, continues_run_id)
             if identity.program_id:
                 self._open[key] = program
                 self._evict()
@@ -167,7 +192,7 @@ class ProgramBook:
         if last and identity.program_id:
             self._open.pop(key, None)  # its next call starts a new record
         node_id = f"call-{program.calls}"
-        ticket = Ticket(program, node_id, program.first_hop_index + program.calls, now, last)
+        ticket = Ticket(program, node_id, program.first_hop_index + program.calls, now, last, opened)
         program.calls += 1
         program.in_flight += 1
         program.last_active = now
@@ -197,6 +222,19 @@ class ProgramBook:
         if program.ending and program.in_flight == 0 and not program.ended:
             self._end(program, program.ending_reason)
 
+    def hand_over(self, tenant: str, program_id: str) -> Program | None:
+        """Another router takes the program over: this router takes no more calls into
+        its record, which ends (`moved`) once its calls in flight are done. The program
+        (its next call's hop index: `next_hop_index`), or None when none is open here."""
+        program = self._open.pop((tenant, program_id), None)
+        if program is None:
+            return None
+        if program.in_flight:
+            program.ending, program.ending_reason = True, MOVED
+        else:
+            self._end(program, MOVED)
+        return program
+
     def sweep(self) -> list[Program]:
         """End the programs idle for `idle_s` (no call in flight); the ones ended."""
         now = self._clock()
@@ -209,7 +247,13 @@ class ProgramBook:
     # ----- records ---------------------------------------------------------------------------
 
     def _start(
-        self, tenant: str, identity: ProgramIdentity, now: float, trace_id: str, first_hop_index: int
+        self,
+        tenant: str,
+        identity: ProgramIdentity,
+        now: float,
+        trace_id: str,
+        first_hop_index: int,
+        continues_run_id: str = "",
     ) -> Program:
         finished = router_pb2.ChainFinished(run_id=self._new_run_id(), status=RUNNING)
         depends_on: dict[str, tuple[str, ...]] = {}
@@ -225,6 +269,8 @@ class ProgramBook:
             program_id=identity.program_id,
             parent_program_id=identity.parent_program_id,
             starts_ms=starts_ms,
+            first_hop_index=first_hop_index,
+            continues_run_id=continues_run_id,
         )
         return Program(
             tenant=tenant,

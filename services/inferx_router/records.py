@@ -48,6 +48,11 @@ class RunRecord:
     program_id: str = ""
     parent_program_id: str = ""
     starts_ms: Mapping[str, float] = field(default_factory=dict)
+    # The program's hop index of this record's call-0 (a record continues the count of
+    # the one before it), and the record of the same program this one continues when
+    # the program moved here from another router ("" = none).
+    first_hop_index: int = 0
+    continues_run_id: str = ""
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 import aetcd
 import grpc
@@ -79,6 +80,8 @@ def encode(record: RunRecord, *, keep_outputs: bool = True) -> bytes:
         "parent_program_id": record.parent_program_id,
         "depends_on": {node: list(deps) for node, deps in record.depends_on.items()},
         "starts_ms": dict(record.starts_ms),
+        "first_hop_index": record.first_hop_index,
+        "continues_run_id": record.continues_run_id,
         "finished": json_format.MessageToDict(finished, preserving_proto_field_name=True),
     }
     return json.dumps(document, separators=(",", ":"), ensure_ascii=False).encode()
@@ -113,6 +116,8 @@ def decode(value: bytes) -> RunRecord:
             program_id=str(document.get("program_id", "")),
             parent_program_id=str(document.get("parent_program_id", "")),
             starts_ms={str(n): float(ms) for n, ms in document.get("starts_ms", {}).items()},
+            first_hop_index=int(document.get("first_hop_index", 0)),
+            continues_run_id=str(document.get("continues_run_id", "")),
         )
     except ValueError:
         raise
@@ -133,6 +138,83 @@ def merge(local: Iterable[RunRecord], shared: Iterable[RunRecord]) -> list[RunRe
     for record in local:
         by_id[record.finished.run_id] = record
     return sorted(by_id.values(), key=ended_unix_ms)
+
+
+MAX_JOINED = 64  # records of one program joined into one trace at most
+
+
+def join_program(records: Iterable[RunRecord], found: RunRecord) -> RunRecord:
+    """`found` (a dynamic program's record) joined with the records of the same program
+    it continues and that continue it (`RunRecord.continues_run_id`: the program moved
+    between routers), as one record: every call, named by its hop index in the program
+    (`call-<n>`), its start on the first record's clock; running while any part is.
+    `found` itself when it is linked to none of `records`."""
+    if not found.program_id:
+        return found
+    same = [r for r in records if r.program_id == found.program_id and r.tenant == found.tenant]
+    by_id = {r.finished.run_id: r for r in same}
+    after = {r.continues_run_id: r for r in same if r.continues_run_id}
+    parts = [found]
+    while parts[0].continues_run_id in by_id and len(parts) < MAX_JOINED:
+        earlier = by_id[parts[0].continues_run_id]
+        if earlier in parts:
+            break
+        parts.insert(0, earlier)
+    while parts[-1].finished.run_id in after and len(parts) < MAX_JOINED:
+        later = after[parts[-1].finished.run_id]
+        if later in parts:
+            break
+        parts.append(later)
+    if len(parts) == 1:
+        return found
+    first = parts[0]
+    finished = router_pb2.ChainFinished()
+    finished.CopyFrom(parts[-1].finished)
+    del finished.hops[:]
+    depends_on: dict[str, tuple[str, ...]] = {}
+    starts_ms: dict[str, float] = {}
+    last_node = ""
+    latency_ms = 0.0
+    for part in parts:
+        offset_ms = part.started_unix_ms - first.started_unix_ms
+        names = {}
+        for hop in part.finished.hops:
+            local = _call_number(hop.node_id)
+            names[hop.node_id] = hop.node_id if local is None else f"call-{part.first_hop_index + local}"
+        part_last = ""
+        for hop in sorted(part.finished.hops, key=lambda h: part.starts_ms.get(h.node_id, 0.0)):
+            kept = finished.hops.add()
+            kept.CopyFrom(hop)
+            kept.node_id = names[hop.node_id]
+            start = offset_ms + part.starts_ms.get(hop.node_id, 0.0)
+            starts_ms[kept.node_id] = start
+            deps = tuple(names.get(d, d) for d in part.depends_on.get(hop.node_id, ()))
+            # A part's first call followed the previous part's last (on another router).
+            depends_on[kept.node_id] = deps or ((last_node,) if last_node else ())
+            latency_ms = max(latency_ms, start + hop.latency_ms)
+            part_last = kept.node_id
+        last_node = part_last or last_node
+    statuses = {part.finished.status for part in parts}
+    for status in (RUNNING, "error", "deadline_exceeded"):
+        if status in statuses:
+            finished.status = status
+            break
+    finished.latency_ms = latency_ms
+    finished.slo_met = finished.status == "ok"
+    finished.error = "; ".join(part.finished.error for part in parts if part.finished.error)
+    return replace(
+        first,
+        finished=finished,
+        depends_on=depends_on,
+        starts_ms=starts_ms,
+        trace_id=parts[-1].trace_id or first.trace_id,
+        continues_run_id="",
+    )
+
+
+def _call_number(node_id: str) -> int | None:
+    prefix, _, number = node_id.partition("-")
+    return int(number) if prefix == "call" and number.isdigit() else None
 
 
 def find_in(records: Sequence[RunRecord], run_id: str, chain: str, tenant: str) -> RunRecord:
@@ -326,17 +408,28 @@ class SharedRuns:
 async def find_run(
     local: RunStore, shared: SharedRuns | None, run_id: str, chain: str, tenant: str
 ) -> RunRecord:
-    """GetRun: this router's records first, then the shared ones."""
+    """GetRun: this router's records first, then the shared ones. A dynamic program's
+    record comes joined with the other records of the program (`join_program`: it
+    moved between routers), this router's and the shared ones (those that ended)."""
     if run_id:
         try:
-            return local.find(run_id, chain, tenant=tenant)
+            record = local.find(run_id, chain, tenant=tenant)
         except (NotFound, InvalidArgument):  # too short a prefix may still be a program id elsewhere
             if shared is None:
                 raise
+        else:
+            if not record.program_id:
+                return record
+            others = await shared.listing(tenant) if shared is not None else []
+            pool = merge(local.of_tenant(tenant), others)
+            if record.program_id == run_id:  # by program id: its newest record, wherever it is
+                record = find_in(pool, run_id, chain, tenant)
+            return join_program(pool, record)
         found = await shared.lookup(tenant, run_id)
     else:
         found = await shared.listing(tenant) if shared is not None else []
-    return find_in(merge(local.of_tenant(tenant), found), run_id, chain, tenant)
+    pool = merge(local.of_tenant(tenant), found)
+    return join_program(pool, find_in(pool, run_id, chain, tenant))
 
 
 async def chain_runs(

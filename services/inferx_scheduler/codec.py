@@ -44,6 +44,7 @@ def hop_view(pool: str, request: scheduler_pb2.HopRequest) -> HopView:
         remaining_hops=ctx.remaining_hops if ctx.HasField("remaining_hops") else None,
         # Per chain config and tier, as the simulator learns (one config, one tier).
         program=f"{ctx.chain_name}/{TIER_NAMES.get(tier, 'standard')}" if ctx.chain_name else "",
+        last_worker_id=ctx.last_worker_id,
     )
 
 
@@ -65,6 +66,7 @@ def next_hop_views(hop: HopView, request: scheduler_pb2.HopRequest, pool_of) -> 
                 prompt_tokens=int(nxt.prompt_tokens),
                 max_tokens=nxt.max_tokens or DEFAULT_MAX_TOKENS,
                 hop_index=hop.hop_index + 1,
+                last_worker_id=nxt.last_worker_id,
             )
         )
     return views

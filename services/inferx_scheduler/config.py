@@ -91,6 +91,12 @@ class SchedulerSettings(ServiceSettings):
         description="chain-aware and prefix-aware: place hops by where their prompt's blocks are cached, "
         "read from the workers' KV events, instead of where the chain last ran (needs --kv-events)",
     )
+    worker_hints: bool = Field(
+        True,
+        description="chain-aware: a chain this instance has no record of (it took the pool over from "
+        "a scheduler that died, or restarted) goes back to the worker the router says served its "
+        "latest hop in the pool, while that worker is alive there (off: placed as a new chain)",
+    )
     kv_warm_s: float = Field(
         30.0,
         gt=0,
@@ -140,6 +146,7 @@ class SchedulerSettings(ServiceSettings):
             "kv_warm_s": self.kv_warm_s,
             "overload_control": self.overload_control,
             "exact_prefix": self.exact_prefix,
+            "worker_hints": self.worker_hints,
         }
 
     @field_validator("policy")

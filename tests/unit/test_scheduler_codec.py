@@ -45,6 +45,7 @@ def test_hop_view_maps_every_context_field(clocks) -> None:
         hop_index=4,
         remaining_hops=3,
         remaining_critical_path_ms=2_500.0,
+        last_worker_id="w7",
     )
     assert hop_view("pool-a", req) == HopView(
         pool="pool-a",
@@ -59,6 +60,7 @@ def test_hop_view_maps_every_context_field(clocks) -> None:
         hop_index=4,
         remaining_critical_path_s=2.5,
         remaining_hops=3,
+        last_worker_id="w7",
     )
 
 
@@ -122,7 +124,9 @@ def test_next_hop_views_skip_models_without_a_pool() -> None:
         tier=common_pb2.TIER_BATCH,
         hop_index=2,
         next_hops=[
-            common_pb2.NextHop(hop_id="n1", model="big", prompt_tokens=900, max_tokens=128),
+            common_pb2.NextHop(
+                hop_id="n1", model="big", prompt_tokens=900, max_tokens=128, last_worker_id="w2"
+            ),
             common_pb2.NextHop(hop_id="n2", model="nobody-serves-this", prompt_tokens=5, max_tokens=5),
             common_pb2.NextHop(hop_id="n3", model="", prompt_tokens=5, max_tokens=5),
             common_pb2.NextHop(hop_id="n4", model="small", prompt_tokens=40, max_tokens=0),
@@ -132,7 +136,17 @@ def test_next_hop_views_skip_models_without_a_pool() -> None:
     views = next_hop_views(hop, req, pool_of)
     assert asked == ["big", "nobody-serves-this", "small"]
     assert views == [
-        HopView("pool-big", "r1", "n1", "s1", Tier.BATCH, prompt_tokens=900, max_tokens=128, hop_index=3),
+        HopView(
+            "pool-big",
+            "r1",
+            "n1",
+            "s1",
+            Tier.BATCH,
+            prompt_tokens=900,
+            max_tokens=128,
+            hop_index=3,
+            last_worker_id="w2",
+        ),
         HopView(
             "pool-small",
             "r1",

@@ -161,6 +161,11 @@ class ChainAwareConfig:
     # Where a prompt's blocks are cached, from the workers' KV events (an index the
     # scheduler / simulator attaches), instead of where the chain last ran.
     exact_prefix: bool = False
+    # A chain this policy has no record of in a pool (a new partition owner after a
+    # failover, a restart, a chain forgotten idle) starts from where the caller says its
+    # latest hop there ran (`HopView.last_worker_id`), when that worker is in the pool:
+    # its context is still cached there. The policy's own record always wins.
+    worker_hints: bool = True
     kv_warm_s: float = 30.0  # "fixed": how long an idle chain's context is held on its worker
     # Realtime guard: a decode step carries the prefill chunks of everything admitted with
     # it, so a long prefill next to a realtime hop stalls every one of its tokens.
@@ -643,6 +648,8 @@ class ChainAwarePolicy:
         state = self._touch(self._key(hop), now)
         if state.initial_slack_s is None and hop.deadline is not None:
             state.initial_slack_s = hop.deadline - now - hop.remaining_critical_path_s
+        if state.worker_id is None and hop.last_worker_id and self.config.worker_hints:
+            self._adopt_hint(state, hop, workers)
         refusal = self._overload_refusal(hop, queued)
         if refusal is not None:
             self._forget(self._key(hop))
@@ -659,6 +666,19 @@ class ChainAwarePolicy:
                     self.config.retry_after_s,
                 )
         return ACCEPT
+
+    def _adopt_hint(self, state: ChainState, hop: HopView, workers: Sequence[WorkerView]) -> None:
+        """No record of where the chain ran in this pool: take the caller's word for it
+        (the worker its latest hop here ran on), as if this policy had placed it there,
+        unless that worker is not (or no longer) in the pool. The context it left there
+        is not known: the prompt is taken for it (the prompt starts with the chain's
+        context; what was added since, a tool result, a new turn, is usually small next
+        to it), so the chain waits for its worker as long as moving would cost."""
+        if self._find(workers, hop.last_worker_id) is None:
+            return
+        state.worker_id = hop.last_worker_id
+        state.context_tokens = hop.prompt_tokens
+        state.window_hops = 0
 
     def _overload_refusal(self, hop: HopView, queued: Sequence[QueuedHop]) -> Admission | None:
         """A new chain whose tier's window is full is refused once more than
@@ -1020,6 +1040,8 @@ class ChainAwarePolicy:
         key = self._key(hop)
         state = self._touch(key, now)
         self._set_tier(key, state, hop.tier_rank)
+        if state.worker_id is None and hop.last_worker_id and self.config.worker_hints:
+            self._adopt_hint(state, hop, workers)  # hold it where the chain's context is
         tokens = hop.kv_tokens
 
         def room(worker: WorkerView) -> bool:

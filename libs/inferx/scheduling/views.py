@@ -82,6 +82,10 @@ class HopView:
     # text gives); live, the keys of the chain's previous context as its worker reported
     # them (the prompt starts with that context).
     prompt_blocks: tuple[tuple[str, int], ...] = ()
+    # The worker the chain's latest hop in this pool ran on, as the caller (the router)
+    # saw it; "" = unknown. A hint for a policy that has no record of the chain (after a
+    # partition moved to another scheduler): its own record wins.
+    last_worker_id: str = ""
 
     @cached_property  # read for every queued hop on every pass
     def chain_key(self) -> str:
