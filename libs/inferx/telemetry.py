@@ -133,7 +133,7 @@ def enabled() -> bool:
     """Whether this process records spans (an SDK tracer provider is installed).
     Asked several times per hop: with no provider installed it answers without the
     API's environment lookup (issue #14's profile: ~2% of the router's CPU)."""
-    if _API_HOLDS_PROVIDER and trace._TRACER_PROVIDER is None and not _PROVIDER_FROM_ENV:  # type: ignore[attr-defined]
+    if _API_HOLDS_PROVIDER and trace._TRACER_PROVIDER is None and not _PROVIDER_FROM_ENV:
         return False
     return isinstance(trace.get_tracer_provider(), TracerProvider)
 
