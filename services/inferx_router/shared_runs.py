@@ -22,10 +22,11 @@ Writing is off the run's path and batched: `publish` queues the record (bounded,
 `QUEUE_SIZE`; past it a record is dropped and counted), and one writer task puts
 everything that queued while its previous write was in flight in one etcd transaction
 (at most `BATCH_RECORDS` records and `BATCH_BYTES` bytes, with the deletes of this
-router's records past `per_router`): one record per finished run still, but one etcd
-call per batch instead of one per run, so under load the router spends its CPU on runs,
-not on etcd calls (issue #14's profile: the per-run put was ~8% of the router's CPU).
-An idle router writes each record at once (a batch of one: no added delay). A clean
+router's records past `per_router`), and at most one transaction per `BATCH_INTERVAL_S`
+(25 ms): one record per finished run still, but one etcd call per batch instead of one
+per run, so under load the router spends its CPU on runs, not on etcd calls (issue
+#14's profile: the per-run put was ~8% of the router's CPU). An idle router writes a
+record at once; a busy one shares it at most 25 ms later than before. A clean
 stop (`close`) waits for everything queued to be written.
 
 etcd unreachable: the put fails, is counted (`inferx_shared_run_records_total`) and
@@ -38,9 +39,11 @@ Pure parts (`encode`, `decode`, `merge`, `find_in`, `of_chain`) are tested alone
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -67,6 +70,10 @@ QUEUE_SIZE = 1000  # records waiting for their put; more are dropped (counted)
 # (a batch is its puts plus as many deletes at most) and requests over 1.5 MiB.
 BATCH_RECORDS = 50
 BATCH_BYTES = 1024 * 1024
+# At most one transaction per interval: an idle router writes a record at once, a busy
+# one gathers what finishes within the interval (a record waits at most this long), so
+# the etcd calls per second stay bounded however many runs finish.
+BATCH_INTERVAL_S = 0.025
 PREFIX_MATCHES = 16  # records read for a run id prefix
 
 FAILURES = (*etcd.ETCD_DOWN_ERRORS, grpc.RpcError)
@@ -203,6 +210,7 @@ class SharedRuns:
         self._task: asyncio.Task[None] | None = None
         self._put_failing = False
         self._read_failing = False
+        self._closing = asyncio.Event()
 
     @property
     def enabled(self) -> bool:
@@ -230,6 +238,7 @@ class SharedRuns:
         """Put what is queued (for up to `flush_s`), then stop."""
         if self._task is None:
             return
+        self._closing.set()
         try:  # every queued record put, the one being put included
             await asyncio.wait_for(self._queue.join(), flush_s)
         except TimeoutError:
@@ -242,10 +251,19 @@ class SharedRuns:
         self._task = None
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        last = -math.inf  # when the previous transaction started
         while True:
             batch = [await self._queue.get()]
+            wait = last + BATCH_INTERVAL_S - loop.time()
+            if wait > 0 and not self._closing.is_set():
+                # Busy: what finishes meanwhile goes in the same transaction (a clean
+                # stop does not wait for the interval).
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._closing.wait(), wait)
             while len(batch) < BATCH_RECORDS and not self._queue.empty():
                 batch.append(self._queue.get_nowait())
+            last = loop.time()
             try:
                 await self.put_many(batch)
             finally:

@@ -297,3 +297,41 @@ async def test_a_failed_batch_counts_every_record_and_keeps_the_bound_state(fake
     fake.down = False
     assert await store.put_many([record(f"r{i:07d}", i) for i in range(3, 6)]) == 3
     assert sorted(fake.kv) == [etcd.run_key("acme", "r0000004"), etcd.run_key("acme", "r0000005")]
+
+
+async def test_a_busy_router_writes_at_most_one_transaction_per_interval_and_a_stop_flushes_at_once(
+    fake: FakeEtcd, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(shared_runs, "BATCH_INTERVAL_S", 10.0)
+    store = SharedRuns(fake, retention_s=60)
+    store.start()
+    store.publish(record("idle0001", 1000))
+    for _ in range(200):  # idle: written at once, not after the interval
+        if fake.kv:
+            break
+        await asyncio.sleep(0.01)
+    assert list(fake.kv) == [etcd.run_key("acme", "idle0001")]
+    store.publish(record("busy0001", 2000))
+    store.publish(record("busy0002", 3000))
+    await asyncio.sleep(0.2)
+    assert len(fake.kv) == 1  # within the interval of the last write: they wait for more
+    started = asyncio.get_running_loop().time()
+    with caplog.at_level(logging.WARNING, logger="inferx.router.shared_runs"):
+        await store.close()
+    assert asyncio.get_running_loop().time() - started < 1.0  # the stop did not wait 10 s
+    assert not [m for m in caplog.messages if "not shared" in m]
+    assert len(fake.kv) == 3 and fake.txns == [1, 2]
+
+
+async def test_records_finishing_faster_than_the_interval_share_transactions(
+    fake: FakeEtcd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(shared_runs, "BATCH_INTERVAL_S", 0.05)
+    store = SharedRuns(fake, retention_s=60)
+    store.start()
+    for i in range(40):  # one every 5 ms for 0.2 s: 40 puts before, ~5 transactions now
+        store.publish(record(f"fast{i:04d}", i))
+        await asyncio.sleep(0.005)
+    await store.close()
+    assert len(fake.kv) == 40 and sum(fake.txns) == 40
+    assert len(fake.txns) <= 10, fake.txns
