@@ -22,12 +22,12 @@ Writing is off the run's path and batched: `publish` queues the record (bounded,
 `QUEUE_SIZE`; past it a record is dropped and counted), and one writer task puts
 everything that queued while its previous write was in flight in one etcd transaction
 (at most `BATCH_RECORDS` records and `BATCH_BYTES` bytes, with the deletes of this
-router's records past `per_router`), and at most one transaction per `BATCH_INTERVAL_S`
-(25 ms): one record per finished run still, but one etcd call per batch instead of one
-per run, so under load the router spends its CPU on runs, not on etcd calls (issue
-#14's profile: the per-run put was ~8% of the router's CPU). An idle router writes a
-record at once; a busy one shares it at most 25 ms later than before. A clean
-stop (`close`) waits for everything queued to be written.
+router's records past `per_router`), and, short of a full batch, at most one
+transaction per `BATCH_INTERVAL_S` (25 ms): still one record per finished run, but one
+etcd call per batch instead of one per run, so under load the router spends its CPU on
+runs, not on etcd calls (issue #14's profile: the per-run put was ~8% of the router's
+CPU). An idle router writes a record at once; a busy one shares it at most 25 ms later
+than before. A clean stop (`close`) waits for everything queued to be written.
 
 etcd unreachable: the put fails, is counted (`inferx_shared_run_records_total`) and
 logged once until a put succeeds again; the run itself is never failed by it. A read
@@ -256,9 +256,10 @@ class SharedRuns:
         while True:
             batch = [await self._queue.get()]
             wait = last + BATCH_INTERVAL_S - loop.time()
-            if wait > 0 and not self._closing.is_set():
-                # Busy: what finishes meanwhile goes in the same transaction (a clean
-                # stop does not wait for the interval).
+            if wait > 0 and self._queue.qsize() + 1 < BATCH_RECORDS and not self._closing.is_set():
+                # Busy: what finishes meanwhile goes in the same transaction. A full
+                # batch goes at once (the interval never caps how many records per
+                # second are shared), and a clean stop does not wait either.
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._closing.wait(), wait)
             while len(batch) < BATCH_RECORDS and not self._queue.empty():

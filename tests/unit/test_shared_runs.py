@@ -335,3 +335,25 @@ async def test_records_finishing_faster_than_the_interval_share_transactions(
     await store.close()
     assert len(fake.kv) == 40 and sum(fake.txns) == 40
     assert len(fake.txns) <= 10, fake.txns
+
+
+async def test_a_full_batch_does_not_wait_for_the_interval(
+    fake: FakeEtcd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The interval bounds transactions per second, never records per second: with a
+    backlog of full batches each goes as soon as the previous one is written."""
+    monkeypatch.setattr(shared_runs, "BATCH_INTERVAL_S", 10.0)
+    store = SharedRuns(fake, retention_s=60, per_router=1000)
+    fake.gate = asyncio.Event()
+    store.start()
+    store.publish(record("first001", 0))
+    await asyncio.sleep(0)  # written alone (idle), held by etcd
+    for i in range(2 * shared_runs.BATCH_RECORDS):
+        store.publish(record(f"run{i:05d}", i))
+    fake.gate.set()
+    for _ in range(200):
+        if len(fake.kv) == 1 + 2 * shared_runs.BATCH_RECORDS:
+            break
+        await asyncio.sleep(0.01)
+    assert fake.txns == [1, shared_runs.BATCH_RECORDS, shared_runs.BATCH_RECORDS]  # within 2 s, not 20
+    await store.close()
