@@ -168,7 +168,7 @@ async def test_the_same_hop_sent_twice_gets_two_engine_request_ids() -> None:
         seen.append(req.request_id)
         return generate_of(req)
 
-    engine.generate = recording  # type: ignore[method-assign]
+    engine.generate = recording  # type: ignore[method-assign,assignment]
     await engine.start()
     try:
         servicer = ModelWorkerServicer(engine, "w1")
