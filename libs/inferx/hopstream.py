@@ -120,6 +120,21 @@ class StreamShape:
     replies_cls: type
     replies_field: str
     reply_field: str
+    # Replies that need not go out on their own: sent with the next message, or at most
+    # `DEFER_S` later (`_Outbox.add(defer=True)`).
+    deferrable: Callable[[Any], bool] | None = None
+
+
+def _dispatched(event: scheduler_pb2.HopEvent) -> bool:
+    return event.kind == scheduler_pb2.HopEvent.KIND_DISPATCHED
+
+
+# How late a deferred reply may go out when nothing else does. The scheduler's
+# DISPATCHED event is one: the router only records the worker from it (its spans are
+# built from FINISHED's timings), so it rides with the hop's FINISHED -- one stream
+# message per hop instead of two when the stream is idle (issue #14) -- and a long hop's
+# DISPATCHED still arrives within a few ms.
+DEFER_S = 0.005
 
 
 HOPS = StreamShape(
@@ -131,6 +146,7 @@ HOPS = StreamShape(
     scheduler_pb2.HopStreamEvents,
     "events",
     "event",
+    deferrable=_dispatched,
 )
 GENERATE = StreamShape(
     "/inferx.v1.ModelWorker/GenerateStream",
@@ -172,15 +188,28 @@ class _Outbox:
         self._flushed = asyncio.Event()  # nothing waiting, nothing being written
         self._flushed.set()
         self.closed = False
+        self._deferred: asyncio.TimerHandle | None = None  # the latest a deferred item waits
         self._task = asyncio.get_running_loop().create_task(self._run())
 
-    def add(self) -> Any:
-        """A new item of the next message, to be filled in before the caller awaits."""
+    def add(self, defer: bool = False) -> Any:
+        """A new item of the next message, to be filled in before the caller awaits.
+        `defer`: the item need not go out on its own: it waits (at most `DEFER_S`) for
+        the next item that does, and goes in the same message."""
         item = self._items.add()
         self._flushed.clear()
+        if defer:
+            if self._deferred is None:
+                self._deferred = asyncio.get_running_loop().call_later(DEFER_S, self._send_deferred)
+        else:
+            self._send_deferred()
+        return item
+
+    def _send_deferred(self) -> None:
+        if self._deferred is not None:
+            self._deferred.cancel()
+            self._deferred = None
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
-        return item
 
     @property
     def full(self) -> bool:
@@ -202,6 +231,9 @@ class _Outbox:
                     await self._wake
                     self._wake = None
                     continue
+                if self._deferred is not None:  # this message takes the deferred items too
+                    self._deferred.cancel()
+                    self._deferred = None
                 batch = self._batch
                 self._batch = self._batch_cls()
                 self._items = getattr(self._batch, self._items_field)
@@ -224,6 +256,9 @@ class _Outbox:
 
     def close(self) -> None:
         self.closed = True
+        if self._deferred is not None:
+            self._deferred.cancel()
+            self._deferred = None
         self._task.cancel()
 
 
@@ -603,9 +638,10 @@ class StreamServer:
 
             timer = asyncio.get_running_loop().call_later(timeout_s, expire)
         field = self._reply_field
+        deferrable = self._shape.deferrable
         try:
             async for item in self._handler(payload, context):
-                reply = outbox.add()
+                reply = outbox.add(defer=deferrable is not None and deferrable(item))
                 reply.tag = tag
                 getattr(reply, field).CopyFrom(item)
                 if outbox.full:

@@ -123,8 +123,18 @@ def _one_line(span: ReadableSpan) -> str:
     return json.dumps(span_to_dict(span), sort_keys=True) + "\n"
 
 
+# Where the API keeps the installed provider (None until one is), and whether the
+# environment names one for the API to load on first use: read once, not per span.
+_API_HOLDS_PROVIDER = hasattr(trace, "_TRACER_PROVIDER")
+_PROVIDER_FROM_ENV = "OTEL_PYTHON_TRACER_PROVIDER" in os.environ
+
+
 def enabled() -> bool:
-    """Whether this process records spans (an SDK tracer provider is installed)."""
+    """Whether this process records spans (an SDK tracer provider is installed).
+    Asked several times per hop: with no provider installed it answers without the
+    API's environment lookup (issue #14's profile: ~2% of the router's CPU)."""
+    if _API_HOLDS_PROVIDER and trace._TRACER_PROVIDER is None and not _PROVIDER_FROM_ENV:
+        return False
     return isinstance(trace.get_tracer_provider(), TracerProvider)
 
 

@@ -18,6 +18,17 @@ format version `v`; the ChainFinished message as protobuf JSON (json_format), so
 never refreshed; a router grants a new one every `retention_s / 10` (at least 1 s), so
 a record lives between 0.9x and 1x the retention, and a router holds about ten leases.
 
+Writing is off the run's path and batched: `publish` queues the record (bounded,
+`QUEUE_SIZE`; past it a record is dropped and counted), and one writer task puts
+everything that queued while its previous write was in flight in one etcd transaction
+(at most `BATCH_RECORDS` records and `BATCH_BYTES` bytes, with the deletes of this
+router's records past `per_router`), and, short of a full batch, at most one
+transaction per `BATCH_INTERVAL_S` (25 ms): still one record per finished run, but one
+etcd call per batch instead of one per run, so under load the router spends its CPU on
+runs, not on etcd calls (issue #14's profile: the per-run put was ~8% of the router's
+CPU). An idle router writes a record at once; a busy one shares it at most 25 ms later
+than before. A clean stop (`close`) waits for everything queued to be written.
+
 etcd unreachable: the put fails, is counted (`inferx_shared_run_records_total`) and
 logged once until a put succeeds again; the run itself is never failed by it. A read
 that fails is counted too and answers with this router's own records only.
@@ -28,8 +39,11 @@ Pure parts (`encode`, `decode`, `merge`, `find_in`, `of_chain`) are tested alone
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import json
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -53,6 +67,14 @@ DEFAULT_RETENTION_S = 3600
 DEFAULT_PER_ROUTER = 10_000
 LIST_LIMIT = 2000  # records read from etcd per listing (the tenant's newest)
 QUEUE_SIZE = 1000  # records waiting for their put; more are dropped (counted)
+# One transaction's bounds: etcd refuses more than --max-txn-ops (default 128) operations
+# (a batch is its puts plus as many deletes at most) and requests over 1.5 MiB.
+BATCH_RECORDS = 50
+BATCH_BYTES = 1024 * 1024
+# At most one transaction per interval: an idle router writes a record at once, a busy
+# one gathers what finishes within the interval (a record waits at most this long), so
+# the etcd calls per second stay bounded however many runs finish.
+BATCH_INTERVAL_S = 0.025
 PREFIX_MATCHES = 16  # records read for a run id prefix
 
 FAILURES = (*etcd.ETCD_DOWN_ERRORS, grpc.RpcError)
@@ -270,6 +292,7 @@ class SharedRuns:
         self._task: asyncio.Task[None] | None = None
         self._put_failing = False
         self._read_failing = False
+        self._closing = asyncio.Event()
 
     @property
     def enabled(self) -> bool:
@@ -297,6 +320,7 @@ class SharedRuns:
         """Put what is queued (for up to `flush_s`), then stop."""
         if self._task is None:
             return
+        self._closing.set()
         try:  # every queued record put, the one being put included
             await asyncio.wait_for(self._queue.join(), flush_s)
         except TimeoutError:
@@ -309,34 +333,84 @@ class SharedRuns:
         self._task = None
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        last = -math.inf  # when the previous transaction started
         while True:
-            record = await self._queue.get()
+            batch = [await self._queue.get()]
+            wait = last + BATCH_INTERVAL_S - loop.time()
+            if wait > 0 and self._queue.qsize() + 1 < BATCH_RECORDS and not self._closing.is_set():
+                # Busy: what finishes meanwhile goes in the same transaction. A full
+                # batch goes at once (the interval never caps how many records per
+                # second are shared), and a clean stop does not wait either.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._closing.wait(), wait)
+            while len(batch) < BATCH_RECORDS and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            last = loop.time()
             try:
-                await self.put(record)
+                await self.put_many(batch)
             finally:
-                self._queue.task_done()
+                for _ in batch:
+                    self._queue.task_done()
 
     async def put(self, record: RunRecord) -> bool:
         """Share one record now; False (counted, logged once) when it could not be."""
-        value = encode_bounded(record, self.max_record_bytes)
-        if value is None:
-            metrics.SHARED_RUN_RECORDS.labels("put", "too_large").inc()
-            log.warning(
-                "run %s is too large to share (over %d bytes)", record.finished.run_id, self.max_record_bytes
-            )
-            return False
-        key = etcd.run_key(record.tenant, record.finished.run_id)
+        return await self.put_many([record]) == 1
+
+    async def put_many(self, records: Sequence[RunRecord]) -> int:
+        """Share `records` now, in as few etcd transactions as their bounds allow; how
+        many were shared (the others counted as failed or too large, logged once)."""
+        encoded: list[tuple[str, bytes]] = []
+        for record in records:
+            value = encode_bounded(record, self.max_record_bytes)
+            if value is None:
+                metrics.SHARED_RUN_RECORDS.labels("put", "too_large").inc()
+                log.warning(
+                    "run %s is too large to share (over %d bytes)",
+                    record.finished.run_id,
+                    self.max_record_bytes,
+                )
+                continue
+            encoded.append((etcd.run_key(record.tenant, record.finished.run_id), value))
+        shared, start = 0, 0
+        while start < len(encoded):
+            end, size = start, 0
+            while end < len(encoded) and end - start < BATCH_RECORDS:
+                size += len(encoded[end][1])
+                if end > start and size > BATCH_BYTES:
+                    break
+                end += 1
+            if await self._put_batch(encoded[start:end]):
+                shared += end - start
+            start = end
+        return shared
+
+    async def _put_batch(self, batch: Sequence[tuple[str, bytes]]) -> bool:
+        """One transaction: the batch's puts under the current lease, and the deletes of
+        this router's oldest records past `per_router`. etcd refuses a transaction naming
+        a key twice: a key put twice in the batch is put once (its last value), and a new
+        record already past the bound is not put at all (the old code put it, then deleted it)."""
+        values: dict[str, bytes] = {}
+        for key, value in batch:
+            values[key] = value
+        added = [key for key in values if not (self._mine and self._mine[-1] == key)]
+        excess = max(len(self._mine) + len(added) - self.per_router, 0)
+        deleted = list(itertools.islice(self._mine, min(excess, len(self._mine))))
+        skipped = set(added[: excess - len(deleted)])
         try:
             lease = await self._current_lease()
-            await self._client.put(key.encode(), value, lease=lease)
-            if not self._mine or self._mine[-1] != key:
-                self._mine.append(key)
-            while len(self._mine) > self.per_router:
-                await self._client.delete(self._mine.popleft().encode())
+            tx = self._client.transactions
+            ops = [
+                tx.put(key.encode(), value, lease=lease)
+                for key, value in values.items()
+                if key not in skipped
+            ]
+            ops += [tx.delete(key.encode()) for key in deleted if key not in values]  # once each
+            await self._client.transaction(compare=[], success=ops, failure=[])
         except asyncio.CancelledError:
             raise
         except FAILURES as exc:
-            metrics.SHARED_RUN_RECORDS.labels("put", "failed").inc()
+            metrics.SHARED_RUN_RECORDS.labels("put", "failed").inc(len(batch))
             self._lease = None  # it may be gone (etcd restarted): grant another
             if not self._put_failing:
                 log.warning(
@@ -344,7 +418,10 @@ class SharedRuns:
                 )
                 self._put_failing = True
             return False
-        metrics.SHARED_RUN_RECORDS.labels("put", "ok").inc()
+        self._mine.extend(added)
+        for _ in range(excess):
+            self._mine.popleft()
+        metrics.SHARED_RUN_RECORDS.labels("put", "ok").inc(len(batch))
         if self._put_failing:
             log.info("finished runs are shared in etcd again")
             self._put_failing = False

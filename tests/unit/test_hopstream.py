@@ -369,3 +369,46 @@ async def test_items_queued_while_a_message_is_written_go_out_together_and_room_
     await asyncio.wait_for(outbox.flush(), 1)
     assert written == [[1], [2, 3, 4]]
     outbox.close()
+
+
+async def test_a_deferred_item_rides_with_the_next_one_or_goes_out_within_its_bound() -> None:
+    """The scheduler's DISPATCHED is deferred: with the hop's FINISHED when that comes
+    soon (one message, not two), else on its own at most `DEFER_S` later."""
+    written: list[tuple[float, list[int]]] = []
+
+    async def write(batch: scheduler_pb2.HopStreamEvents) -> None:
+        written.append((asyncio.get_running_loop().time(), [item.tag for item in batch.events]))
+
+    outbox = hopstream._Outbox(write, scheduler_pb2.HopStreamEvents, "events", on_error=print)
+    await asyncio.sleep(0)  # the writer waits for work
+    outbox.add(defer=True).tag = 1
+    await asyncio.sleep(hopstream.DEFER_S / 5)
+    assert written == []  # not alone
+    outbox.add().tag = 2
+    await asyncio.wait_for(outbox.flush(), 1)
+    assert [tags for _, tags in written] == [[1, 2]]
+    added = asyncio.get_running_loop().time()
+    outbox.add(defer=True).tag = 3
+    await asyncio.wait_for(outbox.flush(), 1)  # nothing follows: it goes out by itself
+    at, tags = written[-1]
+    assert tags == [3] and at - added >= hopstream.DEFER_S * 0.9
+    outbox.close()
+
+
+async def test_a_dispatched_event_reaches_the_caller_while_its_hop_still_runs(channels) -> None:
+    """Deferring DISPATCHED never holds it back for the whole hop: a caller waiting on a
+    long hop sees it (and the handler's later replies come after it, in order)."""
+    servicer = Hops()
+    server, port = await serve(servicer)
+    streams = scheduler_streams(channels, enabled=True)
+    address = f"127.0.0.1:{port}"
+    try:
+        events = streams.call(address, hop("slow:ab"), 5.0)
+        first = await asyncio.wait_for(anext(events), 0.25)  # 'slow' answers after 0.3 s
+        assert first.kind == Event.KIND_DISPATCHED and first.worker_id == "w1"
+        rest = [event async for event in events]
+        assert [e.kind for e in rest] == [Event.KIND_TOKENS, Event.KIND_FINISHED]
+        assert "".join(e.text for e in rest) == "ab"
+    finally:
+        await streams.close()
+        await server.stop(0)

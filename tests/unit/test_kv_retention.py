@@ -7,6 +7,8 @@ way to realtime hops."""
 from __future__ import annotations
 
 import math
+import random
+from collections import deque
 from typing import Any
 
 import pytest
@@ -271,3 +273,26 @@ def test_the_reprefill_cost_factor_prices_a_re_prefill_higher(factor: float, hel
         q.finished(hop, 100.0 * i + 12.0)
     run_first_hop(q, "next", 1_000.0, 10_000, prefix_id="agent")
     assert chosen.resident("a") == held
+
+
+def test_the_models_sorted_gaps_and_remembered_price_match_pricing_from_scratch() -> None:
+    """The gaps are kept sorted as they come and leave the window, and a price is reused
+    only until they change: always what `hold_seconds` gives over the window now."""
+    rng = random.Random(7)
+    model = GapModel(window=16)
+    window: deque[float] = deque(maxlen=16)
+    for step in range(400):
+        gap = math.inf if rng.random() < 0.1 else rng.choice([0.5, 2.0, 20.0, rng.uniform(0, 60)])
+        if step % 3:
+            if gap == math.inf:
+                model.observe_end("k")
+            else:
+                model.observe("k", gap)
+            window.append(gap)
+        capacity = rng.choice([SMALL_KV, BIG_KV])
+        assert model.samples("k") == sorted(window)
+        for _ in range(2):  # the second answer is the remembered one
+            assert model.price(
+                "k", kv_capacity_tokens=capacity, prefill_tokens_per_s=RATE, max_hold_s=600.0
+            ) == hold(list(window), capacity=capacity)
+    assert model.price("never", kv_capacity_tokens=BIG_KV, prefill_tokens_per_s=RATE, max_hold_s=5.0) == 5.0

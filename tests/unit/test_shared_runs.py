@@ -4,10 +4,12 @@ scoping, and a store whose etcd is down never failing anything."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from types import SimpleNamespace
 
+import aetcd
 import pytest
 
 from inferx import etcd
@@ -114,10 +116,17 @@ def test_of_chain_leaves_out_other_chains_tenants_and_running_programs() -> None
 
 
 class FakeEtcd:
+    """etcd's KV as the store uses it: leases, puts and deletes in transactions (refused,
+    as etcd refuses them, when they name a key twice or exceed --max-txn-ops)."""
+
+    transactions = aetcd.client.Transactions()
+
     def __init__(self) -> None:
         self.kv: dict[str, tuple[bytes, int]] = {}
         self.leases: list[int] = []
         self.down = False
+        self.txns: list[int] = []  # operations per transaction
+        self.gate: asyncio.Event | None = None  # set: transactions wait for it
 
     def _check(self) -> None:
         if self.down:
@@ -135,6 +144,27 @@ class FakeEtcd:
     async def delete(self, key: bytes) -> None:
         self._check()
         self.kv.pop(key.decode(), None)
+
+    async def transaction(self, compare, success, failure) -> tuple[bool, list]:
+        if self.gate is not None:
+            await self.gate.wait()
+        self._check()
+        keys = [op.key for op in success]
+        if len(keys) != len(set(keys)):
+            raise aetcd.exceptions.ClientError("etcdserver: duplicate key given in txn request")
+        if len(success) > 128:
+            raise aetcd.exceptions.ClientError("etcdserver: too many operations in txn request")
+        self.txns.append(len(success))
+        for op in success:
+            if isinstance(op, aetcd.transactions.Put):
+                self.kv[op.key.decode()] = (op.value, self._order())
+            else:
+                self.kv.pop(op.key.decode(), None)
+        return True, []
+
+    def _order(self) -> int:
+        self.puts = getattr(self, "puts", 0) + 1
+        return self.puts
 
 
 @pytest.fixture
@@ -225,3 +255,105 @@ async def test_published_records_are_put_by_the_writer_and_flushed_on_close(fake
     store.publish(record("run00002", 2000, tenant="other"))
     await store.close()
     assert sorted(fake.kv) == [etcd.run_key("acme", "run00001"), etcd.run_key("other", "run00002")]
+
+
+async def test_records_published_while_a_write_is_in_flight_go_in_one_transaction(fake: FakeEtcd) -> None:
+    store = SharedRuns(fake, retention_s=60)
+    fake.gate = asyncio.Event()
+    store.start()
+    store.publish(record("first001", 1000))
+    await asyncio.sleep(0)  # the writer takes it and waits on etcd
+    for i in range(20):
+        store.publish(record(f"run{i:05d}", 2000 + i))
+    fake.gate.set()
+    await store.close()
+    assert fake.txns == [1, 20]  # a batch of one when idle, then everything that queued
+    assert len(fake.kv) == 21 and all(fake.kv[etcd.run_key("acme", f"run{i:05d}")] for i in range(20))
+
+
+async def test_a_batch_keeps_etcds_bounds_and_the_per_router_bound(
+    fake: FakeEtcd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(shared_runs, "BATCH_BYTES", 3 * len(encode(record("run00000", 0))))
+    store = SharedRuns(fake, retention_s=60, per_router=4)
+    assert await store.put_many([record(f"run{i:05d}", 1000 * i) for i in range(3)]) == 3
+    # 7 more: split by bytes (3 per transaction); the oldest past 4 deleted in the same
+    # transaction, and the new ones already past it never put (etcd refuses a key twice).
+    assert await store.put_many([record(f"run{i:05d}", 1000 * i) for i in range(3, 10)]) == 7
+    assert sorted(fake.kv) == [etcd.run_key("acme", f"run{i:05d}") for i in range(6, 10)]
+    assert fake.txns[0] == 3 and all(n <= 6 for n in fake.txns)
+    monkeypatch.setattr(shared_runs, "BATCH_BYTES", 1 << 20)
+    many = SharedRuns(fake, retention_s=60, per_router=1000)
+    assert await many.put_many([record(f"big{i:05d}", i) for i in range(120)]) == 120
+    assert fake.txns[-3:] == [50, 50, 20]  # BATCH_RECORDS: within etcd's 128 operations
+
+
+async def test_a_failed_batch_counts_every_record_and_keeps_the_bound_state(fake: FakeEtcd) -> None:
+    store = SharedRuns(fake, retention_s=60, per_router=2)
+    failed_before = counted("put", "failed")
+    fake.down = True
+    assert await store.put_many([record("r0000001", 1), record("r0000002", 2)]) == 0
+    assert counted("put", "failed") == failed_before + 2
+    fake.down = False
+    assert await store.put_many([record(f"r{i:07d}", i) for i in range(3, 6)]) == 3
+    assert sorted(fake.kv) == [etcd.run_key("acme", "r0000004"), etcd.run_key("acme", "r0000005")]
+
+
+async def test_a_busy_router_writes_at_most_one_transaction_per_interval_and_a_stop_flushes_at_once(
+    fake: FakeEtcd, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(shared_runs, "BATCH_INTERVAL_S", 10.0)
+    store = SharedRuns(fake, retention_s=60)
+    store.start()
+    store.publish(record("idle0001", 1000))
+    for _ in range(200):  # idle: written at once, not after the interval
+        if fake.kv:
+            break
+        await asyncio.sleep(0.01)
+    assert list(fake.kv) == [etcd.run_key("acme", "idle0001")]
+    store.publish(record("busy0001", 2000))
+    store.publish(record("busy0002", 3000))
+    await asyncio.sleep(0.2)
+    assert len(fake.kv) == 1  # within the interval of the last write: they wait for more
+    started = asyncio.get_running_loop().time()
+    with caplog.at_level(logging.WARNING, logger="inferx.router.shared_runs"):
+        await store.close()
+    assert asyncio.get_running_loop().time() - started < 1.0  # the stop did not wait 10 s
+    assert not [m for m in caplog.messages if "not shared" in m]
+    assert len(fake.kv) == 3 and fake.txns == [1, 2]
+
+
+async def test_records_finishing_faster_than_the_interval_share_transactions(
+    fake: FakeEtcd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(shared_runs, "BATCH_INTERVAL_S", 0.05)
+    store = SharedRuns(fake, retention_s=60)
+    store.start()
+    for i in range(40):  # one every 5 ms for 0.2 s: 40 puts before, ~5 transactions now
+        store.publish(record(f"fast{i:04d}", i))
+        await asyncio.sleep(0.005)
+    await store.close()
+    assert len(fake.kv) == 40 and sum(fake.txns) == 40
+    assert len(fake.txns) <= 10, fake.txns
+
+
+async def test_a_full_batch_does_not_wait_for_the_interval(
+    fake: FakeEtcd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The interval bounds transactions per second, never records per second: with a
+    backlog of full batches each goes as soon as the previous one is written."""
+    monkeypatch.setattr(shared_runs, "BATCH_INTERVAL_S", 10.0)
+    store = SharedRuns(fake, retention_s=60, per_router=1000)
+    fake.gate = asyncio.Event()
+    store.start()
+    store.publish(record("first001", 0))
+    await asyncio.sleep(0)  # written alone (idle), held by etcd
+    for i in range(2 * shared_runs.BATCH_RECORDS):
+        store.publish(record(f"run{i:05d}", i))
+    fake.gate.set()
+    for _ in range(200):
+        if len(fake.kv) == 1 + 2 * shared_runs.BATCH_RECORDS:
+            break
+        await asyncio.sleep(0.01)
+    assert fake.txns == [1, shared_runs.BATCH_RECORDS, shared_runs.BATCH_RECORDS]  # within 2 s, not 20
+    await store.close()

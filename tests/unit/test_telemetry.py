@@ -5,6 +5,9 @@ agent's traceparent continuing into our spans, the hop breakdown, the JSON-lines
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import grpc
@@ -60,9 +63,11 @@ def test_an_otlp_endpoint_alone_selects_otlp() -> None:
 
 def test_without_a_recording_provider_no_interceptor_is_installed(monkeypatch) -> None:
     monkeypatch.setattr(telemetry.trace, "get_tracer_provider", lambda: trace.ProxyTracerProvider())
+    monkeypatch.setattr(telemetry.trace, "_TRACER_PROVIDER", None)  # what the API holds before one is set
     assert not telemetry.enabled()
     assert telemetry.server_interceptors() == [] and telemetry.client_interceptors() == []
     monkeypatch.setattr(telemetry.trace, "get_tracer_provider", lambda: TracerProvider())
+    monkeypatch.setattr(telemetry.trace, "_TRACER_PROVIDER", TracerProvider())
     assert len(telemetry.server_interceptors()) == 1 and len(telemetry.client_interceptors()) == 4
 
 
@@ -325,3 +330,28 @@ def test_json_lines_exporter_round_trips_spans_and_their_parents(tmp_path, spans
     assert outer["attributes"] == {"k": ["a", "b"]}
     json.dumps(rows)  # plain JSON all the way down
     provider.shutdown()
+
+
+def test_recording_is_seen_as_soon_as_a_provider_is_installed_and_not_before() -> None:
+    """`enabled()` answers without the API's lookup while no provider is installed, but
+    never keeps that answer: a provider installed later (once per process) is seen, and
+    one the environment names is loaded as the API would."""
+    script = (
+        "from opentelemetry import trace\n"
+        "from opentelemetry.sdk.trace import TracerProvider\n"
+        "from inferx import telemetry\n"
+        "assert not telemetry.enabled() and not telemetry.enabled()\n"
+        "with telemetry.span('off') as s: assert not s.is_recording()\n"
+        "trace.set_tracer_provider(TracerProvider())\n"
+        "assert telemetry.enabled()\n"
+        "with telemetry.span('on') as s: assert s.is_recording()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OTEL_PYTHON_TRACER_PROVIDER"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    env["OTEL_PYTHON_TRACER_PROVIDER"] = "sdk_tracer_provider"
+    from_env = "from inferx import telemetry\nassert telemetry.enabled()\n"
+    done = subprocess.run(
+        [sys.executable, "-c", from_env], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr

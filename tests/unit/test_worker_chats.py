@@ -154,3 +154,31 @@ def test_a_bad_script_names_what_is_wrong(tmp_path: Path, content: str, words: s
         SimScript.load(tmp_path / "bad.yaml")
     with pytest.raises(InvalidArgument, match="No such file"):
         SimScript.load(tmp_path / "missing.yaml")
+
+
+async def test_the_same_hop_sent_twice_gets_two_engine_request_ids() -> None:
+    """The engine request id is the run, the hop and a per-process sequence number: a
+    hop retried or re-dispatched to the same worker while the first is still running
+    (the same run and hop ids) must not collide in the engine."""
+    engine = sim()
+    seen: list[str] = []
+    generate_of = engine.generate
+
+    def recording(req: EngineRequest):
+        seen.append(req.request_id)
+        return generate_of(req)
+
+    engine.generate = recording  # type: ignore[method-assign,assignment]
+    await engine.start()
+    try:
+        servicer = ModelWorkerServicer(engine, "w1")
+        same = request("the same hop")
+        streams = [servicer.Generate(same, None) for _ in range(3)]
+        for stream in streams:
+            assert (await anext(stream)) is not None
+        for stream in streams:
+            async for _ in stream:
+                pass
+    finally:
+        await engine.stop()
+    assert len(set(seen)) == 3 and all(rid.startswith("r:h:") for rid in seen)

@@ -79,7 +79,7 @@ from pydantic import TypeAdapter, ValidationError
 from inferx.scheduling.overload import ChainWindow, Stretch
 from inferx.scheduling.prefix_index import PrefixIndex
 from inferx.scheduling.registry import register_policy
-from inferx.scheduling.retention import GapModel, hold_seconds, offload_fits
+from inferx.scheduling.retention import GapModel, offload_fits
 from inferx.scheduling.views import (
     ACCEPT,
     TIER_BATCH,
@@ -757,8 +757,8 @@ class ChainAwarePolicy:
     def _hold_s(self, hop: HopView, worker_id: str, tokens: int) -> float:
         if self.config.kv_retention == "fixed":
             return self.config.kv_warm_s
-        return hold_seconds(
-            self._gaps.samples(self._program_kind(hop)),
+        return self._gaps.price(
+            self._program_kind(hop),
             kv_capacity_tokens=self._kv_capacity.get(worker_id, 0),
             # A re-prefill stalls every sequence decoding beside it, not just its own.
             prefill_tokens_per_s=self.config.prefill_tokens_per_s / self.config.reprefill_cost_factor,

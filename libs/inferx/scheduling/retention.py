@@ -37,6 +37,7 @@ whether a context may count on the tier.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -45,24 +46,68 @@ from collections.abc import Sequence
 class GapModel:
     """Recent gaps (seconds between a chain's hop ending and its next hop arriving),
     per program kind (e.g. the shared prefix the chain's prompts start with); `inf` for
-    a chain that never came back."""
+    a chain that never came back.
+
+    The scheduler prices a hold on every hop's finish, so the sorted gaps are kept
+    sorted as they come and go (not sorted again per price), and a price is remembered
+    until the kind's gaps change (`price`): the same answer as `hold_seconds` over
+    `samples`, without redoing it."""
 
     def __init__(self, window: int = 256) -> None:
         self.window = window
         self._gaps: dict[str, deque[float]] = {}
+        self._sorted: dict[str, list[float]] = {}
+        self._prices: dict[str, tuple[tuple[float, ...], float]] = {}  # kind -> (inputs, hold)
 
     def observe(self, kind: str, seconds: float) -> None:
         if seconds < 0:
             return
-        self._gaps.setdefault(kind, deque(maxlen=self.window)).append(seconds)
+        self._add(kind, seconds)
 
     def observe_end(self, kind: str) -> None:
         """A chain of `kind` was forgotten idle, never having come back: a gap of inf."""
-        self._gaps.setdefault(kind, deque(maxlen=self.window)).append(math.inf)
+        self._add(kind, math.inf)
+
+    def _add(self, kind: str, seconds: float) -> None:
+        gaps = self._gaps.get(kind)
+        if gaps is None:
+            gaps = self._gaps[kind] = deque(maxlen=self.window)
+            self._sorted[kind] = []
+        ordered = self._sorted[kind]
+        if len(gaps) == gaps.maxlen:  # the oldest leaves the window
+            del ordered[bisect.bisect_left(ordered, gaps[0])]
+        gaps.append(seconds)
+        bisect.insort(ordered, seconds)
+        self._prices.pop(kind, None)
 
     def samples(self, kind: str) -> list[float]:
         """The kind's recent gaps, sorted (empty when none were seen; ends last, as inf)."""
-        return sorted(self._gaps.get(kind, ()))
+        return list(self._sorted.get(kind, ()))
+
+    def price(
+        self,
+        kind: str,
+        *,
+        kv_capacity_tokens: int,
+        prefill_tokens_per_s: float,
+        max_hold_s: float,
+        reload_tokens_per_s: float = 0.0,
+    ) -> float:
+        """`hold_seconds` over the kind's gaps, remembered until they change."""
+        inputs = (kv_capacity_tokens, prefill_tokens_per_s, max_hold_s, reload_tokens_per_s)
+        known = self._prices.get(kind)
+        if known is not None and known[0] == inputs:
+            return known[1]
+        hold = hold_seconds(
+            self._sorted.get(kind, ()),
+            kv_capacity_tokens=kv_capacity_tokens,
+            prefill_tokens_per_s=prefill_tokens_per_s,
+            max_hold_s=max_hold_s,
+            reload_tokens_per_s=reload_tokens_per_s,
+        )
+        if kind in self._gaps:  # a kind never seen is not remembered (no bound on kinds asked)
+            self._prices[kind] = (inputs, hold)
+        return hold
 
 
 def hold_seconds(
@@ -86,7 +131,7 @@ def hold_seconds(
     if not gaps:
         return min(break_even_s, max_hold_s)
     n = len(gaps)
-    returning = sum(1 for g in gaps if g != math.inf)  # the ended ones never re-prefill
+    returning = bisect.bisect_left(gaps, math.inf)  # sorted: the ended ones (inf) are last
     best_t, best_cost = 0.0, returning / n / prefill_tokens_per_s  # T = 0: re-prefill all that return
     prefix_sum = 0.0
     for i, t in enumerate(gaps):
