@@ -127,6 +127,10 @@ class ClusterSim:
     pools: int = 1
     # The queue the policy decides through; the decision-cost benchmark times its calls.
     queue_factory: Callable[[Policy], DispatchQueue] | None = None
+    # After `run`: time-driven passes (ticks) run, and ticks dropped because an earlier
+    # one replaced them (for tests and benchmarks).
+    ticks_run: int = field(default=0, init=False)
+    ticks_dropped: int = field(default=0, init=False)
 
     def pool_names(self) -> list[str]:
         return [POOL] if self.pools == 1 else [f"{POOL}-{p}" for p in range(self.pools)]
@@ -167,7 +171,15 @@ class ClusterSim:
         events: list[tuple[float, int, str, object]] = []
         order = itertools.count()
         flights: dict[str, _InFlight] = {}
+        # One pending tick, as the live dispatcher keeps one wake-up timer: a tick is
+        # pushed when the queue asks to be woken earlier than the pending one (or none
+        # is pending), and only the latest pushed is acted on. The ones it replaced stay
+        # in the heap but are dropped when popped: acting on them would add passes the
+        # queue never asked for, and each would push a tick of its own, so they would
+        # pile up faster than the trace's events.
         tick_at: float | None = None
+        tick_gen = 0
+        self.ticks_run = self.ticks_dropped = 0
         horizon = self.trace.window_s * self.horizon_factor
         chains: list[_Chain] = []
         for spec in self.trace.chains:
@@ -205,7 +217,7 @@ class ClusterSim:
                     push(worker.started + steps * plan.step_s, "step", (worker, worker.version))
 
         def dispatch(now: float) -> None:
-            nonlocal tick_at
+            nonlocal tick_at, tick_gen
             for queued in queue.assign(slots, now):
                 flight = flights[f"{queued.run_id}:{queued.hop_id}"]
                 flight.dispatched_at = now
@@ -220,9 +232,13 @@ class ClusterSim:
                 )
                 deliver(by_id[queued.worker_id or ""], request, now)
             wake = queue.next_wake
-            if wake is not None and (tick_at is None or wake < tick_at or tick_at <= now):
-                tick_at = max(wake, now + TICK_S)
-                push(tick_at, "tick", None)
+            if wake is None:
+                return
+            at = max(wake, now + TICK_S)
+            if tick_at is None or tick_at <= now or at < tick_at:
+                tick_at = at
+                tick_gen += 1
+                push(at, "tick", tick_gen)
 
         def finish_chain(chain: _Chain, now: float, status: str) -> None:
             nonlocal done
@@ -325,8 +341,11 @@ class ClusterSim:
                 worker, version = cast(tuple[_Worker, int], payload)
                 if version == worker.version:
                     step_done(worker, now)
-            else:
+            elif payload == tick_gen:
+                self.ticks_run += 1
                 dispatch(now)
+            else:
+                self.ticks_dropped += 1
         for chain in chains:
             if chain.record.status == "running":
                 chain.record.finish("failed", now)
