@@ -185,7 +185,9 @@ class ClusterSim:
         # is pending), and only the latest pushed is acted on. The ones it replaced stay
         # in the heap but are dropped when popped: acting on them would add passes the
         # queue never asked for, and each would push a tick of its own, so they would
-        # pile up faster than the trace's events.
+        # pile up faster than the trace's events. (The comparison is on the tick's own
+        # time, after the TICK_S floor: a wake-up earlier than the pending tick can still
+        # fall after it, and must not replace it.)
         tick_at: float | None = None
         tick_gen = 0
         self.ticks_run = self.ticks_dropped = 0
