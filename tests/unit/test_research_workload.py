@@ -136,6 +136,10 @@ def test_prompts_carry_transitive_ancestors_and_the_slo_uses_the_critical_path()
     assert chain.dependents(PLAN) == [A1, B1, C1]
     assert chain.ancestors(A2) == [PLAN, A1]
     assert chain.ancestors(JOIN) == [PLAN, A1, A2, B1, C1, C2]
+    # The one-pass table the simulator uses: the same lists as the walk per call.
+    assert chain.ancestor_table() == [chain.ancestors(k) for k in range(len(chain.hops))]
+    for generated in generate(workload("research", 1).model_copy(update={"duration_s": 60})).chains:
+        assert generated.ancestor_table() == [generated.ancestors(k) for k in range(len(generated.hops))]
     sizes = {k: h.new_tokens + h.output_tokens for k, h in enumerate(chain.hops)}
     assert chain.prompt_tokens(B1) == 3000 + sizes[PLAN] + 120  # not branch A's tokens
     assert chain.prompt_tokens(JOIN) == 3000 + sum(sizes[k] for k in range(JOIN)) + 250

@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -34,19 +34,25 @@ POOL = "sim"
 TICK_S = 0.01  # resolution of time-based re-evaluation (affinity patience, aging)
 
 
-def hop_segments(chain: TraceChain, k: int) -> tuple[tuple[Segment, ...], tuple[Segment, ...]]:
+def hop_segments(
+    chain: TraceChain, k: int, ancestors: Sequence[list[int]] | None = None
+) -> tuple[tuple[Segment, ...], tuple[Segment, ...]]:
     """Prompt and output segments of call k: the shared prefix, then the input and output
     of every call it depends on (transitively, in index order), then its own input.
 
     A key names a segment *and everything before it*. Call j's segments are keyed
     `{chain}/{j}i` and `{chain}/{j}o` where they follow exactly what they follow in call
     j's own prompt (j's ancestors); elsewhere (in a DAG's join, after a sibling branch)
-    the key also names the calls before it, so equal keys always mean equal prefixes."""
+    the key also names the calls before it, so equal keys always mean equal prefixes.
+
+    `ancestors`: the chain's `ancestor_table()`, for a caller that asks for many calls
+    (computing it per call made this the simulator's hot spot at scale)."""
+    table = chain.ancestor_table() if ancestors is None else ancestors
     prompt = [Segment(chain.shared_prefix, chain.shared_tokens)] if chain.shared_tokens else []
-    before = chain.ancestors(k)
+    before = table[k]
     for position, j in enumerate(before):
         hop = chain.hops[j]
-        scope = "" if before[:position] == chain.ancestors(j) else "@" + ",".join(map(str, before[:position]))
+        scope = "" if before[:position] == table[j] else "@" + ",".join(map(str, before[:position]))
         prompt.append(Segment(f"{chain.chain_id}/{j}i{scope}", hop.new_tokens))
         prompt.append(Segment(f"{chain.chain_id}/{j}o{scope}", hop.output_tokens))
     prompt.append(Segment(f"{chain.chain_id}/{k}i", chain.hops[k].new_tokens))
@@ -59,6 +65,7 @@ def alone_latency_s(chain: TraceChain, profile: EngineProfile) -> float:
     that are ready together run together on that one engine (batched)."""
     engine = EngineModel(profile)
     progress = ChainProgress(chain)
+    ancestors = chain.ancestor_table()
     ready = [(0.0, k) for k in chain.roots()]  # a heap of (issue time, call)
     now = 0.0
     while not progress.done:
@@ -67,7 +74,7 @@ def alone_latency_s(chain: TraceChain, profile: EngineProfile) -> float:
         while ready and ready[0][0] <= now:
             k = heapq.heappop(ready)[1]
             progress.issue(k)
-            prompt, output = hop_segments(chain, k)
+            prompt, output = hop_segments(chain, k, ancestors)
             engine.add(SimRequest(f"{k}", prompt, chain.hops[k].output_tokens, output_segments=output))
         plan = engine.plan()
         if plan is None:
@@ -100,6 +107,7 @@ class _Chain:
     progress: ChainProgress
     ready_at: dict[int, float] = field(default_factory=dict)  # when each call was issued
     gaps_seen: set[int] = field(default_factory=set)  # calls whose gap after was learned
+    ancestors: list[list[int]] = field(default_factory=list)  # the spec's `ancestor_table()`
 
 
 @dataclass
@@ -108,6 +116,7 @@ class _InFlight:
     k: int  # the call's index in its chain
     queued: QueuedHop
     dispatched_at: float
+    segments: tuple[tuple[Segment, ...], tuple[Segment, ...]]  # `hop_segments`: prompt, output
 
 
 @dataclass
@@ -127,6 +136,10 @@ class ClusterSim:
     pools: int = 1
     # The queue the policy decides through; the decision-cost benchmark times its calls.
     queue_factory: Callable[[Policy], DispatchQueue] | None = None
+    # After `run`: time-driven passes (ticks) run, and ticks dropped because an earlier
+    # one replaced them (for tests and benchmarks).
+    ticks_run: int = field(default=0, init=False)
+    ticks_dropped: int = field(default=0, init=False)
 
     def pool_names(self) -> list[str]:
         return [POOL] if self.pools == 1 else [f"{POOL}-{p}" for p in range(self.pools)]
@@ -167,13 +180,23 @@ class ClusterSim:
         events: list[tuple[float, int, str, object]] = []
         order = itertools.count()
         flights: dict[str, _InFlight] = {}
+        # One pending tick, as the live dispatcher keeps one wake-up timer: a tick is
+        # pushed when the queue asks to be woken earlier than the pending one (or none
+        # is pending), and only the latest pushed is acted on. The ones it replaced stay
+        # in the heap but are dropped when popped: acting on them would add passes the
+        # queue never asked for, and each would push a tick of its own, so they would
+        # pile up faster than the trace's events. (The comparison is on the tick's own
+        # time, after the TICK_S floor: a wake-up earlier than the pending tick can still
+        # fall after it, and must not replace it.)
         tick_at: float | None = None
+        tick_gen = 0
+        self.ticks_run = self.ticks_dropped = 0
         horizon = self.trace.window_s * self.horizon_factor
         chains: list[_Chain] = []
         for spec in self.trace.chains:
             record = ChainRecord.start(spec, alone_s=alone_latency_s(spec, profile), profile=profile)
             record.preemptions = 0  # the simulator sees every preemption of every request
-            chain = _Chain(spec, record, ChainProgress(spec))
+            chain = _Chain(spec, record, ChainProgress(spec), ancestors=spec.ancestor_table())
             pool_of[spec.chain_id] = names[len(chains) % len(names)]
             chains.append(chain)
             for k in spec.roots():
@@ -205,12 +228,12 @@ class ClusterSim:
                     push(worker.started + steps * plan.step_s, "step", (worker, worker.version))
 
         def dispatch(now: float) -> None:
-            nonlocal tick_at
+            nonlocal tick_at, tick_gen
             for queued in queue.assign(slots, now):
                 flight = flights[f"{queued.run_id}:{queued.hop_id}"]
                 flight.dispatched_at = now
                 chain = flight.chain
-                prompt, output = hop_segments(chain.spec, flight.k)
+                prompt, output = flight.segments
                 request = SimRequest(
                     f"{queued.run_id}:{queued.hop_id}",
                     prompt,
@@ -220,9 +243,13 @@ class ClusterSim:
                 )
                 deliver(by_id[queued.worker_id or ""], request, now)
             wake = queue.next_wake
-            if wake is not None and (tick_at is None or wake < tick_at or tick_at <= now):
-                tick_at = max(wake, now + TICK_S)
-                push(tick_at, "tick", None)
+            if wake is None:
+                return
+            at = max(wake, now + TICK_S)
+            if tick_at is None or tick_at <= now or at < tick_at:
+                tick_at = at
+                tick_gen += 1
+                push(at, "tick", tick_gen)
 
         def finish_chain(chain: _Chain, now: float, status: str) -> None:
             nonlocal done
@@ -257,6 +284,7 @@ class ClusterSim:
             if self.programs:
                 remaining_hops, remaining = None, 0.0  # what the OpenAI front tells the scheduler
             pool = pool_of[spec.chain_id]
+            segments = hop_segments(spec, k, chain.ancestors)
             view = HopView(
                 pool,
                 spec.chain_id,
@@ -273,14 +301,14 @@ class ClusterSim:
                 prefix_tokens=spec.shared_tokens,
                 # The prompt's segments as the engines key them: what hashing the prompt
                 # text gives (live, the keys its worker reported for the chain's context).
-                prompt_blocks=tuple((s.key, s.tokens) for s in hop_segments(spec, k)[0] if s.key is not None),
+                prompt_blocks=tuple((s.key, s.tokens) for s in segments[0] if s.key is not None),
             )
             try:
                 queued = queue.submit(pool, spec.chain_id, str(k), now, view)
             except Rejected:
                 finish_chain(chain, now, "shed")
                 return
-            flights[f"{spec.chain_id}:{k}"] = _InFlight(chain, k, queued, now)
+            flights[f"{spec.chain_id}:{k}"] = _InFlight(chain, k, queued, now, segments)
             dispatch(now)
 
         def step_done(worker: _Worker, now: float) -> None:
@@ -325,8 +353,11 @@ class ClusterSim:
                 worker, version = cast(tuple[_Worker, int], payload)
                 if version == worker.version:
                     step_done(worker, now)
-            else:
+            elif payload == tick_gen:
+                self.ticks_run += 1
                 dispatch(now)
+            else:
+                self.ticks_dropped += 1
         for chain in chains:
             if chain.record.status == "running":
                 chain.record.finish("failed", now)

@@ -141,6 +141,18 @@ class TraceChain(BaseModel):
                 todo.extend(self.deps(j))
         return sorted(seen)
 
+    def ancestor_table(self) -> list[list[int]]:
+        """`ancestors(k)` for every call at once, in one pass (a call's dependencies
+        come before it): for callers that need many of them."""
+        table: list[list[int]] = []
+        for k in range(len(self.hops)):
+            seen: set[int] = set()
+            for j in self.deps(k):
+                seen.add(j)
+                seen.update(table[j])
+            table.append(sorted(seen))
+        return table
+
     def prompt_tokens(self, k: int) -> int:
         before = sum(self.hops[j].new_tokens + self.hops[j].output_tokens for j in self.ancestors(k))
         return self.shared_tokens + before + self.hops[k].new_tokens
