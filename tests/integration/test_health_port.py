@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from inferx.devstack import LocalStack, ManagedProcess, free_port, wait_serving
 from inferx.tls import Transport
 from inferx.v1 import cache_pb2, cache_pb2_grpc
-from tests.conftest import dump_logs, make_stack
+from tests.conftest import dump_logs, make_stack, started
 
 pytestmark = pytest.mark.integration
 
@@ -31,17 +31,12 @@ CACHE = "inferx.v1.Cache"
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     """A secure stack (mutual TLS, TLS etcd): etcd alone; the tests start the cache."""
-    stack = make_stack(tmp_path_factory.mktemp("health") / ".inferx", insecure=False)
-    try:
+
+    def start(stack: LocalStack) -> None:
         stack.start_etcd()
-    except BaseException:
-        dump_logs(stack)
-        stack.stop()
-        raise
-    try:
+
+    with started(make_stack(tmp_path_factory.mktemp("health") / ".inferx", insecure=False), start) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 def start_cache(stack: LocalStack, replica: int, health_port: int) -> ManagedProcess:

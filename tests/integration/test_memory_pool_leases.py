@@ -19,7 +19,7 @@ from inferx import etcd
 from inferx.devstack import LocalStack, wait_serving
 from inferx.server import to_json_bytes
 from inferx.v1 import common_pb2, memory_pool_pb2, memory_pool_pb2_grpc
-from tests.conftest import dump_logs, make_stack
+from tests.conftest import make_stack, started
 from tests.polling import poll_until
 
 pytestmark = pytest.mark.integration
@@ -35,18 +35,13 @@ FLOAT_SLACK_S = 1e-6
 @pytest.fixture(scope="module")
 def pool_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     """etcd and the memory-pool only."""
-    stack = make_stack(tmp_path_factory.mktemp("pool"))
-    try:
+
+    def start(stack: LocalStack) -> None:
         stack.start_etcd()
         wait_serving(stack.start_service("memory-pool"), 60)
-    except BaseException:
-        dump_logs(stack)
-        stack.stop()
-        raise
-    try:
+
+    with started(make_stack(tmp_path_factory.mktemp("pool")), start) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 class Registry:

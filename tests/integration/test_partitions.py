@@ -40,7 +40,7 @@ from inferx.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from tests.conftest import EXAMPLES, dump_logs, make_stack
+from tests.conftest import EXAMPLES, make_stack, started
 from tests.polling import poll_until
 
 pytestmark = pytest.mark.integration
@@ -86,8 +86,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     """One of each service, a second router, memory-pool and two more caches, three sim
     workers. The second scheduler is started by the first test (after its one-scheduler
     baseline)."""
-    stack = make_stack(tmp_path_factory.mktemp("partitions"), lease_ttl_s=LEASE_TTL_S)
-    try:
+
+    def start(stack: LocalStack) -> None:
         stack.start_core()
         extra = [
             stack.start_service("router", replica=1),
@@ -107,14 +107,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
                 await client.put_chain(CHAIN_TEXT)
 
         asyncio.run(put())
-    except BaseException:
-        dump_logs(stack)
-        stack.stop()
-        raise
-    try:
+
+    with started(make_stack(tmp_path_factory.mktemp("partitions"), lease_ttl_s=LEASE_TTL_S), start) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 def routers(stack: LocalStack) -> list[str]:
