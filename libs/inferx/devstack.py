@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -47,10 +48,50 @@ if TYPE_CHECKING:
 SERVICE_KINDS = ("router", "scheduler", "memory-pool", "cache")
 
 
-def free_port() -> int:
+#: ports this process has handed out, so two services of one stack never get the same one
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (Linux's default if unknown)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        try:
+            sock.bind(("0.0.0.0", port))  # also fails if 127.0.0.1:port is taken
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A port nobody listens on now, for a service started next.
+
+    Chosen *below* the kernel's ephemeral range: a port from `bind(0)` lies inside it,
+    where any outgoing connection (a gRPC or etcd client of another test's stack) may take
+    it in the moment between this probe and the service's own bind, which failed CI once
+    with "Address already in use". Never the same port twice in one process."""
+    low, _high = _ephemeral_range()
+    floor = 20000
+    if low - floor >= 2000:
+        for _ in range(500):
+            port = random.randint(floor, low - 1)
+            if port not in _handed_out and _bindable(port):
+                _handed_out.add(port)
+                return port
+    while True:  # no room below the ephemeral range: the kernel's choice
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def port_in_use(port: int) -> bool:

@@ -1,0 +1,42 @@
+"""`free_port` hands out ports that outgoing connections cannot take first."""
+
+from __future__ import annotations
+
+import socket
+
+from inferx import devstack
+from inferx.devstack import free_port
+
+
+def test_ports_lie_below_the_ephemeral_range_and_are_never_repeated() -> None:
+    low, _high = devstack._ephemeral_range()
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    if low - 20000 >= 2000:
+        assert all(20000 <= port < low for port in ports)
+
+
+def test_a_port_someone_listens_on_is_not_handed_out(monkeypatch) -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        taken = listener.getsockname()[1]
+        real_randint = devstack.random.randint
+        calls: list[int] = []
+
+        def taken_first(low: int, high: int) -> int:
+            calls.append(low)
+            return taken if len(calls) == 1 else real_randint(low, high)
+
+        monkeypatch.setattr(devstack.random, "randint", taken_first)
+        monkeypatch.setattr(devstack, "_ephemeral_range", lambda: (65535, 65535))
+        port = free_port()
+    assert len(calls) >= 2  # the taken port was drawn, probed and passed over
+    assert port != taken
+
+
+def test_a_port_handed_out_is_usable() -> None:
+    port = free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+        sock.listen()
