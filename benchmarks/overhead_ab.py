@@ -5,7 +5,11 @@ figures move by 20%+ from run to run; the difference between A and B does not).
 
     python benchmarks/overhead_ab.py --a /path/to/main --b . [--hops 4] [--count 300] \\
         [--warmup 30] [--concurrency 16] [--load-calls 1000] [--rounds 4] [--insecure] \\
-        [--json FILE]
+        [--embedded a|b] [--json FILE]
+
+`--embedded b`: side B's router runs the scheduler in its own process
+(`inferx-router --embedded-scheduler`), e.g. `--a . --b . --embedded b` compares the
+two deployments of one checkout.
 
 Each side's services run as `python -m inferx_<service>` with PYTHONPATH set to that
 checkout's `libs` and `services` (generated stubs included: run `make proto` in both
@@ -76,9 +80,17 @@ def wrapper(root: Path, state: Path, name: str) -> str:
     return str(path)
 
 
-def start_stack(state: Path, python: str, hops: int, speed: float, insecure: bool) -> LocalStack:
+def start_stack(
+    state: Path, python: str, hops: int, speed: float, insecure: bool, embedded: bool = False
+) -> LocalStack:
     stack = LocalStack(
-        state, StackPorts.free(), lease_ttl_s=10, fresh_etcd=True, python=python, insecure=insecure
+        state,
+        StackPorts.free(),
+        lease_ttl_s=10,
+        fresh_etcd=True,
+        python=python,
+        insecure=insecure,
+        embedded_scheduler=embedded,
     )
     try:
         stack.start_etcd()
@@ -312,6 +324,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--speed", type=float, default=10_000.0)
     parser.add_argument("--insecure", action="store_true", help="plaintext stacks (default: mutual TLS)")
+    parser.add_argument(
+        "--embedded",
+        choices=("a", "b"),
+        action="append",
+        default=[],
+        help="that side's router runs the scheduler in its process (--embedded-scheduler); repeatable",
+    )
     parser.add_argument("--json", type=Path, help="write the raw samples here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="overhead-ab-") as tmp:
@@ -323,7 +342,10 @@ def main() -> int:
                 side_state = state / side.name
                 side_state.mkdir()
                 python = wrapper(root, state, side.name)
-                stacks.append(start_stack(side_state, python, args.hops, args.speed, args.insecure))
+                embedded = side.name.lower() in args.embedded
+                if embedded:
+                    side.root += " (embedded scheduler)"
+                stacks.append(start_stack(side_state, python, args.hops, args.speed, args.insecure, embedded))
             asyncio.run(measure(stacks, sides, args))
         finally:
             for stack in stacks:

@@ -43,6 +43,7 @@ def make_stack(
     lease_ttl_s: int = TEST_LEASE_TTL_S,
     insecure: bool = True,
     tls_server_name: str | None = None,
+    embedded_scheduler: bool = False,
 ) -> LocalStack:
     """A stack on free ports. Plaintext (`insecure=True`) unless asked: the tests of
     scheduling, configs and faults call services directly; tests/integration/test_secure_stack.py
@@ -57,6 +58,7 @@ def make_stack(
         knowledge_base=EXAMPLES / "knowledge_base.jsonl",
         insecure=insecure,
         tls_server_name=tls_server_name,
+        embedded_scheduler=embedded_scheduler,
     )
 
 

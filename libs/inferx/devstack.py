@@ -23,6 +23,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import socket
@@ -253,11 +254,18 @@ class LocalStack:
         knowledge_base: Path | None = None,
         insecure: bool = False,
         tls_server_name: str | None = None,
+        embedded_scheduler: bool = False,
+        scheduler_flags: Sequence[str] = (),
     ) -> None:
+        """`embedded_scheduler`: each router runs the scheduler in its own process
+        (`inferx-router --embedded-scheduler`, with `scheduler_flags`); `start_core`
+        then starts no scheduler process."""
         if insecure and tls_server_name:
             raise StackError("a server name for TLS peers makes no sense with insecure=True")
         self.state_dir = state_dir
         self.ports = ports or StackPorts()
+        self.embedded_scheduler = embedded_scheduler
+        self.scheduler_flags = list(scheduler_flags)
         self.lease_ttl_s = lease_ttl_s
         self.fresh_etcd = fresh_etcd
         self.python = python
@@ -339,17 +347,19 @@ class LocalStack:
             self.tls, self.tls, insecure=self.insecure, server_name=name, etcd_server_name=name
         )
 
-    def client(self, *, token: str | None = None, timeout_s: float | None = None) -> InferxClient:
-        """An SDK client of the router as an outside caller: TLS verifying the router
-        against the stack's CA (and the name on its certificate, with `tls_server_name`),
-        with the admin token (or `token`)."""
+    def client(
+        self, *, token: str | None = None, timeout_s: float | None = None, address: str | None = None
+    ) -> InferxClient:
+        """An SDK client of the router (or of the router at `address`) as an outside
+        caller: TLS verifying the router against the stack's CA (and the name on its
+        certificate, with `tls_server_name`), with the admin token (or `token`)."""
         from inferx.client import InferxClient
 
         transport = None
         if self.tls is not None and self.tls_server_name:
             transport = Transport.server_auth(self.tls.ca, server_name=self.tls_server_name)
         return InferxClient(
-            self.router_address,
+            address or self.router_address,
             token=token if token is not None else self.admin_token,
             tls_ca=self.tls_ca,
             timeout_s=timeout_s,
@@ -525,6 +535,10 @@ class LocalStack:
         extra = list(extra)
         if kind == "router" and self.knowledge_base is not None:
             extra += ["--knowledge-base", str(self.knowledge_base)]
+        if kind == "router" and self.embedded_scheduler:
+            extra += ["--embedded-scheduler"]
+            if self.scheduler_flags:
+                extra += ["--scheduler-flags", shlex.join(self.scheduler_flags)]
         if kind == "router" and self.ports.router_http and (replica == 0 or step):
             # each router its own OpenAI front: 8000, 8001, ...
             extra += ["--http-port", str(self.ports.router_http + replica)]
@@ -581,6 +595,8 @@ class LocalStack:
         names = []
         for replica in range(replicas):
             for kind in SERVICE_KINDS:
+                if kind == "scheduler" and self.embedded_scheduler:
+                    continue  # each router runs one
                 name = kind if replica == 0 else f"{kind}-{replica}"
                 if name not in self.services:
                     self.start_service(kind, replica=replica)

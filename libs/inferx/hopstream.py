@@ -37,7 +37,7 @@ import itertools
 import logging
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -459,6 +459,12 @@ class StreamPool:
         self.enabled = enabled
         self._traced = telemetry.enabled()
         self.clients: dict[str, StreamClient] = {}
+        #: peers this process serves itself, by the address others reach them at
+        self.local: dict[str, LocalPeer] = {}
+
+    def serve_locally(self, address: str, handler: Handler) -> None:
+        """Calls to `address` run `handler` in this process (`LocalPeer`), not over gRPC."""
+        self.local[address] = LocalPeer(handler, self._shape)
 
     def client(self, address: str) -> StreamClient:
         client = self.clients.get(address)
@@ -471,15 +477,21 @@ class StreamPool:
 
     async def call(self, address: str, payload: Any, timeout: float | None) -> AsyncIterator[Any]:
         """`payload`'s replies from the peer at `address`; raises as the plain call would."""
-        if self.enabled:
-            client = self.client(address)
-            if client.supported:
+        local = self.local.get(address)
+        if self.enabled or local is not None:
+            client = self.client(address) if local is None else None
+            if client is None or client.supported:
                 # Traced: the call's client span, as the gRPC instrumentation makes for a
                 # plain call (the plain call below gets the instrumentation's own).
                 span = telemetry.start_call_span(self._shape.plain_method) if self._traced else None
                 code, message = grpc.StatusCode.OK, ""
                 try:
-                    async for reply in client.call(payload, timeout, span):
+                    if local is not None:
+                        replies = local.call(payload, timeout, span)
+                    else:
+                        assert client is not None
+                        replies = client.call(payload, timeout, span)
+                    async for reply in replies:
                         yield reply
                     return
                 except StreamUnsupported:  # raised before any reply: nothing was sent twice
@@ -536,6 +548,7 @@ class StreamServer:
         self._payload_field = shape.payload_field
         self._reply_field = shape.reply_field
         self._method = shape.method
+        self.service = shape.method.lstrip("/").partition("/")[0]  # "inferx.v1.Scheduler"
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._outbox: _Outbox | None = None
         self._draining = False
@@ -648,14 +661,8 @@ class StreamServer:
                     await outbox.room()
         except asyncio.CancelledError:
             cancelled = True
-        except InferxError as exc:
-            code, text, retry = exc.code, exc.message, exc.retry_after_s
-            trailers = status_trailers(exc)
-        except grpc.aio.AioRpcError as exc:  # a handler that lets its own call's error through
-            code, text = exc.code(), exc.details() or ""
         except Exception as exc:
-            log.exception("unhandled error in %s", self._method)
-            code, text = grpc.StatusCode.INTERNAL, f"internal error in {self._method}: {exc}"
+            code, text, retry, trailers = _failure(exc, self._method)
         finally:
             if timer is not None:
                 timer.cancel()
@@ -696,9 +703,101 @@ class StreamServer:
         self._check_finished()
 
 
-def drain_all() -> None:
+def _failure(
+    exc: Exception, method: str
+) -> tuple[grpc.StatusCode, str, float | None, tuple[tuple[str, str], ...]]:
+    """How a handler's error ends its call (code, text, retry-after, trailers), as the
+    error-mapping interceptor ends a plain call."""
+    if isinstance(exc, InferxError):
+        return exc.code, exc.message, exc.retry_after_s, status_trailers(exc)
+    if isinstance(exc, grpc.aio.AioRpcError):  # a handler that lets its own call's error through
+        return exc.code(), exc.details() or "", None, ()
+    log.exception("unhandled error in %s", method)
+    return grpc.StatusCode.INTERNAL, f"internal error in {method}: {exc}", None, ()
+
+
+# Calls a process made to a peer it serves itself (`LocalPeer`): no stream, no gRPC.
+LOCAL_CALLS = Counter(
+    "inferx_in_process_calls_total",
+    "Calls (hops) this process served to itself, without gRPC (a router's embedded scheduler)",
+    ["method"],
+)
+
+
+class LocalPeer:
+    """A peer served by this very process -- the router's embedded scheduler
+    (`inferx-router --embedded-scheduler`, issue #14): a call runs the plain call's own
+    handler in a task of its own, as a call on a stream does, and its replies and end
+    reach the caller directly, without serialising anything or crossing gRPC. Same
+    replies, same errors (the `AioRpcError` the call would raise, trailers included),
+    same deadline (DEADLINE_EXCEEDED, the handler cancelled); the caller leaving cancels
+    the handler, as cancelling a call does. The replies are the handler's own objects:
+    neither side changes a message once it is sent (as with a stream, whose copies they
+    would be)."""
+
+    def __init__(self, handler: Handler, shape: StreamShape) -> None:
+        self._handler = handler
+        self._method = shape.plain_method
+        self._calls = LOCAL_CALLS.labels(shape.plain_method)
+
+    async def call(self, payload: Any, timeout: float | None, span: Span | None = None) -> AsyncIterator[Any]:
+        """`payload`'s replies; `span`: the call's client span, current in the handler
+        (the spans it makes are its children, as the server span's would be)."""
+        if timeout is not None and timeout <= 0:
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        self._calls.inc()
+        inbox = _Inbox()
+        loop = asyncio.get_running_loop()
+        if span is None:
+            task = loop.create_task(self._serve(payload, timeout, inbox))
+        else:
+            with telemetry.current(span):  # the task starts in a copy of this context
+                task = loop.create_task(self._serve(payload, timeout, inbox))
+        timer = None
+        if timeout is not None:
+
+            def expire() -> None:
+                inbox.put(_End(code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0], message="Deadline Exceeded"))
+                task.cancel()
+
+            timer = loop.call_later(timeout, expire)
+        try:
+            while True:
+                item = await inbox.get()
+                if isinstance(item, _End):
+                    if item.code == 0:
+                        return
+                    raise _status_error(item)
+                yield item
+        finally:
+            if timer is not None:
+                timer.cancel()
+            task.cancel()  # no-op once it ended; else the caller left (or ran out of time)
+
+    async def _serve(self, payload: Any, timeout: float | None, inbox: _Inbox) -> None:
+        context = PerCallContext(timeout or 0.0)
+        try:
+            async for item in self._handler(payload, context):
+                inbox.put(item)
+        except asyncio.CancelledError:
+            return  # the caller left, or the deadline passed (the caller was told)
+        except Exception as exc:
+            code, text, retry, trailers = _failure(exc, self._method)
+            end = _End(code=code.value[0], message=fit_status_message(text))
+            if retry is not None:
+                end.retry_after_s = retry
+            end.trailers.update(trailers)
+            inbox.put(end)
+            return
+        inbox.put(_End(code=0))
+
+
+def drain_all(services: Iterable[str] | None = None) -> None:
     """The service is stopping: every stream takes no new call and ends once its calls
     are done (a caller sees the stream end and sends its next calls elsewhere, as it
-    would to a stopping server)."""
+    would to a stopping server). `services` ("inferx.v1.Scheduler", ...): only the
+    streams of those (a process serving two services stops them one after the other)."""
+    wanted = None if services is None else set(services)
     for server in list(_servers):
-        server.drain()
+        if wanted is None or server.service in wanted:
+            server.drain()

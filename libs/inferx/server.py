@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import aetcd
 import grpc
@@ -277,146 +277,227 @@ def _start_metrics(host: str, port: int) -> str:
     return f"{host}:{httpd.server_port}"
 
 
+class ServiceInstance(Generic[S]):
+    """One service in this process, from its gRPC server to its shutdown: `open` (server,
+    etcd, the component built, NOT_SERVING), `start_serving` (warm-up, etcd registration,
+    SERVING), `shutdown` (the order in this module's docstring).
+
+    A process runs one (`run_service`), or a second one inside it: the router's embedded
+    scheduler (`embedded=True`) shares the process's tracing and metrics endpoint (the
+    metrics registry is the process's), and has its own port, etcd lease, registration,
+    health and drain."""
+
+    def __init__(
+        self,
+        kind: str,
+        settings: S,
+        build: Callable[[ServiceRuntime, S], Awaitable[ServiceComponent]],
+        *,
+        embedded_in: ServiceRuntime | None = None,
+    ) -> None:
+        self.kind = kind
+        self.settings: S = settings
+        self._build = build
+        self._host = embedded_in
+        self.runtime: ServiceRuntime | None = None
+        self.component: ServiceComponent | None = None
+        self._names: list[str] = []
+
+    async def open(self) -> ServiceRuntime:
+        kind, settings, host = self.kind, self.settings, self._host
+        instance_id = (
+            settings.instance_id or f"{kind}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        )
+        try:  # first: a service that cannot be secured says so and nothing else
+            security = settings.security()
+        except TlsError as exc:
+            raise StartupError(str(exc)) from None
+        log.info("starting %s %s with %s", kind, instance_id, settings.model_dump_json())
+        if host is None:
+            if security.insecure:
+                print(insecure_warning(f"inferx-{kind}"), file=sys.stderr, flush=True)
+            if security.etcd is None and not security.insecure:
+                log.warning(
+                    "etcd at %s is reached in PLAINTEXT (no --etcd-ca): anyone who can reach it can "
+                    "register workers and tools",
+                    settings.etcd,
+                )
+            try:
+                telemetry.setup_tracing(
+                    kind,
+                    instance_id,
+                    settings.trace_exporter,
+                    otlp_endpoint=settings.otlp_endpoint,
+                    trace_file=settings.trace_file,
+                )
+            except telemetry.TelemetryError as exc:
+                raise StartupError(str(exc)) from None
+
+        errors = ErrorMappingInterceptor()
+        server = grpc.aio.server(
+            # Tracing outermost: its span also covers the status the error mapping sets.
+            interceptors=[*telemetry.server_interceptors(), errors],
+            options=[
+                ("grpc.so_reuseport", 0),
+                # Larger messages are refused by gRPC itself, with RESOURCE_EXHAUSTED.
+                ("grpc.max_receive_message_length", settings.max_request_bytes),
+                *wire.server_options(
+                    max_connection_age_s=settings.max_connection_age_s,
+                    max_connection_age_grace_s=settings.max_connection_age_grace_s,
+                    keepalive_time_s=settings.keepalive_time_s,
+                    keepalive_timeout_s=settings.keepalive_timeout_s,
+                ),
+            ],
+        )
+        self._server = server
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+
+        listen = f"{settings.host}:{settings.port}"
+        credentials = security.server_credentials(require_client_auth=settings.tls_client_auth)
+        try:
+            if credentials is None:
+                port = server.add_insecure_port(listen)
+            else:
+                port = server.add_secure_port(listen, credentials)
+        except RuntimeError as exc:
+            raise StartupError(f"cannot listen on {settings.host}:{settings.port}: {exc}") from None
+        if port == 0:
+            raise StartupError(f"cannot listen on {settings.host}:{settings.port} (port in use?)")
+        address = f"{settings.public_host}:{port}"
+        self._health_server = _health_only_server(self._health, settings.host, settings.health_port)
+        metrics_address = (
+            host.metrics_address if host is not None else _start_metrics(settings.host, settings.metrics_port)
+        )
+
+        self._etcd = make_client(settings.etcd, tls=security.etcd, server_name=security.etcd_server_name)
+        self._leases = LeaseKeeper(self._etcd, ttl_s=settings.lease_ttl_s)
+        runtime = ServiceRuntime(
+            kind=kind,
+            settings=settings,
+            server=server,
+            etcd=self._etcd,
+            leases=self._leases,
+            instance_id=instance_id,
+            address=address,
+            metrics_address=metrics_address,
+            security=security,
+            errors=errors,
+        )
+        self.runtime = runtime
+        self.component = await self._build(runtime, settings)
+        self._names = list(self.component.service_names)
+        reflection.enable_server_reflection(
+            [*self._names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+        )
+        for name in ["", *self._names]:
+            await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+        await server.start()
+        if self._health_server is not None:
+            await self._health_server.start()
+        if credentials is None:
+            how = "PLAINTEXT"
+        else:
+            how = "TLS, client certificates required" if settings.tls_client_auth else "TLS"
+        inside = " (in this router's process)" if host is not None else ""
+        print(
+            f"inferx-{kind} listening on {address}{inside} ({how}; metrics http://{metrics_address}/metrics)",
+            flush=True,
+        )
+        return runtime
+
+    async def start_serving(self) -> None:
+        """Warm up, register in etcd, and answer SERVING; a failed warm-up raises
+        StartupError (the caller shuts the instance down)."""
+        assert self.runtime is not None and self.component is not None
+        runtime = self.runtime
+        try:
+            await self.component.ready()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise StartupError(f"warm-up failed: {exc}") from None
+        info = common_pb2.ServiceInfo(
+            kind=self.kind,
+            instance_id=runtime.instance_id,
+            address=runtime.address,
+            metrics_address=runtime.metrics_address,
+            version=__version__,
+            started_unix_ms=runtime.started_unix_ms,
+        )
+        await self._leases.put(service_key(self.kind, runtime.instance_id), to_json_bytes(info))
+        self._leases.start()
+        if not await self._leases.wait_registered(5.0):
+            log.warning("etcd at %s not reachable yet; will register when it is", self.settings.etcd)
+        for name in ["", *self._names]:
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        print(f"inferx-{self.kind} ready ({runtime.instance_id})", flush=True)
+
+    async def shutdown(self, *, now: bool = False) -> None:
+        """Drain and stop (`now`: no grace, after a failed start)."""
+        assert self.component is not None
+        settings = self.settings
+        if not now:
+            log.info("%s shutting down: draining for up to %.1fs", self.kind, settings.drain_timeout_s)
+        await _shutdown(
+            self.kind,
+            self._server,
+            self._health,
+            self._leases,
+            self.component,
+            self._etcd,
+            0.0 if now else settings.drain_timeout_s,
+            0.0 if now else settings.deregister_grace_s,
+            self._health_server,
+            self._names,
+        )
+
+
+async def start_embedded(
+    kind: str,
+    settings: S,
+    build: Callable[[ServiceRuntime, S], Awaitable[ServiceComponent]],
+    host: ServiceRuntime,
+) -> ServiceInstance[S]:
+    """Another service inside `host`'s process, serving once this returns (see
+    `ServiceInstance`); StartupError if it cannot start (nothing of it is left running)."""
+    instance = ServiceInstance(kind, settings, build, embedded_in=host)
+    try:
+        await instance.open()
+        await instance.start_serving()
+    except BaseException:
+        if instance.component is not None:
+            await instance.shutdown(now=True)
+        raise
+    return instance
+
+
 async def _serve(
     kind: str, settings: S, build: Callable[[ServiceRuntime, S], Awaitable[ServiceComponent]]
 ) -> None:
-    instance_id = (
-        settings.instance_id or f"{kind}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    )
-    try:  # first: a service that cannot be secured says so and nothing else
-        security = settings.security()
-    except TlsError as exc:
-        raise StartupError(str(exc)) from None
-    log.info("starting %s %s with %s", kind, instance_id, settings.model_dump_json())
-    if security.insecure:
-        print(insecure_warning(f"inferx-{kind}"), file=sys.stderr, flush=True)
-    if security.etcd is None and not security.insecure:
-        log.warning(
-            "etcd at %s is reached in PLAINTEXT (no --etcd-ca): anyone who can reach it can "
-            "register workers and tools",
-            settings.etcd,
-        )
-    try:
-        telemetry.setup_tracing(
-            kind,
-            instance_id,
-            settings.trace_exporter,
-            otlp_endpoint=settings.otlp_endpoint,
-            trace_file=settings.trace_file,
-        )
-    except telemetry.TelemetryError as exc:
-        raise StartupError(str(exc)) from None
-
-    errors = ErrorMappingInterceptor()
-    server = grpc.aio.server(
-        # Tracing outermost: its span also covers the status the error mapping sets.
-        interceptors=[*telemetry.server_interceptors(), errors],
-        options=[
-            ("grpc.so_reuseport", 0),
-            # Larger messages are refused by gRPC itself, with RESOURCE_EXHAUSTED.
-            ("grpc.max_receive_message_length", settings.max_request_bytes),
-            *wire.server_options(
-                max_connection_age_s=settings.max_connection_age_s,
-                max_connection_age_grace_s=settings.max_connection_age_grace_s,
-                keepalive_time_s=settings.keepalive_time_s,
-                keepalive_timeout_s=settings.keepalive_timeout_s,
-            ),
-        ],
-    )
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-
-    listen = f"{settings.host}:{settings.port}"
-    credentials = security.server_credentials(require_client_auth=settings.tls_client_auth)
-    try:
-        if credentials is None:
-            port = server.add_insecure_port(listen)
-        else:
-            port = server.add_secure_port(listen, credentials)
-    except RuntimeError as exc:
-        raise StartupError(f"cannot listen on {settings.host}:{settings.port}: {exc}") from None
-    if port == 0:
-        raise StartupError(f"cannot listen on {settings.host}:{settings.port} (port in use?)")
-    address = f"{settings.public_host}:{port}"
-    health_server = _health_only_server(health_servicer, settings.host, settings.health_port)
-    metrics_address = _start_metrics(settings.host, settings.metrics_port)
-
-    etcd = make_client(settings.etcd, tls=security.etcd, server_name=security.etcd_server_name)
-    leases = LeaseKeeper(etcd, ttl_s=settings.lease_ttl_s)
-    runtime = ServiceRuntime(
-        kind=kind,
-        settings=settings,
-        server=server,
-        etcd=etcd,
-        leases=leases,
-        instance_id=instance_id,
-        address=address,
-        metrics_address=metrics_address,
-        security=security,
-        errors=errors,
-    )
-    component = await build(runtime, settings)
-    names = list(component.service_names)
-    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    for name in ["", *names]:
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-
-    await server.start()
-    if health_server is not None:
-        await health_server.start()
+    instance = ServiceInstance(kind, settings, build)
+    await instance.open()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    if credentials is None:
-        how = "PLAINTEXT"
-    else:
-        how = "TLS, client certificates required" if settings.tls_client_auth else "TLS"
-    print(
-        f"inferx-{kind} listening on {address} ({how}; metrics http://{metrics_address}/metrics)",
-        flush=True,
-    )
-    warm_up = asyncio.create_task(component.ready(), name="warm-up")
+    warm_up = asyncio.create_task(instance.start_serving(), name="warm-up")
     waiter = asyncio.create_task(stop.wait())
     await asyncio.wait({warm_up, waiter}, return_when=asyncio.FIRST_COMPLETED)
     if warm_up.done() and warm_up.exception() is not None:
         failure = warm_up.exception()
-        await _shutdown(kind, server, health_servicer, leases, component, etcd, 0.0, 0.0, health_server)
-        raise StartupError(f"warm-up failed: {failure}")
-
+        waiter.cancel()
+        await instance.shutdown(now=True)
+        assert failure is not None
+        raise failure
     if not stop.is_set():
-        info = common_pb2.ServiceInfo(
-            kind=kind,
-            instance_id=instance_id,
-            address=address,
-            metrics_address=metrics_address,
-            version=__version__,
-            started_unix_ms=runtime.started_unix_ms,
-        )
-        await leases.put(service_key(kind, instance_id), to_json_bytes(info))
-        leases.start()
-        if not await leases.wait_registered(5.0):
-            log.warning("etcd at %s not reachable yet; will register when it is", settings.etcd)
-        for name in ["", *names]:
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        print(f"inferx-{kind} ready ({instance_id})", flush=True)
         await stop.wait()
     else:
         warm_up.cancel()
-
-    log.info("%s shutting down: draining for up to %.1fs", kind, settings.drain_timeout_s)
-    await _shutdown(
-        kind,
-        server,
-        health_servicer,
-        leases,
-        component,
-        etcd,
-        settings.drain_timeout_s,
-        settings.deregister_grace_s,
-        health_server,
-    )
+    waiter.cancel()
+    await instance.shutdown()
 
 
 async def _shutdown(
@@ -429,6 +510,7 @@ async def _shutdown(
     grace_s: float,
     deregister_grace_s: float,
     health_server: grpc.aio.Server | None = None,
+    service_names: Sequence[str] = (),
 ) -> None:
     await health_servicer.enter_graceful_shutdown()
     try:
@@ -440,8 +522,9 @@ async def _shutdown(
     # accepting calls that were already on their way meanwhile, so none is refused.
     await asyncio.sleep(deregister_grace_s)
     # Long-lived hop streams take no new hop from here on and end once theirs are done,
-    # so the drain below waits for hops, not for streams that would never end.
-    hopstream.drain_all()
+    # so the drain below waits for hops, not for streams that would never end. Only this
+    # service's: an embedded scheduler's streams drain with it, after its router.
+    hopstream.drain_all(service_names or None)
     stopping = asyncio.ensure_future(server.stop(grace_s))  # refuses new calls at once
     try:
         await component.ending_streams()  # and the component's own endless streams

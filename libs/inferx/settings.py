@@ -178,8 +178,11 @@ def load_settings(cls: type[S], prog: str, argv: list[str] | None = None) -> S:
         return CliApp.run(cls, cli_args=args, cli_settings_source=None)
     except ValidationError as exc:
         for err in exc.errors():
-            field = "--" + "-".join(str(p) for p in err["loc"]).replace("_", "-")
-            print(f"{prog}: error: {field}: {err['msg']}", file=sys.stderr)
+            if err["loc"]:
+                field = "--" + "-".join(str(p) for p in err["loc"]).replace("_", "-")
+                print(f"{prog}: error: {field}: {err['msg']}", file=sys.stderr)
+            else:  # a rule across flags: its message names them
+                print(f"{prog}: error: {err['msg'].removeprefix('Value error, ')}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

@@ -6,7 +6,7 @@ import asyncio
 import logging
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from inferx import etcd
 from inferx.auth.limits import TenantQuotas
@@ -16,10 +16,10 @@ from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.limits import KIB, MAX_STORED_CHAIN_BYTES, MIB, RequestLimits
 from inferx.partitions import ALL_POOLS, OwnerTable
 from inferx.pools import PoolDirectory
-from inferx.server import ServiceComponent, ServiceRuntime, run_service
+from inferx.server import ServiceComponent, ServiceInstance, ServiceRuntime, run_service
 from inferx.settings import ServiceSettings
 from inferx.v1 import router_pb2, router_pb2_grpc
-from inferx_router import metrics, records, shared_runs
+from inferx_router import embedded, metrics, records, shared_runs
 from inferx_router.access import AccessControl
 from inferx_router.chain_store import ChainStore
 from inferx_router.executors import SchedulerExecutor, scheduler_streams
@@ -32,6 +32,7 @@ from inferx_router.programs import ProgramBook
 from inferx_router.scheduler_target import SchedulerTargets
 from inferx_router.servicer import RouterServicer
 from inferx_router.tools import ToolRouter
+from inferx_scheduler.config import SchedulerSettings
 
 log = logging.getLogger("inferx.router")
 
@@ -141,6 +142,33 @@ class RouterSettings(ServiceSettings):
         description="bytes of an HTTP front request body (413 over it)",
     )
 
+    embedded_scheduler: bool = Field(
+        False,
+        description="run a scheduler in this router's process (its own --scheduler-port with mutual TLS, "
+        "etcd lease and partition election, like any inferx-scheduler): this router's hops to the pools it "
+        "owns are in-process calls, one gRPC crossing fewer per hop; other routers reach it over gRPC",
+    )
+    scheduler_port: int = Field(
+        0, ge=0, le=65535, description="with --embedded-scheduler: its gRPC port (0 = pick a free port)"
+    )
+    scheduler_flags: str = Field(
+        "",
+        description='with --embedded-scheduler: its inferx-scheduler flags, e.g. "--policy chain-aware '
+        "--max-queued-per-pool 2048\" (etcd, TLS, host, lease, drain and log settings are the router's)",
+    )
+
+    @field_validator("scheduler_flags")
+    @classmethod
+    def _scheduler_flags(cls, value: str) -> str:
+        embedded.parse_scheduler_flags(value)  # ValueError says what is wrong
+        return value
+
+    @model_validator(mode="after")
+    def _embedded_only(self) -> RouterSettings:
+        if not self.embedded_scheduler and (self.scheduler_flags or self.scheduler_port):
+            raise ValueError("--scheduler-flags and --scheduler-port need --embedded-scheduler")
+        return self
+
     @property
     def request_limits(self) -> RequestLimits:
         return RequestLimits(
@@ -157,6 +185,13 @@ class RouterComponent(ServiceComponent):
     service_names = (router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,)
 
     def __init__(self, runtime: ServiceRuntime, settings: RouterSettings) -> None:
+        self._runtime = runtime
+        self._embedded_settings = (
+            embedded.scheduler_settings(settings, settings.scheduler_flags, settings.scheduler_port)
+            if settings.embedded_scheduler
+            else None
+        )
+        self.embedded: ServiceInstance[SchedulerSettings] | None = None
         self.store = ChainStore(runtime.etcd)
         self.directory = PoolDirectory()
         self.services = ServiceLocator(runtime.etcd)
@@ -270,6 +305,9 @@ class RouterComponent(ServiceComponent):
         )
 
     async def ready(self) -> None:
+        if self._embedded_settings is not None:  # serving (and campaigning) before the router is
+            streams = self.executor.streams
+            self.embedded = await embedded.start(self._runtime, self._embedded_settings, streams)
         for mirror in self.mirrors:
             mirror.start()
         for mirror in self.mirrors:
@@ -307,6 +345,8 @@ class RouterComponent(ServiceComponent):
             await mirror.close()
         await self.executor.streams.close()
         await self.channels.close()
+        if self.embedded is not None:  # after this router's hops: they may have run on it
+            await self.embedded.shutdown()
 
 
 async def build(runtime: ServiceRuntime, settings: RouterSettings) -> RouterComponent:

@@ -46,6 +46,7 @@ class OverheadOptions:
     speed: float = 10_000.0  # the sim worker's --sim-speed
     policy: str | None = None  # the scheduler's --policy (default: its own)
     python: str = sys.executable  # what runs the services (a profiler wrapper, say)
+    embedded_scheduler: bool = False  # the router runs the scheduler in its process
 
 
 class CallFailed(Exception):
@@ -55,11 +56,20 @@ class CallFailed(Exception):
 def start_overhead_stack(state_dir: Path, options: OverheadOptions) -> LocalStack:
     """etcd, router, scheduler, memory-pool, cache and one sim worker, all serving,
     the model mapped and the 1-hop and N-hop chains stored."""
-    stack = LocalStack(state_dir, StackPorts.free(), lease_ttl_s=10, fresh_etcd=True, python=options.python)
+    policy_flags = ["--policy", options.policy] if options.policy else []
+    stack = LocalStack(
+        state_dir,
+        StackPorts.free(),
+        lease_ttl_s=10,
+        fresh_etcd=True,
+        python=options.python,
+        embedded_scheduler=options.embedded_scheduler,
+        scheduler_flags=policy_flags,
+    )
     try:
         stack.start_etcd()
-        if options.policy:
-            stack.start_service("scheduler", ["--policy", options.policy])
+        if policy_flags and not options.embedded_scheduler:
+            stack.start_service("scheduler", policy_flags)
         stack.start_core()
         stack.load_models({MODEL: MODEL})
         stack.start_worker(MODEL, "sim", ["--sim-speed", str(options.speed)])

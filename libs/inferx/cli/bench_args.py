@@ -147,6 +147,12 @@ def _overhead_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--load-calls", type=int, default=1000, help="--overhead: closed-loop calls per path (1000)"
     )
+    group.add_argument(
+        "--embedded-scheduler",
+        action="store_true",
+        help="--overhead: the router runs the scheduler in its own process (inferx-router "
+        "--embedded-scheduler) instead of a scheduler process",
+    )
 
 
 def _peer_arguments(parser: argparse.ArgumentParser) -> None:

@@ -112,6 +112,7 @@ async def cmd_overhead(args: argparse.Namespace, progress, out: Console, err: Co
         load_calls=args.load_calls,
         speed=args.speed,
         policy=args.policy,
+        embedded_scheduler=args.embedded_scheduler,
     )
     note = (lambda s: None) if args.json else (lambda s: err.print(s, style="dim"))
     context = {
@@ -123,7 +124,8 @@ async def cmd_overhead(args: argparse.Namespace, progress, out: Console, err: Co
     with tempfile.TemporaryDirectory(prefix="inferx-overhead-") as tmp:
         state = Path(args.state_dir) if args.state_dir else Path(tmp)
         state.mkdir(parents=True, exist_ok=True)
-        note(f"starting etcd, router, scheduler, memory-pool, cache, one sim worker (x{args.speed:g}) ...")
+        services = "router with its scheduler" if args.embedded_scheduler else "router, scheduler"
+        note(f"starting etcd, {services}, memory-pool, cache, one sim worker (x{args.speed:g}) ...")
         stack = await asyncio.to_thread(start_overhead_stack, state, options)
         try:
 
