@@ -300,6 +300,15 @@ class LocalStack:
         return f"127.0.0.1:{self.ports.router}"
 
     @property
+    def scheduler_address(self) -> str:
+        """The (first) scheduler: its process, or the one inside the router."""
+        if "scheduler" in self.services:
+            return self.services["scheduler"].address
+        if self.embedded_scheduler and self.ports.scheduler:
+            return f"127.0.0.1:{self.ports.scheduler}"
+        raise StackError("no scheduler started (an embedded one needs a fixed port to be found)")
+
+    @property
     def router_http_url(self) -> str:
         """The base URL of the router's OpenAI-compatible front ('' when it is off);
         https (the router's certificate, issued by `tls_ca`) unless insecure."""
@@ -537,6 +546,9 @@ class LocalStack:
             extra += ["--knowledge-base", str(self.knowledge_base)]
         if kind == "router" and self.embedded_scheduler:
             extra += ["--embedded-scheduler"]
+            scheduler_port = self.ports.replica_port("scheduler", replica)
+            if scheduler_port:  # the scheduler's usual port, now in the router's process
+                extra += ["--scheduler-port", str(scheduler_port)]
             if self.scheduler_flags:
                 extra += ["--scheduler-flags", shlex.join(self.scheduler_flags)]
         if kind == "router" and self.ports.router_http and (replica == 0 or step):
@@ -693,7 +705,12 @@ def read_models_file(path: Path) -> dict[str, str]:
 
 
 def run_foreground(
-    engine: str = "vllm", workers: int = 1, http_port: int = 8000, insecure: bool = False, replicas: int = 1
+    engine: str = "vllm",
+    workers: int = 1,
+    http_port: int = 8000,
+    insecure: bool = False,
+    replicas: int = 1,
+    embedded_scheduler: bool = False,
 ) -> int:
     """`inferx up`: start everything, load the examples, wait for Ctrl-C, stop everything."""
     root = Path.cwd()
@@ -716,6 +733,7 @@ def run_foreground(
         StackPorts(router_http=http_port),
         knowledge_base=examples / "knowledge_base.jsonl",
         insecure=insecure,
+        embedded_scheduler=embedded_scheduler,
     )
     stop_requested = False
 
@@ -729,7 +747,8 @@ def run_foreground(
         mapping = read_models_file(examples / "models.yaml")
         pool = sorted(set(mapping.values()))[0]
         step("etcd", lambda: stack.start_etcd())
-        what = "router, scheduler, memory-pool, cache" + (f" (x{replicas})" if replicas > 1 else "")
+        services = "router (scheduler inside)" if embedded_scheduler else "router, scheduler"
+        what = f"{services}, memory-pool, cache" + (f" (x{replicas})" if replicas > 1 else "")
         step(what, lambda: stack.start_core(replicas=replicas))
         stack.load_models(mapping)
         worker_extra = (

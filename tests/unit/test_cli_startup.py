@@ -105,3 +105,26 @@ def test_replicas_listen_on_their_kinds_port_plus_100_each() -> None:
     assert ports.replica_port("cache", 2) == 50254
     # the tests' free ports: every replica on a port of its own choosing
     assert StackPorts.free().replica_port("router", 1) == 0
+
+
+def test_up_with_embedded_scheduler_starts_routers_that_run_it_on_the_scheduler_s_port(
+    monkeypatch, tmp_path
+) -> None:
+    from inferx.cli.main import build_parser
+    from inferx.devstack import LocalStack, ManagedProcess, StackPorts
+
+    assert build_parser().parse_args(["up", "--embedded-scheduler"]).embedded_scheduler
+    assert not build_parser().parse_args(["up"]).embedded_scheduler
+    monkeypatch.setattr(ManagedProcess, "start", lambda self: None)  # argv only, nothing started
+    stack = LocalStack(
+        tmp_path,
+        StackPorts(),
+        insecure=True,
+        embedded_scheduler=True,
+        scheduler_flags=["--policy", "session-affinity"],
+    )
+    argv = [stack.start_service("router", replica=i).argv for i in range(2)]
+    for replica, args in enumerate(argv):
+        assert "--embedded-scheduler" in args
+        assert args[args.index("--scheduler-port") + 1] == str(50052 + 100 * replica)
+        assert args[args.index("--scheduler-flags") + 1] == "--policy session-affinity"

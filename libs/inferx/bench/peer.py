@@ -199,25 +199,35 @@ class EnvSpec:
     modes: tuple[str, ...] = ()  # a vllm-router process per mode, in front of the workers
     binary: str = PEER
     python: str = sys.executable
+    embedded_scheduler: bool = False  # InferX's router runs the scheduler in its process
 
 
 def start_environment(state_dir: Path, spec: EnvSpec) -> Environment:
     # Plaintext and no tokens (--insecure), as the vllm-router side runs: the comparison is
     # of scheduling and of each front's own cost, not of TLS.
+    scheduler_flags = ["--time-scale", str(spec.time_scale)]
     stack = LocalStack(
-        state_dir, StackPorts.free(), lease_ttl_s=10, fresh_etcd=True, python=spec.python, insecure=True
+        state_dir,
+        StackPorts.free(),
+        lease_ttl_s=10,
+        fresh_etcd=True,
+        python=spec.python,
+        insecure=True,
+        embedded_scheduler=spec.embedded_scheduler,
+        scheduler_flags=scheduler_flags,
     )
     env = Environment(stack, [])
     try:
         stack.start_etcd()
         if spec.inferx:
-            router_extra: list[str] = []
             for kind, extra in (
                 ("memory-pool", []),
-                ("scheduler", ["--time-scale", str(spec.time_scale)]),
+                ("scheduler", scheduler_flags),
                 ("cache", []),
-                ("router", router_extra),
+                ("router", []),
             ):
+                if kind == "scheduler" and spec.embedded_scheduler:
+                    continue  # the router runs it
                 stack.start_service(kind, extra)
             for proc in stack.services.values():
                 wait_serving(proc, READY_TIMEOUT_S)
@@ -251,9 +261,7 @@ def start_environment(state_dir: Path, spec: EnvSpec) -> Environment:
         if spec.inferx:
             from inferx.bench.live import _wait_workers_seen
 
-            asyncio.run(
-                _wait_workers_seen(stack.services["scheduler"].address, spec.workers, stack.transport)
-            )
+            asyncio.run(_wait_workers_seen(stack.scheduler_address, spec.workers, stack.transport))
             base = f"http://127.0.0.1:{stack.ports.router_http}"
             _wait_http(f"{base}/v1/models", lambda r: MODEL in r.text, stack.services["router"])
             env.fronts[INFERX] = base
@@ -603,6 +611,7 @@ class PeerOptions:
     # agent_http.DIAGNOSTICS (an end mark on each program's last call: an oracle; no
     # deadline header): what each costs InferX. Reported apart, never in the ratio.
     diagnostics: bool = False
+    embedded_scheduler: bool = False  # InferX's router runs the scheduler in its process
 
 
 def machine() -> str:
@@ -627,7 +636,13 @@ async def run_peer_bench(
             f"(x{options.overhead_speed:g}: engine time ~0) ..."
         )
         spec = EnvSpec(
-            1, options.overhead_speed, profile, inferx=True, modes=tuple(options.modes), binary=binary.path
+            1,
+            options.overhead_speed,
+            profile,
+            inferx=True,
+            modes=tuple(options.modes),
+            binary=binary.path,
+            embedded_scheduler=options.embedded_scheduler,
         )
         env = await asyncio.to_thread(start_environment, root / "overhead", spec)
         try:
@@ -700,6 +715,7 @@ async def _capacity_for_trace(
             time_scale=options.speed,
             modes=() if mode is None else (mode,),
             binary=binary.path,
+            embedded_scheduler=options.embedded_scheduler,
         )
         state = root / f"probe-{next(counter)}"
         probe_chains = probe_trace(trace, rate, ladder.probe_chains)

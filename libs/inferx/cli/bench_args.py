@@ -150,7 +150,7 @@ def _overhead_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--embedded-scheduler",
         action="store_true",
-        help="--overhead: the router runs the scheduler in its own process (inferx-router "
+        help="--overhead, --peer: InferX's router runs the scheduler in its own process (inferx-router "
         "--embedded-scheduler) instead of a scheduler process",
     )
 

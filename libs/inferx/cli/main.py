@@ -376,6 +376,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         insecure=args.insecure,
         replicas=args.replicas,
+        embedded_scheduler=args.embedded_scheduler,
     )
 
 
@@ -467,6 +468,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="instances of each of router, scheduler, memory-pool and cache (default 1); replica i "
         "listens on its kind's port + 100 x i (routers' HTTP fronts on --http-port + i), each "
         "registered in etcd; the schedulers elect one owner per model pool",
+    )
+    up.add_argument(
+        "--embedded-scheduler",
+        action="store_true",
+        help="each router runs the scheduler in its own process (inferx-router --embedded-scheduler): one "
+        "gRPC crossing fewer per model hop; no scheduler process is started",
     )
     up.add_argument(
         "--http-port",
