@@ -6,6 +6,7 @@ name is an error where it is configured), and tool_choice "required", named and
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -444,3 +445,14 @@ def test_tool_choice_none_streams_the_reply_as_written() -> None:
     chunks = stream_chunks(text, 3, parse=body.parses_tool_calls, tool_choice="none")
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == text
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_models_file_with_an_unknown_format_stops_inferx_up_naming_the_model(tmp_path: Path) -> None:
+    from inferx.devstack import StackError, read_models_file
+
+    path = tmp_path / "models.yaml"
+    path.write_text("models:\n  m: {pool: p, tool_call_format: mistral}\n  q: {pool: p}\n")
+    assert read_models_file(path) == {"m": {"pool": "p", "tool_call_format": MISTRAL}, "q": {"pool": "p"}}
+    path.write_text("models:\n  m: {pool: p, tool_call_format: Mistral}\n")
+    with pytest.raises(StackError, match="model 'm': unknown tool-call format 'Mistral'"):
+        read_models_file(path)
