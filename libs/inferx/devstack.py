@@ -30,10 +30,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import yaml
@@ -640,15 +640,23 @@ class LocalStack:
 
     # ----- configuration ------------------------------------------------------------
 
-    def load_models(self, mapping: dict[str, str]) -> None:
-        """Write model -> pool mappings to etcd (/inferx/v1/models/<model>)."""
+    def load_models(self, mapping: Mapping[str, str | Mapping[str, Any]]) -> None:
+        """Write model mappings to etcd (/inferx/v1/models/<model>): a pool name, or an
+        entry ({"pool": ..., "tool_call_format": ...}, checked: ValueError for a format
+        InferX does not know)."""
         from inferx import etcd
+        from inferx.pools import model_entry
+
+        entries = {
+            model: model_entry({"pool": spec} if isinstance(spec, str) else spec)
+            for model, spec in mapping.items()
+        }
 
         async def put() -> None:
             client = self.etcd_client()
             async with client:
-                for model, pool in mapping.items():
-                    await client.put(etcd.model_key(model).encode(), json.dumps({"pool": pool}).encode())
+                for model, entry in entries.items():
+                    await client.put(etcd.model_key(model).encode(), json.dumps(entry).encode())
 
         asyncio.run(put())
 
@@ -691,16 +699,21 @@ class LocalStack:
         self.stack_file.unlink(missing_ok=True)  # nothing to connect to any more
 
 
-def read_models_file(path: Path) -> dict[str, str]:
+def read_models_file(path: Path) -> dict[str, dict[str, str]]:
+    """model -> {pool: NAME} (and tool_call_format, when given: a known format, else a
+    StackError naming the model and the formats)."""
+    from inferx.pools import model_entry
+
     data = yaml.safe_load(path.read_text()) or {}
     models = data.get("models") if isinstance(data, dict) else None
     if not isinstance(models, dict):
         raise StackError(f"{path}: expected a top-level 'models:' mapping of model -> {{pool: NAME}}")
     mapping = {}
     for model, spec in models.items():
-        if not isinstance(spec, dict) or not isinstance(spec.get("pool"), str):
-            raise StackError(f"{path}: model '{model}': expected {{pool: NAME}}")
-        mapping[str(model)] = spec["pool"]
+        try:
+            mapping[str(model)] = model_entry(spec)
+        except ValueError as exc:
+            raise StackError(f"{path}: model '{model}': {exc}") from None
     return mapping
 
 
@@ -745,7 +758,7 @@ def run_foreground(
     signal.signal(signal.SIGTERM, on_signal)
     try:
         mapping = read_models_file(examples / "models.yaml")
-        pool = sorted(set(mapping.values()))[0]
+        pool = sorted({entry["pool"] for entry in mapping.values()})[0]
         step("etcd", lambda: stack.start_etcd())
         services = "router (scheduler inside)" if embedded_scheduler else "router, scheduler"
         what = f"{services}, memory-pool, cache" + (f" (x{replicas})" if replicas > 1 else "")
@@ -798,7 +811,7 @@ def step(what: str, action) -> None:
     print(f" ok ({time.monotonic() - started:.1f}s)", flush=True)
 
 
-def print_addresses(stack: LocalStack, mapping: dict[str, str], loaded: list[str]) -> None:
+def print_addresses(stack: LocalStack, mapping: dict[str, dict[str, str]], loaded: list[str]) -> None:
     """Plain lines, not a table: addresses must stay whole in any terminal width."""
     print("\nInferX is running:")
     rows = [("etcd", stack.etcd)] + list(stack.services.items()) + [(w.name, w) for w in stack.workers]
@@ -825,5 +838,5 @@ def print_addresses(stack: LocalStack, mapping: dict[str, str], loaded: list[str
         )
     else:
         print("  INSECURE: plaintext everywhere, no tokens (inferx up --insecure)")
-    print("  models: " + ", ".join(f"{m} -> pool {p}" for m, p in sorted(mapping.items())))
+    print("  models: " + ", ".join(f"{m} -> pool {e['pool']}" for m, e in sorted(mapping.items())))
     print("  chains: " + ", ".join(loaded))

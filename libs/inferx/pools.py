@@ -3,18 +3,40 @@
 A chain names models (`qwen-7b`); a deployment maps each model to a pool of workers
 in `/inferx/v1/models/<model>` (`{"pool": "tiny-llama"}`), so a laptop can serve
 `qwen-7b` and `qwen-72b` with one small model. A model with no mapping is its own pool.
+
+A mapping may also say how the model writes tool calls (`{"pool": ..., "tool_call_format":
+"mistral"}`, one of inferx.openai_compat.toolcalls.FORMATS); without it, the format the
+pool's workers register (their --tool-call-format, or what their chat template says),
+else the default (hermes).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from google.protobuf import json_format
 
 from inferx import etcd
+from inferx.errors import FailedPrecondition
+from inferx.openai_compat.toolcalls import DEFAULT_FORMAT, FORMATS, check_format
 from inferx.v1 import common_pb2
+
+
+def model_entry(spec: Any) -> dict[str, str]:
+    """A model mapping's value, checked: {"pool": NAME} with an optional known
+    "tool_call_format". ValueError naming what is wrong."""
+    if not isinstance(spec, Mapping) or not isinstance(spec.get("pool"), str) or not spec["pool"]:
+        raise ValueError("expected {pool: NAME} (and optionally tool_call_format)")
+    entry = {"pool": str(spec["pool"])}
+    if spec.get("tool_call_format") is not None:
+        entry["tool_call_format"] = check_format(spec["tool_call_format"])
+    return entry
+
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +46,9 @@ class PoolDirectory:
     """Live view of models and workers; fed by PrefixMirror callbacks."""
 
     model_to_pool: dict[str, str] = field(default_factory=dict)
+    # a mapping's tool-call format, and the mappings whose format is not one InferX knows
+    model_tool_formats: dict[str, str] = field(default_factory=dict)
+    model_problems: dict[str, str] = field(default_factory=dict)
     workers_by_pool: dict[str, dict[str, common_pb2.WorkerInfo]] = field(default_factory=dict)
 
     def pool_of(self, model: str) -> str:
@@ -35,15 +60,50 @@ class PoolDirectory:
     def all_workers(self) -> list[common_pb2.WorkerInfo]:
         return [w for pool in self.workers_by_pool.values() for w in pool.values()]
 
+    def tool_call_format(self, model: str) -> str:
+        """How `model` writes tool calls: its mapping's format, else the one its pool's
+        workers register (the most of them, should they differ), else the default.
+        FailedPrecondition when the mapping or a worker names a format InferX does not
+        know (never a silent default)."""
+        if model in self.model_problems:
+            raise FailedPrecondition(self.model_problems[model])
+        if model in self.model_tool_formats:
+            return self.model_tool_formats[model]
+        named = Counter(w.tool_call_format for w in self.workers_for(model).values() if w.tool_call_format)
+        for name in named:
+            if name not in FORMATS:
+                raise FailedPrecondition(
+                    f"a worker of model '{model}' registers tool-call format {name!r}, which this router "
+                    f"does not know ({', '.join(FORMATS)}); set the model mapping's tool_call_format"
+                )
+        if not named:
+            return DEFAULT_FORMAT
+        return min(named, key=lambda name: (-named[name], name))
+
     def update_models(self, items: dict[str, bytes]) -> None:
         mapping: dict[str, str] = {}
+        formats: dict[str, str] = {}
+        problems: dict[str, str] = {}
         for key, value in items.items():
             model = key.removeprefix(etcd.MODELS)
             try:
-                mapping[model] = str(json.loads(value)["pool"])
+                raw = json.loads(value)
+                mapping[model] = str(raw["pool"])
             except (ValueError, KeyError, TypeError):
                 log.warning("ignoring malformed model mapping at %s: %r", key, value[:200])
+                continue
+            try:
+                entry = model_entry(raw)
+            except ValueError as exc:
+                # The model still serves calls; those that offer tools are refused, naming this.
+                problems[model] = f"the model mapping at {key}: {exc}"
+                log.error("%s", problems[model])
+                continue
+            if "tool_call_format" in entry:
+                formats[model] = entry["tool_call_format"]
         self.model_to_pool = mapping
+        self.model_tool_formats = formats
+        self.model_problems = problems
 
     def update_workers(self, items: dict[str, bytes]) -> None:
         by_pool: dict[str, dict[str, common_pb2.WorkerInfo]] = {}

@@ -28,7 +28,7 @@ from inferx.auth.model import Principal
 from inferx.httpserve import EmbeddedHttpServer
 from inferx.limits import RequestLimits
 from inferx.openai_compat import schema
-from inferx.openai_compat.errors import BodyTooLarge
+from inferx.openai_compat.errors import BodyTooLarge, ToolChoiceNotFollowed
 from inferx.openai_compat.identity import ProgramIdentity, parse_identity
 from inferx.openai_http import error_reply_body, guarded, http_error
 from inferx_router.access import AccessControl
@@ -107,15 +107,15 @@ class OpenAIFront:
         identity = parse_identity(request.headers, data)  # headers, agentic_context, sessions
         body = schema.validate_body(kind, data)
         call = self._calls.prepare(body)
+        tool_format = self._calls.tool_call_format(body)  # before the call: a bad mapping refuses it
         parent = telemetry.context_from_headers(request.headers)  # the caller's traceparent
         created = int(time.time())
-        chat = isinstance(body, schema.ChatCompletionRequest)
         if body.stream:
-            return await self._stream(who, identity, call, body, created, chat=chat, parent=parent)
+            return await self._stream(who, identity, call, body, created, tool_format, parent=parent)
         result = await self._calls.call(who, identity, call, parent=parent)
         done = result.done
         usage = _usage(done)
-        if chat:
+        if isinstance(body, schema.ChatCompletionRequest):
             reply = schema.chat_completion(
                 call.call_id,
                 created,
@@ -123,7 +123,9 @@ class OpenAIFront:
                 done.text,
                 done.finish_reason,
                 usage,
-                parse_tool_calls=_parses_tool_calls(body),
+                parse_tool_calls=body.parses_tool_calls,
+                tool_format=tool_format,
+                tool_choice=body.tool_choice,
             )
         else:
             reply = schema.text_completion(
@@ -138,8 +140,8 @@ class OpenAIFront:
         call: Call,
         body: schema.CallRequest,
         created: int,
+        tool_format: str,
         *,
-        chat: bool,
         parent: otel_context.Context | None,
     ) -> Response:
         """Server-sent events in OpenAI's chunk format. The response starts with the
@@ -152,9 +154,17 @@ class OpenAIFront:
             await pieces.aclose()
             raise
         model, call_id = body.model, call.call_id
+        chat_body = body if isinstance(body, schema.ChatCompletionRequest) else None
+        chat = chat_body is not None
         object_ = "chat.completion.chunk" if chat else "text_completion"
-
-        chat_chunks = schema.ChatChunks(call_id, created, model, parse_tool_calls=_parses_tool_calls(body))
+        chat_chunks = schema.ChatChunks(
+            call_id,
+            created,
+            model,
+            parse_tool_calls=chat_body is not None and chat_body.parses_tool_calls,
+            tool_format=tool_format,
+            tool_choice=chat_body.tool_choice if chat_body is not None else None,
+        )
 
         def chunks(text: str | None, reason: str | None) -> list[dict[str, Any]]:
             if chat:  # tool calls are read out of the text as it comes
@@ -175,7 +185,12 @@ class OpenAIFront:
                     yield schema.sse(error_reply_body(exc, SERVICE))
                     return
                 done = piece.done
-                for payload in chunks(None, done.finish_reason):
+                try:
+                    last = chunks(None, done.finish_reason)
+                except ToolChoiceNotFollowed as exc:  # what was held back fails the call
+                    yield schema.sse(error_reply_body(exc, SERVICE))
+                    return
+                for payload in last:
                     yield schema.sse(payload)
                 if body.include_usage:
                     yield schema.sse(schema.usage_chunk(call_id, created, model, object_, _usage(done)))
@@ -190,10 +205,6 @@ class OpenAIFront:
 
 def _call_headers(result: CallDone) -> dict[str, str]:
     return {WORKER_HEADER: result.done.worker_id, RUN_HEADER: result.run_id}
-
-
-def _parses_tool_calls(body: schema.CallRequest) -> bool:
-    return isinstance(body, schema.ChatCompletionRequest) and body.parses_tool_calls
 
 
 def _usage(done: HopDone) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from inferx.openai_compat import schema
 from inferx.openai_compat.errors import InvalidField, ModelNotFound
 from inferx.openai_compat.identity import MAX_DEADLINE_MS, ProgramIdentity, identity_of_fields
 from inferx.openai_compat.render import chat_json, render_chat
+from inferx.openai_compat.toolcalls import DEFAULT_FORMAT
 from inferx.pools import PoolDirectory
 from inferx.v1 import common_pb2, router_pb2
 from inferx_router import metrics
@@ -91,6 +92,14 @@ class ProgramCalls:
         """Models mapped in etcd, and pools with live workers (a pool is a model too)."""
         pools = {pool for pool, workers in self._directory.workers_by_pool.items() if workers}
         return sorted(set(self._directory.model_to_pool) | pools)
+
+    def tool_call_format(self, body: schema.CallRequest) -> str:
+        """The format tool calls are read out of the reply in (pools.PoolDirectory:
+        the model mapping's, else its workers'); FailedPrecondition for one InferX does
+        not know, when the call offers tools."""
+        if isinstance(body, schema.ChatCompletionRequest) and body.parses_tool_calls:
+            return self._directory.tool_call_format(body.model)
+        return DEFAULT_FORMAT
 
     def prepare(self, body: schema.CallRequest) -> Call:
         """The call a validated body asks for (chat messages rendered into its prompt)."""

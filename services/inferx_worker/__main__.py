@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from inferx import etcd
 from inferx.httpserve import EmbeddedHttpServer
+from inferx.openai_compat.toolcalls import detect_format
 from inferx.server import ServiceComponent, ServiceRuntime, run_service, to_json_bytes
 from inferx.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from inferx_worker.config import WorkerSettings
@@ -65,10 +66,17 @@ class WorkerComponent(ServiceComponent):
             block_size=capacity.block_size,
             host_kv_capacity_tokens=capacity.host_kv_capacity_tokens,
             host_kv_load_tokens_per_s=capacity.host_kv_load_tokens_per_s,
+            tool_call_format=self._tool_call_format(),
         )
         key = etcd.worker_key(self._settings.model, self._runtime.instance_id)
         await self._runtime.leases.put(key, to_json_bytes(info))
         log.info("worker registered at %s: %s", key, info)
+
+    def _tool_call_format(self) -> str:
+        """--tool-call-format, else what the chat template says ("" when it says nothing)."""
+        if self._settings.tool_call_format != "auto":
+            return self._settings.tool_call_format
+        return detect_format(self._engine.chat_template_source()) or ""
 
     async def ending_streams(self) -> None:
         hub = self._engine.kv_events()

@@ -74,6 +74,12 @@ class WorkerSettings(ServiceSettings):
     prefix_caching: bool = Field(
         True, description="vllm, sim: automatic prefix caching (off: for A/B benchmarks)"
     )
+    tool_call_format: str = Field(
+        "auto",
+        description="how the model writes tool calls, registered for the routers: hermes (<tool_call> "
+        "blocks), llama3_json (a reply of JSON calls), mistral ([TOOL_CALLS]); auto: what the model's "
+        "chat template says (none known: the router's default, hermes)",
+    )
     warm_up: bool = Field(True, description="run one short request before reporting ready")
     openai_http_port: int = Field(
         0,
@@ -90,6 +96,13 @@ class WorkerSettings(ServiceSettings):
         from inferx_worker.engines.registry import engine_info
 
         return engine_info(value).name  # ValueError names the registered engines
+
+    @field_validator("tool_call_format")
+    @classmethod
+    def _known_format(cls, value: str) -> str:
+        from inferx.openai_compat.toolcalls import check_format
+
+        return value if value == "auto" else check_format(value)  # ValueError names the formats
 
     @field_validator("model")
     @classmethod

@@ -1,6 +1,8 @@
 """Tool-calling agents through the router's OpenAI-compatible front: a real agent
 framework (the OpenAI Agents SDK, `openai-agents`) runs a multi-step tool-calling loop,
-and the plain `openai` SDK gets `tool_calls` whole and streamed.
+and the plain `openai` SDK gets `tool_calls` whole and streamed, in the tiny template's
+Hermes format and, for models mapped with another `tool_call_format`, in Mistral's and
+Llama 3's; tool_choice "required" and named are checked on the reply.
 
 The workers are SIMULATED sim workers with a script (`--sim-script`: when the rendered
 prompt holds X, reply Y, where Y may be a tool call in the chat template's format) and
@@ -12,7 +14,9 @@ template, the parsing into OpenAI's shapes, one program on one worker, the prefi
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +36,7 @@ from agents import (
 )
 from openai.types.chat import ChatCompletionFunctionToolParam
 
+from inferx import etcd
 from inferx.devstack import LocalStack
 from inferx.tinymodel import make_tiny_model
 from inferx_router.http_front import WORKER_HEADER
@@ -64,7 +69,25 @@ SCRIPT = [
         "when": "Compare orders 8 and 9",
         "reply": call("lookup_order", order_id="8") + call("lookup_order", order_id="9"),
     },
+    # Other formats, for the models mapped to them (MAPPED below): Mistral's, Llama 3's.
+    {
+        "when": "Mistral: where are orders 3 and 4?",
+        "reply": 'Checking.[TOOL_CALLS]lookup_order[ARGS]{"order_id": "3"}'
+        '[TOOL_CALLS]lookup_order[ARGS]{"order_id": "4"}',
+    },
+    {
+        "when": "Llama: where is order 5?",
+        "reply": '<|python_tag|>{"name": "lookup_order", "parameters": {"order_id": "5"}}',
+    },
+    {"when": "Just say hello", "reply": "Hello!"},
 ]
+
+# Models served by the same workers (pool tiny-llama, whose template is Hermes's) whose
+# mappings say how their replies are read: the mapping wins over the workers' format.
+MAPPED = {
+    "mistral-7b": {"pool": "tiny-llama", "tool_call_format": "mistral"},
+    "llama-8b": {"pool": "tiny-llama", "tool_call_format": "llama3_json"},
+}
 
 TOOL_SPEC: ChatCompletionFunctionToolParam = {
     "type": "function",
@@ -88,7 +111,17 @@ def agent_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack
     script.write_text(yaml.safe_dump(SCRIPT, sort_keys=False))
     args = ["--model-path", str(model_dir), "--sim-script", str(script)]
     with running_sim_stack(root / "stack", workers=2, sim_speed=20, worker_args=args) as stack:
+        stack.load_models(MAPPED)
+        wait_for_models(stack, set(MAPPED))
         yield stack
+
+
+def wait_for_models(stack: LocalStack, names: set[str]) -> None:
+    """Until the router's mirror of the model mappings has `names`."""
+    deadline = time.monotonic() + 10
+    while not names <= {m.id for m in sdk(stack).models.list()}:
+        assert time.monotonic() < deadline, "the router did not see the model mappings"
+        time.sleep(0.05)
 
 
 class Recorder:
@@ -240,3 +273,120 @@ def test_the_script_is_matched_against_the_templates_rendering(tmp_path: Path) -
     chat = Chat.from_json(chat_json(history))
     assert str(SCRIPT[1]["when"]) in template.render(chat.messages)
     assert str(SCRIPT[1]["when"]) not in render_chat(history)
+
+
+# ----- other formats, format selection, tool_choice --------------------------------------
+
+
+async def registered_formats(stack: LocalStack) -> list[str]:
+    async with stack.etcd_client() as client:
+        listing = await client.get_prefix(etcd.WORKERS.encode())
+    return [json.loads(kv.value).get("toolCallFormat", "") for kv in listing]
+
+
+def test_workers_register_the_format_their_chat_template_asks_for(agent_stack: LocalStack) -> None:
+    assert asyncio.run(registered_formats(agent_stack)) == ["hermes", "hermes"]  # the tiny template
+
+
+def test_a_model_mapped_to_mistrals_format_gets_its_tool_calls(agent_stack: LocalStack) -> None:
+    reply = sdk(agent_stack).chat.completions.create(
+        model="mistral-7b",
+        messages=[{"role": "user", "content": "Mistral: where are orders 3 and 4?"}],
+        tools=[TOOL_SPEC],
+        max_tokens=96,
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+    calls = choice.message.tool_calls or []
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [  # type: ignore[union-attr]
+        ("lookup_order", {"order_id": "3"}),
+        ("lookup_order", {"order_id": "4"}),
+    ]
+    # The Hermes model on the same workers reads the same reply as text.
+    hermes = sdk(agent_stack).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Mistral: where are orders 3 and 4?"}],
+        tools=[TOOL_SPEC],
+        max_tokens=96,
+    )
+    assert not hermes.choices[0].message.tool_calls and "[TOOL_CALLS]" in str(
+        hermes.choices[0].message.content
+    )
+
+
+def test_a_llama_model_streams_its_json_tool_call(agent_stack: LocalStack) -> None:
+    with sdk(agent_stack).chat.completions.stream(
+        model="llama-8b",
+        messages=[{"role": "user", "content": "Llama: where is order 5?"}],
+        tools=[TOOL_SPEC],
+        tool_choice={"type": "function", "function": {"name": "lookup_order"}},
+        max_tokens=96,
+    ) as stream:
+        final = stream.get_final_completion()
+    (tool_call,) = final.choices[0].message.tool_calls or []
+    assert tool_call.function.name == "lookup_order"
+    assert json.loads(tool_call.function.arguments) == {"order_id": "5"}
+    assert not final.choices[0].message.content
+
+
+def test_required_tool_choice_without_a_call_in_the_reply_is_an_error(agent_stack: LocalStack) -> None:
+    request = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Just say hello"}],
+        "tools": [TOOL_SPEC],
+        "tool_choice": "required",
+        "max_tokens": 32,
+    }
+    with pytest.raises(openai.InternalServerError) as raised:
+        sdk(agent_stack).chat.completions.create(**request)  # type: ignore[call-overload]
+    assert raised.value.status_code == 500
+    assert raised.value.code == "tool_choice_not_followed" and "Hello!" in raised.value.message
+    # Streamed: nothing of the reply is sent, the stream ends with the error event.
+    with httpx.stream(
+        "POST",
+        f"{agent_stack.router_http_url}/chat/completions",
+        json={**request, "stream": True},
+        timeout=30,
+    ) as response:
+        assert response.status_code == 200
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert "Hello" not in "".join(events[:-1])
+    assert json.loads(events[-1])["error"]["code"] == "tool_choice_not_followed"
+
+
+def test_a_named_function_not_among_the_tools_is_a_400(agent_stack: LocalStack) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        sdk(agent_stack).chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Where is order 7?"}],
+            tools=[TOOL_SPEC],
+            tool_choice={"type": "function", "function": {"name": "refund"}},
+            max_tokens=32,
+        )
+    assert raised.value.param == "tool_choice" and "'refund' is not among" in raised.value.message
+
+
+async def put_mapping(stack: LocalStack, model: str, value: dict) -> None:
+    async with stack.etcd_client() as client:
+        await client.put(etcd.model_key(model).encode(), json.dumps(value).encode())
+
+
+def test_a_mapping_with_an_unknown_format_refuses_tool_calls_naming_it(agent_stack: LocalStack) -> None:
+    # Written around inferx's checks (load_models refuses it), as a hand-edited etcd would.
+    asyncio.run(put_mapping(agent_stack, "odd-model", {"pool": "tiny-llama", "tool_call_format": "pythonic"}))
+    wait_for_models(agent_stack, {"odd-model"})
+    with pytest.raises(openai.BadRequestError) as raised:
+        sdk(agent_stack).chat.completions.create(
+            model="odd-model",
+            messages=[{"role": "user", "content": "Where is order 7?"}],
+            tools=[TOOL_SPEC],
+            max_tokens=32,
+        )
+    assert "unknown tool-call format 'pythonic'" in raised.value.message
+    assert raised.value.code == "failed_precondition"
+    plain = sdk(agent_stack).chat.completions.create(  # without tools it serves as ever
+        model="odd-model", messages=[{"role": "user", "content": "Just say hello"}], max_tokens=32
+    )
+    assert plain.choices[0].message.content == "Hello!"
+    with pytest.raises(ValueError, match="unknown tool-call format 'pythonic'"):
+        agent_stack.load_models({"odd-model": {"pool": "tiny-llama", "tool_call_format": "pythonic"}})

@@ -415,7 +415,7 @@ def test_inferx_up_says_where_the_ca_and_the_admin_token_are(
     monkeypatch.chdir(tmp_path)
     stack = LocalStack(tmp_path / ".inferx", StackPorts())
     stack.admin_token = "ixt_x"
-    print_addresses(stack, {"qwen-7b": "tiny-llama"}, [])
+    print_addresses(stack, {"qwen-7b": {"pool": "tiny-llama"}}, [])
     printed = capsys.readouterr().out
     assert "CA .inferx/tls/ca.pem" in printed and "admin token: .inferx/admin.token (0600)" in printed
     assert "https://127.0.0.1:8000/v1" in printed

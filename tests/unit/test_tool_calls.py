@@ -1,7 +1,8 @@
 """Tool calls read out of a model's text (inferx.openai_compat.toolcalls) and sent in
 OpenAI's shapes, whole and streamed: well-formed Hermes/Qwen blocks become tool calls,
 anything else stays content, never an error; a stream, however the text is cut, says
-what the whole reply says. The bodies are checked against the `openai` SDK's types."""
+what the whole reply says. The bodies are checked against the `openai` SDK's types.
+The other formats (Llama 3 JSON, Mistral) and tool_choice: test_tool_call_formats.py."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from inferx.openai_compat import schema
-from inferx.openai_compat.toolcalls import ToolCall, ToolCallParser, parse_block, split_tool_calls
+from inferx.openai_compat.toolcalls import ToolCall, parse_block, parser_for, split_tool_calls
 
 
 def ids():
@@ -99,9 +100,9 @@ _pieces = st.sampled_from(
 _garbage = st.lists(st.one_of(_pieces, st.text(max_size=6)), max_size=30).map("".join)
 
 
-def _stream(text: str, cuts: list[int]) -> tuple[str, list[ToolCall]]:
+def stream(text: str, cuts: list[int], format_: str = "hermes") -> tuple[str, list[ToolCall]]:
     """Content joined and calls, feeding `text` in pieces cut at `cuts`."""
-    parser = ToolCallParser(ids())
+    parser = parser_for(format_, ids())
     bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
     events = []
     for start, end in itertools.pairwise(bounds):
@@ -117,7 +118,7 @@ def _stream(text: str, cuts: list[int]) -> tuple[str, list[ToolCall]]:
 @given(text=_garbage, cuts=st.lists(st.integers(min_value=0, max_value=500), max_size=12))
 def test_any_text_cut_anyhow_streams_what_the_whole_reply_says(text: str, cuts: list[int]) -> None:
     whole_content, whole_calls = split_tool_calls(text, ids())
-    content, calls = _stream(text, cuts)
+    content, calls = stream(text, cuts)
     assert calls == whole_calls
     assert content == (whole_content or "")
     if not calls:
@@ -177,8 +178,18 @@ def test_a_chat_completion_with_tool_calls_is_what_the_sdk_parses() -> None:
     assert plain["choices"][0]["finish_reason"] == "stop"
 
 
-def _stream_chunks(text: str, pieces: int, parse: bool = True) -> list[dict]:
-    chunks = schema.ChatChunks("chatcmpl-1", 0, "m", parse_tool_calls=parse, new_id=ids())
+def stream_chunks(
+    text: str, pieces: int, parse: bool = True, format_: str = "hermes", tool_choice: object = None
+) -> list[dict]:
+    chunks = schema.ChatChunks(
+        "chatcmpl-1",
+        0,
+        "m",
+        parse_tool_calls=parse,
+        tool_format=format_,
+        tool_choice=tool_choice,  # type: ignore[arg-type]
+        new_id=ids(),
+    )
     size = max(1, len(text) // pieces)
     out = [chunks.start()]
     for start in range(0, len(text), size):
@@ -188,7 +199,7 @@ def _stream_chunks(text: str, pieces: int, parse: bool = True) -> list[dict]:
 
 def test_a_streamed_reply_sends_each_tool_call_as_openai_does() -> None:
     text = "On it.\n" + block("lookup_order", {"order_id": "7"}) + "\n" + block("track", {"id": "T"})
-    chunks = [ChatCompletionChunk.model_validate(c) for c in _stream_chunks(text, pieces=9)]
+    chunks = [ChatCompletionChunk.model_validate(c) for c in stream_chunks(text, pieces=9)]
     deltas = [c.choices[0].delta for c in chunks]
     assert deltas[0].role == "assistant"
     assert "".join(d.content or "" for d in deltas) == "On it."
@@ -209,7 +220,7 @@ def test_a_streamed_reply_sends_each_tool_call_as_openai_does() -> None:
 
 def test_a_streamed_reply_without_tools_offered_is_plain_content() -> None:
     text = block("f", {})
-    chunks = _stream_chunks(text, pieces=3, parse=False)
+    chunks = stream_chunks(text, pieces=3, parse=False)
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == text
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
@@ -217,7 +228,7 @@ def test_a_streamed_reply_without_tools_offered_is_plain_content() -> None:
 @settings(max_examples=100, deadline=None)
 @given(text=_garbage, pieces=st.integers(min_value=1, max_value=20))
 def test_streamed_garbage_gives_valid_chunks_that_add_up_to_the_whole_reply(text: str, pieces: int) -> None:
-    chunks = [ChatCompletionChunk.model_validate(c) for c in _stream_chunks(text, pieces)]
+    chunks = [ChatCompletionChunk.model_validate(c) for c in stream_chunks(text, pieces)]
     whole = ChatCompletion.model_validate(
         schema.chat_completion(
             "c", 0, "m", text, "stop", schema.usage(1, 1, 0), parse_tool_calls=True, new_id=ids()

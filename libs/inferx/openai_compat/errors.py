@@ -19,6 +19,7 @@ from inferx.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InferxError,
+    Internal,
     InvalidArgument,
     NotFound,
     PermissionDenied,
@@ -57,6 +58,23 @@ class ModelNotFound(NotFound):
         super().__init__(f"The model '{model}' does not exist (GET /v1/models lists the models served)")
         self.param = "model"
         self.code_name = "model_not_found"
+
+
+class ToolChoiceNotFollowed(Internal):
+    """The call said tool_choice "required" (or named a function) and the model's reply
+    has no such tool call. vLLM enforces tool_choice by constraining decoding; InferX
+    runs engines it cannot constrain, so it checks the reply instead and answers a 500
+    (`server_error`, code `tool_choice_not_followed`) rather than a reply that breaks
+    the promise; a retry samples again."""
+
+    def __init__(self, choice: str, reply: str) -> None:
+        shown = reply if len(reply) <= 200 else reply[:200] + "..."
+        super().__init__(
+            f"tool_choice {choice}: the model's reply has no such tool call (InferX checks the "
+            f"reply; it cannot constrain the model's decoding); the reply was {shown!r}"
+        )
+        self.param = "tool_choice"
+        self.code_name = "tool_choice_not_followed"
 
 
 @dataclass(frozen=True)

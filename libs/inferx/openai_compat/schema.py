@@ -7,16 +7,31 @@ import json
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from inferx.openai_compat.errors import InvalidField
-from inferx.openai_compat.toolcalls import Content, Event, ToolCallParser, new_call_id, split_tool_calls
+from inferx.openai_compat.errors import InvalidField, ToolChoiceNotFollowed
+from inferx.openai_compat.toolcalls import (
+    DEFAULT_FORMAT,
+    Content,
+    Event,
+    ToolCall,
+    new_call_id,
+    parser_for,
+    split_tool_calls,
+)
 from inferx.tokens import DEFAULT_MAX_TOKENS
 
 # Fields OpenAI defines that InferX accepts and ignores (documented in the README):
 # stop, top_p, seed, presence_penalty, frequency_penalty, logit_bias, user, metadata,
 # response_format, parallel_tool_calls, store, ... Unknown keys are ignored as well.
 _LENIENT = ConfigDict(extra="ignore")
+
+TOOL_CHOICES = ("auto", "none", "required")
+
+
+def _tool_name(tool: dict[str, Any]) -> Any:
+    function = tool.get("function")
+    return function.get("name") if isinstance(function, dict) else None
 
 
 class ContentPart(BaseModel):
@@ -85,6 +100,29 @@ class ChatCompletionRequest(CallRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
+    @field_validator("tool_choice")
+    @classmethod
+    def _known_choice(cls, value: Any, info: ValidationInfo) -> Any:
+        """OpenAI's choices; "required" and a named function need `tools` (and the name
+        one of them), as OpenAI's API and vLLM's server say."""
+        if value is None:
+            return value
+        if isinstance(value, str):
+            if value not in TOOL_CHOICES:
+                choices = ", ".join(TOOL_CHOICES)
+                raise ValueError(f"expected one of {choices} or a named function, got {value!r}")
+            if value == "required" and not info.data.get("tools"):
+                raise ValueError('"required" needs tools')
+            return value
+        function = value.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if value.get("type") != "function" or not isinstance(name, str) or not name:
+            raise ValueError('expected {"type": "function", "function": {"name": "..."}}')
+        offered = [_tool_name(tool) for tool in info.data.get("tools") or []]
+        if name not in offered:
+            raise ValueError(f"function {name!r} is not among the call's tools")
+        return value
+
     def output_tokens(self) -> int:
         return self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
 
@@ -96,6 +134,31 @@ class ChatCompletionRequest(CallRequest):
         """Tool calls are read out of the reply when the call offers tools (and does not
         say tool_choice "none")."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forced_tool(self) -> str | None:
+        """The function a named tool_choice names."""
+        return forced_tool(self.tool_choice)
+
+
+def forced_tool(tool_choice: str | dict[str, Any] | None) -> str | None:
+    """The function a named tool_choice (`{"type": "function", "function": {"name": ...}}`)
+    names; None for the others."""
+    if not isinstance(tool_choice, dict):
+        return None
+    function = tool_choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def check_tool_choice(tool_choice: str | dict[str, Any] | None, calls: list[ToolCall], text: str) -> None:
+    """ToolChoiceNotFollowed when tool_choice "required" got a reply without tool calls,
+    or a named function a reply without calls or with calls to other functions."""
+    name = forced_tool(tool_choice)
+    if tool_choice == "required" and not calls:
+        raise ToolChoiceNotFollowed('"required"', text)
+    if name is not None and (not calls or any(call.name != name for call in calls)):
+        raise ToolChoiceNotFollowed(f"function {name!r}", text)
 
 
 class CompletionRequest(CallRequest):
@@ -194,18 +257,23 @@ def chat_completion(
     usage_: dict[str, Any],
     *,
     parse_tool_calls: bool = False,
+    tool_format: str = DEFAULT_FORMAT,
+    tool_choice: str | dict[str, Any] | None = None,
     new_id: Callable[[], str] = new_call_id,
 ) -> dict[str, Any]:
-    """With `parse_tool_calls`, tool calls in the text (inferx.openai_compat.toolcalls)
-    become `message.tool_calls` and the finish reason 'tool_calls'."""
+    """With `parse_tool_calls`, tool calls in the text (inferx.openai_compat.toolcalls,
+    in `tool_format`) become `message.tool_calls` and the finish reason 'tool_calls'
+    ('stop' for a named tool_choice, as OpenAI says). A reply that does not follow a
+    "required" or named `tool_choice` raises ToolChoiceNotFollowed."""
     message: dict[str, Any] = {"role": "assistant", "content": text}
     called = False
     if parse_tool_calls:
-        content, calls = split_tool_calls(text, new_id)
+        content, calls = split_tool_calls(text, new_id, tool_format)
+        check_tool_choice(tool_choice, calls, text)
         message["content"] = content
         if calls:
             message["tool_calls"] = [call.as_openai() for call in calls]
-            called = True
+            called = forced_tool(tool_choice) is None
     return {
         "id": call_id,
         "object": "chat.completion",
@@ -250,10 +318,13 @@ def chat_chunk(
 
 class ChatChunks:
     """The chunks of a streamed chat completion, as OpenAI sends them: the role first,
-    then content deltas as text arrives; with `parse_tool_calls`, each tool call as two
-    deltas (its index, id, type and name with empty arguments; then the arguments),
-    content held back only while it may be part of a call (ToolCallParser), and the
-    finish reason 'tool_calls' when the reply called tools."""
+    then content deltas as text arrives; with `parse_tool_calls`, each tool call (in
+    `tool_format`) as two deltas (its index, id, type and name with empty arguments;
+    then the arguments), content held back only while it may be part of a call
+    (toolcalls' parsers), and the finish reason 'tool_calls' when the reply called
+    tools ('stop' for a named tool_choice). With a "required" or named `tool_choice`
+    everything is held until the reply has ended, and `finish` raises
+    ToolChoiceNotFollowed when the reply does not follow it (nothing of it sent)."""
 
     def __init__(
         self,
@@ -262,13 +333,19 @@ class ChatChunks:
         model: str,
         *,
         parse_tool_calls: bool = False,
+        tool_format: str = DEFAULT_FORMAT,
+        tool_choice: str | dict[str, Any] | None = None,
         new_id: Callable[[], str] = new_call_id,
     ) -> None:
         self._head = (call_id, created, model)
-        self._parser = ToolCallParser(new_id) if parse_tool_calls else None
+        self._parser = parser_for(tool_format, new_id) if parse_tool_calls else None
+        self._choice = tool_choice
+        self._hold = parse_tool_calls and (tool_choice == "required" or forced_tool(tool_choice) is not None)
+        self._held: list[Event] = []
+        self._text_so_far: list[str] = []  # for ToolChoiceNotFollowed's message
 
     def _chunk(self, delta: dict[str, Any], reason: str | None = None) -> dict[str, Any]:
-        called = self._parser is not None and bool(self._parser.calls)
+        called = self._parser is not None and bool(self._parser.calls) and forced_tool(self._choice) is None
         return chat_chunk(*self._head, delta, reason, tool_calls=called)
 
     def start(self) -> dict[str, Any]:
@@ -277,12 +354,21 @@ class ChatChunks:
     def text(self, piece: str) -> list[dict[str, Any]]:
         if self._parser is None:
             return [self._chunk({"content": piece})] if piece else []
-        return self._deltas(self._parser.feed(piece))
+        events = self._parser.feed(piece)
+        if self._hold:
+            self._text_so_far.append(piece)
+            self._held += events
+            return []
+        return self._deltas(events)
 
     def finish(self, engine_reason: str) -> list[dict[str, Any]]:
         """The held-back rest, then the chunk with the finish reason."""
-        rest = self._deltas(self._parser.finish()) if self._parser is not None else []
-        return [*rest, self._chunk({}, engine_reason)]
+        if self._parser is None:
+            return [self._chunk({}, engine_reason)]
+        events = self._held + self._parser.finish()
+        if self._hold:
+            check_tool_choice(self._choice, self._parser.calls, "".join(self._text_so_far))
+        return [*self._deltas(events), self._chunk({}, engine_reason)]
 
     def _deltas(self, events: list[Event]) -> list[dict[str, Any]]:
         chunks: list[dict[str, Any]] = []

@@ -89,6 +89,11 @@ class Engine(abc.ABC):
         inferx.chat_template.ChatTemplateError when the template refuses the chat."""
         return None
 
+    def chat_template_source(self) -> str | None:
+        """The model's chat template (Jinja text), None when this engine knows none:
+        the worker reads from it how the model writes tool calls."""
+        return None
+
     def count_tokens(self, prompt: str) -> int:
         """Prompt tokens as this engine counts them (an estimate unless overridden)."""
         return estimate_tokens(prompt)

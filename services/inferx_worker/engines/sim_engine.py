@@ -229,6 +229,9 @@ class SimEngine(Engine):
     def kv_events(self) -> KvEventHub:
         return self.hub
 
+    def chat_template_source(self) -> str | None:
+        return None if self.chat_template is None else self.chat_template.source
+
     def render_chat(self, chat: Chat) -> str | None:
         if self.chat_template is None:
             return None

@@ -370,6 +370,12 @@ class VllmEngine(Engine):
             raise ChatTemplateError(f"the chat template of {self.model_path} did not render text")
         return prompt
 
+    def chat_template_source(self) -> str | None:
+        template = getattr(self._require_engine().get_tokenizer(), "chat_template", None)
+        if isinstance(template, dict):  # named templates: the default one
+            template = template.get("default")
+        return template if isinstance(template, str) else None
+
     def count_tokens(self, prompt: str) -> int:
         """Exact: the model's own (Rust, fast) tokenizer."""
         return len(self._require_engine().get_tokenizer().encode(prompt))

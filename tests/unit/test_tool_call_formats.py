@@ -1,0 +1,458 @@
+"""Tool calls in the formats other than Hermes's (Llama 3 JSON, Mistral's [TOOL_CALLS]),
+the format chosen per model (chat template, model mapping, worker flag; an unknown
+name is an error where it is configured), and tool_choice "required", named and
+"none". The Hermes format's own cases are in test_tool_calls.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from inferx.errors import FailedPrecondition
+from inferx.openai_compat import schema
+from inferx.openai_compat.errors import InvalidField, ToolChoiceNotFollowed, error_reply
+from inferx.openai_compat.toolcalls import (
+    FORMATS,
+    ToolCall,
+    check_format,
+    detect_format,
+    parser_for,
+    split_tool_calls,
+)
+from inferx.pools import PoolDirectory, model_entry
+from inferx.v1 import common_pb2
+from tests.unit.test_tool_calls import block, ids, stream, stream_chunks
+
+LLAMA, MISTRAL = "llama3_json", "mistral"
+
+
+def llama(name: str, arguments: object) -> str:
+    return json.dumps({"name": name, "parameters": arguments})
+
+
+def named(calls: list[ToolCall]) -> list[tuple[str, object]]:
+    return [(call.name, json.loads(call.arguments)) for call in calls]
+
+
+# ----- Llama 3 JSON -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (llama("lookup_order", {"order_id": "7"}), [("lookup_order", {"order_id": "7"})]),
+        ("<|python_tag|>" + llama("f", {}), [("f", {})]),
+        ("\n <|python_tag|> " + llama("f", {"a": 1}) + "\n", [("f", {"a": 1})]),
+        (llama("f", {}) + "; " + llama("g", {"b": [1]}), [("f", {}), ("g", {"b": [1]})]),
+        (llama("f", {}) + ";" + llama("g", {}) + ";", [("f", {}), ("g", {})]),
+        (llama("f", {}) + "\n" + llama("g", {}), [("f", {}), ("g", {})]),  # one a line
+        ('{"name": "f", "arguments": {"x": "y"}}', [("f", {"x": "y"})]),
+        ('{"name": "f", "arguments": "{\\"x\\": 2}"}', [("f", {"x": 2})]),
+        ('{"name": "f"}', [("f", {})]),
+    ],
+)
+def test_a_llama_reply_of_json_calls_is_tool_calls_without_content(text: str, expected: list) -> None:
+    content, calls = split_tool_calls(text, ids(), LLAMA)
+    assert content is None and named(calls) == expected
+    assert [c.id for c in calls] == [f"call_{i}" for i in range(len(expected))]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "The order ships today.",
+        "Sure: " + llama("f", {}),  # prose first: a reply is calls only when it is nothing else
+        llama("f", {}) + " and that is all",
+        llama("f", {}) + "; not json",
+        '{"answer": 42}',  # JSON that is not a call
+        llama("f", {}) + "; " + '{"answer": 42}',  # one bad entry: none is read
+        '{"name": "f", "parameters": [1]}',
+        '{"name": "", "parameters": {}}',
+        '{"name": "f", "parameters": {"a": 1}',  # cut short
+        "<|python_tag|>",
+        "<|python_tag|>print('hi')",  # Llama's code-interpreter output is not a function call
+        "<|python",
+        "{",
+        "",
+        "  \n",
+    ],
+)
+def test_anything_else_from_a_llama_model_is_its_content_as_written(text: str) -> None:
+    assert split_tool_calls(text, ids(), LLAMA) == (text, [])
+
+
+def test_a_llama_reply_that_cannot_be_calls_streams_before_it_ends() -> None:
+    parser = parser_for(LLAMA, ids())
+    assert parser.feed("Hello") != []  # not '{' or <|python_tag|>: content at once
+    parser = parser_for(LLAMA, ids())
+    assert parser.feed('{"name": "f"') == []  # may be a call: held
+    assert parser.feed(', "parameters": {}} then prose')[0].text.startswith('{"name"')  # type: ignore[union-attr]
+    parser = parser_for(LLAMA, ids())
+    assert parser.feed("<|python_") == [] and parser.feed("tag|>") == []
+
+
+# ----- Mistral --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "expected"),
+    [
+        ('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]', None, [("f", {"a": 1})]),
+        (
+            '[TOOL_CALLS] [{"name": "f", "arguments": {}}, {"name": "g", "arguments": {"b": "c"}}]',
+            None,
+            [("f", {}), ("g", {"b": "c"})],
+        ),
+        ('Checking.\n[TOOL_CALLS][{"name": "f", "arguments": {}}]', "Checking.", [("f", {})]),
+        ('[TOOL_CALLS]{"name": "f", "arguments": {}}', None, [("f", {})]),  # a bare object
+        ('[TOOL_CALLS]lookup_order[ARGS]{"order_id": "7"}', None, [("lookup_order", {"order_id": "7"})]),
+        (
+            '[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{}',
+            None,
+            [("f", {"a": 1}), ("g", {})],
+        ),
+        ('[TOOL_CALLS]f{"a": 1}', None, [("f", {"a": 1})]),  # without [ARGS]
+        ('[TOOL_CALLS]f[ARGS]{"a": 1} Done.', " Done.", [("f", {"a": 1})]),  # text after stays
+    ],
+)
+def test_mistral_tool_calls_in_both_generations_of_the_format(
+    text: str, content: str | None, expected: list
+) -> None:
+    got_content, calls = split_tool_calls(text, ids(), MISTRAL)
+    assert got_content == content and named(calls) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "No tools needed. [1, 2] [TOOL] x",
+        "[TOOL_CALLS]",
+        "[TOOL_CALLS] not json",
+        '[TOOL_CALLS][{"name": "f", "arguments": {}}',  # cut short
+        '[TOOL_CALLS][{"name": "f", "arguments": {}}, {"oops": 1}]',  # one bad entry
+        "[TOOL_CALLS][]",
+        '[TOOL_CALLS]bad name[ARGS]{"a": 1}',
+        "[TOOL_CALLS]f[ARGS][1]",
+        "[TOOL_CALLS]f[ARGS]",
+        '[TOOL_CALLS]f[ARGS]{"a": 1} chat [TOOL_CALLS]g[ARGS]{}',  # text between calls
+        "[TOOL_CALLS][TOOL_CALLS]",
+        "[TOOL_CA",
+    ],
+)
+def test_a_malformed_mistral_section_stays_content_marker_and_all(text: str) -> None:
+    assert split_tool_calls(text, ids(), MISTRAL) == (text, [])
+
+
+def test_mistral_content_before_the_marker_streams_and_a_partial_marker_is_held() -> None:
+    parser = parser_for(MISTRAL, ids())
+    assert [e.text for e in parser.feed("On it [TOOL_")] == ["On it"]  # type: ignore[union-attr]
+    assert parser.feed('CALLS]f[ARGS]{"a": 1}') == []  # the section: held until the end
+    (call,) = parser.finish()
+    assert isinstance(call, ToolCall) and call.name == "f"
+
+
+# ----- every format: streamed == whole, garbage is content -----------------------------
+
+_calls_text = st.sampled_from(
+    [block("g", {"k": "v"}), llama("h", {"k": 1}), "<|python_tag|>" + llama("h", {})]
+    + ['[TOOL_CALLS][{"name": "m", "arguments": {}}]', '[TOOL_CALLS]m[ARGS]{"a": 1}', "[TOOL_CALLS]n{}"]
+)
+_pieces = st.sampled_from(
+    ["<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "[TOOL", "<|py"]
+    + ["{", "}", "[", "]", '"', ":", ",", ";", "\n", " ", "x", "é", "😀", "null", "{}"]
+    + ['"name"', '"arguments"', '"parameters"', '"f"', "f", '{"a": 1}']
+)
+_space = st.sampled_from(["", " ", "\n", "; "])
+# Text rich in what matters: markers whole and partial, JSON, whitespace, and whole calls
+# in each format, alone or among other text (so that some of it reads as calls).
+_garbage = st.one_of(
+    st.lists(st.one_of(_pieces, _calls_text, st.text(max_size=6)), max_size=30).map("".join),
+    st.lists(st.one_of(_calls_text, _space), min_size=1, max_size=6).map("".join),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    format_=st.sampled_from(FORMATS),
+    text=_garbage,
+    cuts=st.lists(st.integers(min_value=0, max_value=500), max_size=12),
+)
+def test_any_text_in_any_format_cut_anyhow_streams_what_the_whole_reply_says(
+    format_: str, text: str, cuts: list[int]
+) -> None:
+    whole_content, whole_calls = split_tool_calls(text, ids(), format_)
+    content, calls = stream(text, cuts, format_)
+    assert calls == whole_calls
+    assert content == (whole_content or "")
+    if not calls:
+        assert content == text  # nothing read as a call: every character is content
+    for call in calls:
+        assert isinstance(json.loads(call.arguments), dict) and call.name.strip()
+
+
+_names = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,9}", fullmatch=True)
+_arguments = st.dictionaries(st.text(max_size=6), st.integers() | st.text(max_size=6), max_size=3)
+
+
+def _write(format_: str, calls: list[tuple[str, dict]], v11: bool) -> str:
+    if format_ == "hermes":
+        return "\n".join(block(name, args) for name, args in calls)
+    if format_ == LLAMA:
+        return "<|python_tag|>" + "; ".join(llama(name, args) for name, args in calls)
+    if v11:
+        return "".join(f"[TOOL_CALLS]{name}[ARGS]{json.dumps(args)}" for name, args in calls)
+    return "[TOOL_CALLS]" + json.dumps([{"name": n, "arguments": a} for n, a in calls])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    format_=st.sampled_from(FORMATS),
+    calls=st.lists(st.tuples(_names, _arguments), min_size=1, max_size=3),
+    v11=st.booleans(),
+    cuts=st.lists(st.integers(min_value=0, max_value=500), max_size=12),
+)
+def test_well_formed_calls_in_every_format_come_back_whole_and_streamed(
+    format_: str, calls: list[tuple[str, dict]], v11: bool, cuts: list[int]
+) -> None:
+    text = _write(format_, calls, v11)
+    content, parsed = split_tool_calls(text, ids(), format_)
+    assert content is None and named(parsed) == calls
+    assert stream(text, cuts, format_) == ("", parsed)
+
+
+@pytest.mark.parametrize("format_", [LLAMA, MISTRAL])
+def test_streamed_chunks_in_other_formats_are_what_the_sdk_parses(format_: str) -> None:
+    text = _write(format_, [("lookup_order", {"order_id": "7"}), ("track", {"id": "T"})], v11=False)
+    chunks = [ChatCompletionChunk.model_validate(c) for c in stream_chunks(text, 7, format_=format_)]
+    deltas = [c.choices[0].delta for c in chunks]
+    assert [
+        tc.function.name for d in deltas for tc in d.tool_calls or [] if tc.function and tc.function.name
+    ] == [
+        "lookup_order",
+        "track",
+    ]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    whole = schema.chat_completion(
+        "c", 0, "m", text, "stop", schema.usage(1, 1, 0), parse_tool_calls=True, tool_format=format_
+    )
+    message = ChatCompletion.model_validate(whole).choices[0].message
+    assert message.content is None and [t.function.name for t in message.tool_calls or []] == [  # type: ignore[union-attr]
+        "lookup_order",
+        "track",
+    ]
+
+
+# ----- which format: template, mapping, worker flag ------------------------------------
+
+
+def test_the_format_is_read_from_the_chat_template() -> None:
+    assert detect_format("{% for m in messages %}<tool_call>\n{{ m }}{% endfor %}") == "hermes"
+    assert detect_format("{{ '[AVAILABLE_TOOLS]' }}{{ '[TOOL_CALLS]' }}") == MISTRAL
+    assert detect_format("{{- '<|python_tag|>' + tool_call.name }}") == LLAMA
+    assert detect_format("{%- if message.role == 'ipython' %}") == LLAMA  # Llama 3's tool role
+    assert detect_format("{{ messages[0].content }}") is None
+    assert detect_format(None) is None and detect_format("") is None
+
+
+def test_an_unknown_format_name_is_an_error_naming_the_known_ones() -> None:
+    assert [check_format(f) for f in FORMATS] == list(FORMATS)
+    with pytest.raises(ValueError, match="unknown tool-call format 'llama3'.*hermes, llama3_json, mistral"):
+        check_format("llama3")
+    with pytest.raises(ValueError, match="unknown tool-call format"):
+        parser_for("pythonic")
+    with pytest.raises(ValueError, match="unknown tool-call format 'json'"):
+        model_entry({"pool": "p", "tool_call_format": "json"})
+    assert model_entry({"pool": "p", "tool_call_format": MISTRAL}) == {
+        "pool": "p",
+        "tool_call_format": MISTRAL,
+    }
+    assert model_entry({"pool": "p"}) == {"pool": "p"}
+
+
+def test_the_worker_flag_is_checked_at_start_up() -> None:
+    from inferx_worker.config import WorkerSettings
+
+    assert WorkerSettings(model="m", engine="sim", tool_call_format=MISTRAL).tool_call_format == MISTRAL
+    assert WorkerSettings(model="m", engine="sim").tool_call_format == "auto"
+    with pytest.raises(ValueError, match="unknown tool-call format 'mistral3'"):
+        WorkerSettings(model="m", engine="sim", tool_call_format="mistral3")
+
+
+def _worker(worker_id: str, pool: str, format_: str) -> common_pb2.WorkerInfo:
+    return common_pb2.WorkerInfo(worker_id=worker_id, pool=pool, tool_call_format=format_)
+
+
+def test_a_model_mapping_beats_the_workers_which_beat_the_default() -> None:
+    directory = PoolDirectory()
+    directory.update_models(
+        {
+            "/inferx/v1/models/mixtral": b'{"pool": "mx", "tool_call_format": "mistral"}',
+            "/inferx/v1/models/llama": b'{"pool": "ll"}',
+            "/inferx/v1/models/qwen": b'{"pool": "qw"}',
+        }
+    )
+    directory.workers_by_pool = {
+        "mx": {"a": _worker("a", "mx", "hermes")},  # the operator's mapping wins
+        "ll": {
+            "b": _worker("b", "ll", LLAMA),
+            "c": _worker("c", "ll", LLAMA),
+            "d": _worker("d", "ll", "hermes"),
+        },
+        "qw": {"e": _worker("e", "qw", "")},  # a template that says nothing
+    }
+    assert directory.tool_call_format("mixtral") == MISTRAL
+    assert directory.tool_call_format("llama") == LLAMA  # most of the pool's workers
+    assert directory.tool_call_format("qwen") == "hermes"
+    assert directory.tool_call_format("unmapped") == "hermes"
+
+
+def test_an_unknown_format_in_etcd_refuses_tool_calls_for_that_model_saying_why() -> None:
+    directory = PoolDirectory()
+    directory.update_models({"/inferx/v1/models/m": b'{"pool": "p", "tool_call_format": "llama4"}'})
+    assert directory.pool_of("m") == "p"  # the model still serves calls without tools
+    with pytest.raises(FailedPrecondition, match="/inferx/v1/models/m: unknown tool-call format 'llama4'"):
+        directory.tool_call_format("m")
+    directory.update_models({"/inferx/v1/models/m": b'{"pool": "p"}'})
+    directory.workers_by_pool = {"p": {"w": _worker("w", "p", "future_format")}}
+    with pytest.raises(FailedPrecondition, match="registers tool-call format 'future_format'"):
+        directory.tool_call_format("m")
+
+
+# ----- tool_choice ----------------------------------------------------------------------
+
+TOOLS = [
+    {"type": "function", "function": {"name": "lookup_order", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "track", "parameters": {"type": "object"}}},
+]
+
+
+def _named(name: str) -> dict:
+    return {"type": "function", "function": {"name": name}}
+
+
+def _body(**fields: object) -> schema.ChatCompletionRequest:
+    data = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    return schema.validate_body(schema.ChatCompletionRequest, data)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (
+            {"tools": TOOLS, "tool_choice": _named("refund")},
+            "function 'refund' is not among the call's tools",
+        ),
+        ({"tool_choice": _named("track")}, "function 'track' is not among the call's tools"),
+        ({"tool_choice": "required"}, '"required" needs tools'),
+        ({"tools": TOOLS, "tool_choice": "always"}, "expected one of auto, none, required"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function"}}, 'expected {"type": "function"'),
+        ({"tools": TOOLS, "tool_choice": {"type": "x", "function": {"name": "track"}}}, "expected"),
+    ],
+)
+def test_a_bad_tool_choice_is_a_400_naming_it(fields: dict, message: str) -> None:
+    with pytest.raises(InvalidField) as raised:
+        _body(**fields)
+    assert raised.value.param == "tool_choice" and message in raised.value.message
+    reply = error_reply(raised.value)
+    assert reply.status == 400 and reply.body["error"]["param"] == "tool_choice"
+
+
+def test_tool_choice_none_reads_no_calls_and_named_knows_its_function() -> None:
+    assert not _body(tools=TOOLS, tool_choice="none").parses_tool_calls
+    assert _body(tools=TOOLS, tool_choice="auto").parses_tool_calls
+    assert _body(tools=TOOLS, tool_choice=_named("track")).forced_tool == "track"
+    assert _body(tools=TOOLS, tool_choice="required").forced_tool is None
+
+
+def _reply(text: str, tool_choice: object, format_: str = "hermes") -> dict:
+    return schema.chat_completion(
+        "c",
+        0,
+        "m",
+        text,
+        "stop",
+        schema.usage(1, 1, 0),
+        parse_tool_calls=True,
+        tool_format=format_,
+        tool_choice=tool_choice,  # type: ignore[arg-type]
+        new_id=ids(),
+    )
+
+
+def test_required_and_named_replies_that_call_as_asked_are_tool_calls() -> None:
+    text = block("track", {"id": "T"})
+    required = _reply(text, "required")["choices"][0]
+    assert (
+        required["finish_reason"] == "tool_calls" and required["message"]["tool_calls"][0]["id"] == "call_0"
+    )
+    forced = _reply(text, _named("track"))["choices"][0]
+    # OpenAI ends a call it was made to make with "stop" (vLLM's server does the same).
+    assert (
+        forced["finish_reason"] == "stop"
+        and forced["message"]["tool_calls"][0]["function"]["name"] == "track"
+    )
+    ChatCompletion.model_validate(_reply(text, _named("track")))
+    mistral = _reply('[TOOL_CALLS]track[ARGS]{"id": "T"}', "required", MISTRAL)
+    assert mistral["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "track"
+
+
+@pytest.mark.parametrize(
+    ("text", "choice"),
+    [
+        ("The parcel is on its way.", "required"),
+        ("<tool_call>not json</tool_call>", "required"),
+        ("The parcel is on its way.", _named("track")),
+        (block("lookup_order", {"order_id": "7"}), _named("track")),  # another function
+        (block("track", {}) + block("lookup_order", {}), _named("track")),
+    ],
+)
+def test_a_reply_that_does_not_follow_tool_choice_is_a_500_saying_so(text: str, choice: object) -> None:
+    with pytest.raises(ToolChoiceNotFollowed) as raised:
+        _reply(text, choice)
+    reply = error_reply(raised.value)
+    assert reply.status == 500
+    assert reply.body["error"]["code"] == "tool_choice_not_followed"
+    assert reply.body["error"]["type"] == "server_error" and reply.body["error"]["param"] == "tool_choice"
+    assert (
+        "cannot constrain" in reply.body["error"]["message"]
+        and repr(text[:40])[1:-1] in reply.body["error"]["message"]
+    )
+
+
+def test_a_streamed_required_reply_is_held_until_it_is_known_to_follow() -> None:
+    chunks = schema.ChatChunks("c", 0, "m", parse_tool_calls=True, tool_choice="required", new_id=ids())
+    assert chunks.text("Let me check. ") == []  # content too: the reply may still fail
+    assert chunks.text(block("track", {"id": "T"})) == []
+    out = chunks.finish("stop")
+    assert out[0]["choices"][0]["delta"] == {"content": "Let me check."}
+    assert out[1]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "track"
+    assert out[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+    failing = schema.ChatChunks("c", 0, "m", parse_tool_calls=True, tool_choice=_named("track"), new_id=ids())
+    assert failing.text("No tool for you.") == []
+    with pytest.raises(ToolChoiceNotFollowed, match="No tool for you"):
+        failing.finish("stop")
+
+
+def test_tool_choice_none_streams_the_reply_as_written() -> None:
+    text = block("track", {})
+    body = _body(tools=TOOLS, tool_choice="none")
+    chunks = stream_chunks(text, 3, parse=body.parses_tool_calls, tool_choice="none")
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == text
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_models_file_with_an_unknown_format_stops_inferx_up_naming_the_model(tmp_path: Path) -> None:
+    from inferx.devstack import StackError, read_models_file
+
+    path = tmp_path / "models.yaml"
+    path.write_text("models:\n  m: {pool: p, tool_call_format: mistral}\n  q: {pool: p}\n")
+    assert read_models_file(path) == {"m": {"pool": "p", "tool_call_format": MISTRAL}, "q": {"pool": "p"}}
+    path.write_text("models:\n  m: {pool: p, tool_call_format: Mistral}\n")
+    with pytest.raises(StackError, match="model 'm': unknown tool-call format 'Mistral'"):
+        read_models_file(path)
