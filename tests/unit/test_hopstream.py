@@ -101,6 +101,63 @@ async def texts(pool: hopstream.StreamPool, address: str, prompt: str, timeout: 
     return "".join(out)
 
 
+# What every way of calling a hop handler must do alike (the stream here, the
+# in-process `LocalPeer` in test_local_peer.py): the plain call's behaviour.
+
+
+async def errors_end_as_the_plain_call_would(streams: hopstream.StreamPool, address: str) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as busy:
+        await texts(streams, address, "busy")
+    assert busy.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    error = from_rpc_error(busy.value)
+    assert isinstance(error, ResourceExhausted) and error.retry_after_s == 2.5
+    assert error.message == "queue full"
+    with pytest.raises(grpc.aio.AioRpcError) as bug:
+        await texts(streams, address, "boom")
+    assert bug.value.code() == grpc.StatusCode.INTERNAL and "a bug" in (bug.value.details() or "")
+    # A partitioned service's refusal keeps the trailers the router re-routes by.
+    with pytest.raises(grpc.aio.AioRpcError) as elsewhere:
+        await texts(streams, address, "elsewhere")
+    trailers = dict(elsewhere.value.trailing_metadata() or ())
+    assert trailers[OWNER_KEY] == "10.0.0.2:50052" and trailers[SERVICE_STATUS_KEY] == "1"
+    assert classify(elsewhere.value.code(), trailers) == Failure.NOT_OWNER
+    busy_trailers = dict(busy.value.trailing_metadata() or ())
+    assert SERVICE_STATUS_KEY in busy_trailers  # the scheduler's own status, not a lost one
+    assert await texts(streams, address, "echo:ok") == "ok"  # later hops are not affected
+
+
+async def cancelled_handlers(servicer: Hops) -> list[str]:
+    for _ in range(100):
+        if servicer.cancelled:
+            break
+        await asyncio.sleep(0.01)
+    return servicer.cancelled
+
+
+async def a_cancelled_caller_cancels_only_its_handler(
+    streams: hopstream.StreamPool, address: str, servicer: Hops
+) -> None:
+    waiting = asyncio.create_task(texts(streams, address, "wait", timeout=None))
+    slow = asyncio.create_task(texts(streams, address, "slow:xy"))
+    while len(servicer.started) < 2:
+        await asyncio.sleep(0.01)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert await cancelled_handlers(servicer) == ["wait"]
+    assert await slow == "xy"
+
+
+async def past_the_deadline_both_sides_stop(
+    streams: hopstream.StreamPool, address: str, servicer: Hops
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as late:
+        await texts(streams, address, "wait", timeout=0.2)
+    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert await cancelled_handlers(servicer) == ["wait"]  # the handler stopped too, as a call's would
+    assert await texts(streams, address, "echo:go") == "go"
+
+
 @pytest.fixture
 async def channels():
     pool = ChannelPool(Transport())
@@ -133,26 +190,8 @@ async def test_errors_come_back_as_the_plain_calls_status(channels) -> None:
     streams = scheduler_streams(channels, enabled=True)
     address = f"127.0.0.1:{port}"
     try:
-        with pytest.raises(grpc.aio.AioRpcError) as busy:
-            await texts(streams, address, "busy")
-        assert busy.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        error = from_rpc_error(busy.value)
-        assert isinstance(error, ResourceExhausted) and error.retry_after_s == 2.5
-        assert error.message == "queue full"
-        with pytest.raises(grpc.aio.AioRpcError) as bug:
-            await texts(streams, address, "boom")
-        assert bug.value.code() == grpc.StatusCode.INTERNAL and "a bug" in (bug.value.details() or "")
-        # A partitioned service's refusal keeps the trailers the router re-routes by.
-        with pytest.raises(grpc.aio.AioRpcError) as elsewhere:
-            await texts(streams, address, "elsewhere")
-        trailers = dict(elsewhere.value.trailing_metadata() or ())
-        assert trailers[OWNER_KEY] == "10.0.0.2:50052" and trailers[SERVICE_STATUS_KEY] == "1"
-        assert classify(elsewhere.value.code(), trailers) == Failure.NOT_OWNER
-        busy_trailers = dict(busy.value.trailing_metadata() or ())
-        assert SERVICE_STATUS_KEY in busy_trailers  # the scheduler's own status, not a lost one
-        # The stream carries on after failed hops.
-        assert await texts(streams, address, "echo:ok") == "ok"
-        assert streams.clients[address].opened == 1
+        await errors_end_as_the_plain_call_would(streams, address)
+        assert streams.clients[address].opened == 1  # the stream carried on after failed hops
     finally:
         await streams.close()
         await server.stop(0)
@@ -164,19 +203,7 @@ async def test_cancelling_a_hop_cancels_its_handler_and_leaves_the_others(channe
     streams = scheduler_streams(channels, enabled=True)
     address = f"127.0.0.1:{port}"
     try:
-        waiting = asyncio.create_task(texts(streams, address, "wait", timeout=None))
-        slow = asyncio.create_task(texts(streams, address, "slow:xy"))
-        while len(servicer.started) < 2:
-            await asyncio.sleep(0.01)
-        waiting.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await waiting
-        for _ in range(100):
-            if servicer.cancelled:
-                break
-            await asyncio.sleep(0.01)
-        assert servicer.cancelled == ["wait"]
-        assert await slow == "xy"
+        await a_cancelled_caller_cancels_only_its_handler(streams, address, servicer)
         assert streams.clients[address].in_flight == 0
     finally:
         await streams.close()
@@ -189,15 +216,7 @@ async def test_a_hop_past_its_deadline_is_deadline_exceeded_on_both_sides(channe
     streams = scheduler_streams(channels, enabled=True)
     address = f"127.0.0.1:{port}"
     try:
-        with pytest.raises(grpc.aio.AioRpcError) as late:
-            await texts(streams, address, "wait", timeout=0.2)
-        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        for _ in range(100):
-            if servicer.cancelled:
-                break
-            await asyncio.sleep(0.01)
-        assert servicer.cancelled == ["wait"]  # the handler stopped too, as a call's would
-        assert await texts(streams, address, "echo:go") == "go"
+        await past_the_deadline_both_sides_stop(streams, address, servicer)
     finally:
         await streams.close()
         await server.stop(0)

@@ -12,11 +12,17 @@ import pytest
 
 from inferx import hopstream, telemetry
 from inferx.discovery import ChannelPool
-from inferx.errors import OWNER_KEY, SERVICE_STATUS_KEY, ResourceExhausted, from_rpc_error
 from inferx.tls import Transport
 from inferx_router.executors import scheduler_streams
-from inferx_router.scheduler_target import Failure, classify
-from tests.unit.test_hopstream import Hops, hop, texts
+from tests.unit.test_hopstream import (
+    Hops,
+    a_cancelled_caller_cancels_only_its_handler,
+    cancelled_handlers,
+    errors_end_as_the_plain_call_would,
+    hop,
+    past_the_deadline_both_sides_stop,
+    texts,
+)
 from tests.unit.test_telemetry import spans  # noqa: F401 (a fixture: the process's spans)
 
 ADDRESS = "10.9.9.9:50052"  # nothing listens there: a call that left the process would fail
@@ -51,39 +57,12 @@ async def test_hops_run_in_process_each_with_its_own_replies_and_deadline(local)
 
 async def test_errors_are_the_statuses_the_stream_would_give(local) -> None:
     streams, _ = local
-    with pytest.raises(grpc.aio.AioRpcError) as busy:
-        await texts(streams, ADDRESS, "busy")
-    assert busy.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    error = from_rpc_error(busy.value)
-    assert isinstance(error, ResourceExhausted) and error.retry_after_s == 2.5
-    assert error.message == "queue full"
-    with pytest.raises(grpc.aio.AioRpcError) as bug:
-        await texts(streams, ADDRESS, "boom")
-    assert bug.value.code() == grpc.StatusCode.INTERNAL and "a bug" in (bug.value.details() or "")
-    # The partitioned scheduler's refusal keeps the trailers the router re-routes by.
-    with pytest.raises(grpc.aio.AioRpcError) as elsewhere:
-        await texts(streams, ADDRESS, "elsewhere")
-    trailers = dict(elsewhere.value.trailing_metadata() or ())
-    assert trailers[OWNER_KEY] == "10.0.0.2:50052" and trailers[SERVICE_STATUS_KEY] == "1"
-    assert classify(elsewhere.value.code(), trailers) == Failure.NOT_OWNER
-    assert await texts(streams, ADDRESS, "echo:ok") == "ok"
+    await errors_end_as_the_plain_call_would(streams, ADDRESS)
 
 
 async def test_a_cancelled_caller_cancels_the_handler_and_leaves_the_others(local) -> None:
     streams, servicer = local
-    waiting = asyncio.create_task(texts(streams, ADDRESS, "wait", timeout=None))
-    slow = asyncio.create_task(texts(streams, ADDRESS, "slow:xy"))
-    while len(servicer.started) < 2:
-        await asyncio.sleep(0.01)
-    waiting.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await waiting
-    for _ in range(100):
-        if servicer.cancelled:
-            break
-        await asyncio.sleep(0.01)
-    assert servicer.cancelled == ["wait"]
-    assert await slow == "xy"
+    await a_cancelled_caller_cancels_only_its_handler(streams, ADDRESS, servicer)
 
 
 async def test_a_caller_that_stops_reading_cancels_the_handler(local) -> None:
@@ -92,23 +71,12 @@ async def test_a_caller_that_stops_reading_cancels_the_handler(local) -> None:
     first = await anext(replies)  # DISPATCHED, then the handler waits
     assert first.worker_id == "w1"
     await replies.aclose()
-    for _ in range(100):
-        if servicer.cancelled:
-            break
-        await asyncio.sleep(0.01)
-    assert servicer.cancelled == ["wait"]
+    assert await cancelled_handlers(servicer) == ["wait"]
 
 
 async def test_past_its_deadline_a_hop_is_deadline_exceeded_and_its_handler_stops(local) -> None:
     streams, servicer = local
-    with pytest.raises(grpc.aio.AioRpcError) as late:
-        await texts(streams, ADDRESS, "wait", timeout=0.2)
-    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    for _ in range(100):
-        if servicer.cancelled:
-            break
-        await asyncio.sleep(0.01)
-    assert servicer.cancelled == ["wait"]
+    await past_the_deadline_both_sides_stop(streams, ADDRESS, servicer)
     with pytest.raises(grpc.aio.AioRpcError) as spent:
         await texts(streams, ADDRESS, "echo:x", timeout=0)
     assert spent.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
