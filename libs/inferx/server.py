@@ -414,8 +414,8 @@ class ServiceInstance(Generic[S]):
         runtime = self.runtime
         try:
             await self.component.ready()
-        except asyncio.CancelledError:
-            raise
+        except (asyncio.CancelledError, StartupError):
+            raise  # a StartupError says what is wrong already
         except Exception as exc:
             raise StartupError(f"warm-up failed: {exc}") from None
         info = common_pb2.ServiceInfo(

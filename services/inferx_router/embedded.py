@@ -25,7 +25,6 @@ scheduler after the lease TTL, as when a scheduler dies).
 from __future__ import annotations
 
 import shlex
-import sys
 
 from pydantic import ValidationError
 from pydantic_settings import CliApp
@@ -113,8 +112,7 @@ async def start(
     try:
         instance = await start_embedded("scheduler", settings, build_scheduler, runtime)
     except StartupError as exc:
-        print(f"inferx-router: error: the embedded scheduler: {exc}", file=sys.stderr, flush=True)
-        raise
+        raise StartupError(f"the embedded scheduler: {exc}") from None
     component = instance.component
     assert isinstance(component, SchedulerComponent) and instance.runtime is not None
     streams.serve_locally(instance.runtime.address, component.servicer.SubmitHop)

@@ -16,6 +16,9 @@ import asyncio
 import json
 import re
 import signal
+import socket
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 
@@ -173,3 +176,23 @@ def in_process_calls(metrics_address: str) -> float:
         text = reply.read().decode()
     found = IN_PROCESS.search(text)
     return float(found.group(1)) if found else 0.0
+
+
+def test_a_router_whose_scheduler_cannot_listen_says_so_and_exits() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [
+                sys.executable, "-m", "inferx_router", "--insecure", "--etcd", "127.0.0.1:1", "--port", "0",
+                "--metrics-port", "0", "--embedded-scheduler", "--scheduler-port", str(port),
+            ],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert done.returncode == 1
+    errors = [line for line in done.stderr.splitlines() if line.startswith("inferx-router: error:")]
+    assert len(errors) == 1, done.stderr
+    said = "inferx-router: error: the embedded scheduler: cannot listen on 127.0.0.1:"
+    assert errors[0].startswith(f"{said}{port}"), errors
+    assert "Traceback" not in done.stderr
