@@ -170,13 +170,15 @@ class ProgramCalls:
         except (TierNotAllowed, QuotaExceeded) as exc:
             metrics.TENANT_REFUSALS.labels(who.tenant, exc.limit).inc()
             raise
-        used = 0
+        # The hop's record: the tokens its engine used count against the tenant, a call
+        # whose reply then failed (ToolChoiceNotFollowed) too.
+        result = router_pb2.NodeFinished(model=call.model, node_type="model_inference")
         try:
-            done = await self._run(who, identity, call, reader or ReplyReader(), on_events, parent)
-            used = done.done.prompt_tokens + done.done.completion_tokens
-            return done
+            return await self._run(who, identity, call, reader or ReplyReader(), on_events, parent, result)
         finally:
-            self._quotas.finished(who.tenant, limits, used)
+            self._quotas.finished(
+                who.tenant, limits, result.usage.prompt_tokens + result.usage.completion_tokens
+            )
 
     async def _run(
         self,
@@ -186,6 +188,7 @@ class ProgramCalls:
         reader: ReplyReader,
         on_events: Callable[[list[Event]], None] | None,
         parent: otel_context.Context | None,
+        result: router_pb2.NodeFinished,
     ) -> CallDone:
         attributes = {
             "inferx.program_id": identity.program_id,
@@ -216,7 +219,6 @@ class ProgramCalls:
             span.set_attributes(
                 {"inferx.run_id": ticket.program.run_id, "inferx.hop_index": ticket.hop_index}
             )
-            result = router_pb2.NodeFinished(model=call.model, node_type="model_inference")
             try:
                 done = await self._hop(call, ticket, identity, result, reader, on_events)
             finally:

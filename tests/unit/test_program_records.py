@@ -275,14 +275,14 @@ class FakeExecutor:
         )
 
 
-def calls_with(executor: FakeExecutor, store: RunStore) -> ProgramCalls:
+def calls_with(executor: FakeExecutor, store: RunStore, quotas: TenantQuotas | None = None) -> ProgramCalls:
     directory = PoolDirectory()
     directory.model_to_pool = {"m": "pool"}
     return ProgramCalls(
         directory,
         executor,
         access=AccessControl(None),
-        quotas=TenantQuotas(),
+        quotas=quotas or TenantQuotas(),
         default_timeout_s=30,
         book=ProgramBook(store),
     )
@@ -379,6 +379,28 @@ async def test_a_reply_that_breaks_tool_choice_fails_the_call_and_is_recorded_as
     hop = store.find("p", tenant="acme").finished.hops[0]
     assert hop.status == "error" and hop.error.startswith("tool_choice_not_followed: ")
     assert hop.output == "No tool for you." and hop.usage.completion_tokens == 2  # the model did run
+
+
+async def test_the_tokens_of_a_reply_that_broke_tool_choice_count_against_its_tenant() -> None:
+    class Counting(TenantQuotas):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tokens = 0
+
+        def finished(self, tenant, limits, tokens) -> None:
+            self.tokens += tokens
+            super().finished(tenant, limits, tokens)
+
+    quotas = Counting()
+    calls = calls_with(FakeExecutor(("No tool.",)), RunStore(), quotas)
+    body = chat(tools=TOOLS, tool_choice="required")
+    with pytest.raises(ToolChoiceNotFollowed):
+        await calls.call(WHO, ProgramIdentity(), calls.prepare(body), reader=calls.reader(body))
+    assert quotas.tokens == 52  # 50 prompt + 2 completion: the engine ran
+    with pytest.raises(Unavailable):
+        failing = calls_with(FakeExecutor(fail=Unavailable("no worker")), RunStore(), quotas)
+        await failing.call(WHO, ProgramIdentity(), failing.prepare(chat()))
+    assert quotas.tokens == 52  # a hop that never ran used none
 
 
 async def test_nothing_of_a_held_reply_is_streamed_before_it_fails() -> None:
