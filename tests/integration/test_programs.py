@@ -472,11 +472,13 @@ async def test_a_clients_kv_retention_hint_reaches_the_scheduler_from_both_front
     async with stack.client(timeout_s=30) as client:
         async for _ in client.call_model(MODEL, "More?", max_tokens=4, program_id=program, kv_retention_s=30):
             pass
-        # Past --max-hold-s (600 s by default): cut to it.
-        async for _ in client.call_model(
-            MODEL, "And?", max_tokens=4, program_id=program, kv_retention_s=3_600
-        ):
-            pass
+    # Past --max-hold-s (600 s by default): cut to it. From a shell, `inferx call`.
+    router = ["--router", stack.router_address]
+    command = [INFERX, "call", MODEL, "And?", "--program", program, "--max-tokens", "4", *router]
+    called = subprocess.run(
+        [*command, "--kv-retention-s", "3600"], capture_output=True, text=True, timeout=60
+    )
+    assert called.returncode == 0, called.stderr
 
     async def counted() -> dict[str, float] | None:
         now = await scheduler_hints(stack)
