@@ -134,12 +134,15 @@ class InferxClient:
         program_end: bool = False,
         parent_program_id: str = "",
         priority: int = 0,
+        kv_retention_s: float | None = None,
     ) -> AsyncIterator[router_pb2.ProgramCallEvent]:
-        """One model call of a dynamic program (`Router.CallModel`): the text as it is
-        generated (`event.text`), then `event.finished` (usage, finish reason, worker,
-        the program's run id). A prompt, or OpenAI-shaped chat `messages` (role,
-        content, name, tool_call_id, tool_calls) with optional `tools` / `tool_choice`.
-        Calls with the same `program_id` are hops of one program (`inferx trace`)."""
+        """One model call of a dynamic program (`Router.CallModel`): the reply's content
+        as it is generated (`event.text`), then `event.finished` (usage, finish reason,
+        worker, the program's run id, the tool calls read out of the reply). A prompt,
+        or OpenAI-shaped chat `messages` (role, content, name, tool_call_id, tool_calls)
+        with optional `tools` / `tool_choice`. Calls with the same `program_id` are hops
+        of one program (`inferx trace`); `kv_retention_s`: how long to keep the
+        program's KV after this call (0 = let it go at once)."""
         request = router_pb2.ProgramCallRequest(
             model=model,
             prompt=prompt,
@@ -163,6 +166,8 @@ class InferxClient:
         )
         if temperature is not None:
             request.temperature = temperature
+        if kv_retention_s is not None:
+            request.kv_retention_s = kv_retention_s
         try:
             async for event in self._stub.CallModel(
                 request, timeout=self._timeout_s, metadata=self._metadata

@@ -62,6 +62,8 @@ def hop_request(hop: ModelHop, last_worker: Callable[[str], str] | None = None) 
     )
     if hop.remaining_hops is not None:  # unset = unknown (the scheduler's HopView gets None)
         request.context.remaining_hops = hop.remaining_hops
+    if hop.kv_retention_s is not None:  # unset = no hint (0 is one: let go at once)
+        request.context.kv_retention_s = hop.kv_retention_s
     return request
 
 

@@ -42,6 +42,9 @@ class ModelHop:
     max_context_tokens: int = 0
     truncate_context: bool = False
     chat_json: str = ""  # a chat for the worker's chat template (the OpenAI front's calls); "" = none
+    # The client's KV retention hint for its program after this hop (HopContext.kv_retention_s);
+    # None = none given.
+    kv_retention_s: float | None = None
 
 
 @dataclass(frozen=True)

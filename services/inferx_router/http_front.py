@@ -28,8 +28,9 @@ from inferx.auth.model import Principal
 from inferx.httpserve import EmbeddedHttpServer
 from inferx.limits import RequestLimits
 from inferx.openai_compat import schema
-from inferx.openai_compat.errors import BodyTooLarge, ToolChoiceNotFollowed
+from inferx.openai_compat.errors import BodyTooLarge
 from inferx.openai_compat.identity import ProgramIdentity, parse_identity
+from inferx.openai_compat.toolcalls import Content, Event
 from inferx.openai_http import error_reply_body, guarded, http_error
 from inferx_router.access import AccessControl
 from inferx_router.hops import HopDone
@@ -107,26 +108,16 @@ class OpenAIFront:
         identity = parse_identity(request.headers, data)  # headers, agentic_context, sessions
         body = schema.validate_body(kind, data)
         call = self._calls.prepare(body)
-        tool_format = self._calls.tool_call_format(body)  # before the call: a bad mapping refuses it
+        reader = self._calls.reader(body)  # before the call: a bad mapping refuses it
         parent = telemetry.context_from_headers(request.headers)  # the caller's traceparent
         created = int(time.time())
         if body.stream:
-            return await self._stream(who, identity, call, body, created, tool_format, parent=parent)
-        result = await self._calls.call(who, identity, call, parent=parent)
+            return await self._stream(who, identity, call, body, created, reader, parent=parent)
+        result = await self._calls.call(who, identity, call, reader=reader, parent=parent)
         done = result.done
         usage = _usage(done)
         if isinstance(body, schema.ChatCompletionRequest):
-            reply = schema.chat_completion(
-                call.call_id,
-                created,
-                body.model,
-                done.text,
-                done.finish_reason,
-                usage,
-                parse_tool_calls=body.parses_tool_calls,
-                tool_format=tool_format,
-                tool_choice=body.tool_choice,
-            )
+            reply = schema.chat_reply(call.call_id, created, body.model, reader, done.finish_reason, usage)
         else:
             reply = schema.text_completion(
                 call.call_id, created, body.model, done.text, done.finish_reason, usage
@@ -140,36 +131,31 @@ class OpenAIFront:
         call: Call,
         body: schema.CallRequest,
         created: int,
-        tool_format: str,
+        reader: schema.ReplyReader,
         *,
         parent: otel_context.Context | None,
     ) -> Response:
         """Server-sent events in OpenAI's chunk format. The response starts with the
         first text (or the call's end), so a call refused or failed before producing
-        anything still gets its HTTP status; a failure after that is an error event."""
-        pieces = self._calls.stream(who, identity, call, parent=parent)
+        anything still gets its HTTP status; a failure after that is an error event (a
+        reply that breaks its tool_choice too: ProgramCalls reads it inside the call, and
+        nothing of it was sent)."""
+        pieces = self._calls.stream(who, identity, call, reader=reader, parent=parent)
         try:
             first = await anext(pieces)  # raises the call's error, if any, before the response starts
         except BaseException:
             await pieces.aclose()
             raise
         model, call_id = body.model, call.call_id
-        chat_body = body if isinstance(body, schema.ChatCompletionRequest) else None
-        chat = chat_body is not None
+        chat = isinstance(body, schema.ChatCompletionRequest)
         object_ = "chat.completion.chunk" if chat else "text_completion"
-        chat_chunks = schema.ChatChunks(
-            call_id,
-            created,
-            model,
-            parse_tool_calls=chat_body is not None and chat_body.parses_tool_calls,
-            tool_format=tool_format,
-            tool_choice=chat_body.tool_choice if chat_body is not None else None,
-        )
+        chat_chunks = schema.ChatChunks(call_id, created, model, reader=reader)
 
-        def chunks(text: str | None, reason: str | None) -> list[dict[str, Any]]:
-            if chat:  # tool calls are read out of the text as it comes
-                return chat_chunks.text(text or "") if reason is None else chat_chunks.finish(reason)
-            return [schema.text_completion(call_id, created, model, text or "", reason, None)]
+        def chunks(event: Event | None, reason: str | None) -> list[dict[str, Any]]:
+            if chat:  # the reader read tool calls out of the text as it came
+                return chat_chunks.events([event]) if event is not None else chat_chunks.end(reason or "")
+            text = event.text if isinstance(event, Content) else ""
+            return [schema.text_completion(call_id, created, model, text, reason, None)]
 
         async def events() -> AsyncIterator[str]:
             try:
@@ -177,20 +163,15 @@ class OpenAIFront:
                     yield schema.sse(chat_chunks.start())
                 piece = first
                 try:
-                    while isinstance(piece, str):
+                    while not isinstance(piece, CallDone):
                         for payload in chunks(piece, None):
                             yield schema.sse(payload)
                         piece = await anext(pieces)
-                except Exception as exc:
+                except Exception as exc:  # ToolChoiceNotFollowed too: what was held back fails the call
                     yield schema.sse(error_reply_body(exc, SERVICE))
                     return
                 done = piece.done
-                try:
-                    last = chunks(None, done.finish_reason)
-                except ToolChoiceNotFollowed as exc:  # what was held back fails the call
-                    yield schema.sse(error_reply_body(exc, SERVICE))
-                    return
-                for payload in last:
+                for payload in chunks(None, done.finish_reason):
                     yield schema.sse(payload)
                 if body.include_usage:
                     yield schema.sse(schema.usage_chunk(call_id, created, model, object_, _usage(done)))

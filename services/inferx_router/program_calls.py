@@ -27,10 +27,11 @@ from inferx.auth.model import Principal, TenantLimits
 from inferx.errors import InferxError
 from inferx.limits import RequestLimits
 from inferx.openai_compat import schema
-from inferx.openai_compat.errors import InvalidField, ModelNotFound
+from inferx.openai_compat.errors import InvalidField, ModelNotFound, ToolChoiceNotFollowed
 from inferx.openai_compat.identity import MAX_DEADLINE_MS, ProgramIdentity, identity_of_fields
 from inferx.openai_compat.render import chat_json, render_chat
-from inferx.openai_compat.toolcalls import DEFAULT_FORMAT
+from inferx.openai_compat.schema import ReplyReader
+from inferx.openai_compat.toolcalls import DEFAULT_FORMAT, Event
 from inferx.pools import PoolDirectory
 from inferx.v1 import common_pb2, router_pb2
 from inferx_router import metrics
@@ -60,6 +61,7 @@ class CallDone:
     program_id: str  # as the client gave it ("" for a one-call program)
     call_index: int  # this call's place in the program, from 0
     latency_ms: float
+    reply: ReplyReader  # the reply as read to its end: content, tool calls
 
 
 class ProgramCalls:
@@ -101,6 +103,17 @@ class ProgramCalls:
             return self._directory.tool_call_format(body.model)
         return DEFAULT_FORMAT
 
+    def reader(self, body: schema.CallRequest) -> ReplyReader:
+        """How the call's reply is read, the same for both fronts: a chat call that
+        offers tools gets its tool calls read out in its model's format and its
+        tool_choice checked; other replies are content as they come. Made before the
+        call: a model whose format InferX does not know refuses it."""
+        if isinstance(body, schema.ChatCompletionRequest) and body.parses_tool_calls:
+            return ReplyReader(
+                parse_tool_calls=True, tool_format=self.tool_call_format(body), tool_choice=body.tool_choice
+            )
+        return ReplyReader()
+
     def prepare(self, body: schema.CallRequest) -> Call:
         """The call a validated body asks for (chat messages rendered into its prompt)."""
         if body.model not in self.model_names():
@@ -139,33 +152,43 @@ class ProgramCalls:
         identity: ProgramIdentity,
         call: Call,
         *,
-        on_text: Callable[[str], None] | None = None,
+        reader: ReplyReader | None = None,
+        on_events: Callable[[list[Event]], None] | None = None,
         parent: otel_context.Context | None = None,
     ) -> CallDone:
         """Run `call` as a hop of its program. Counted against the caller's tenant (whose
         program it is: two tenants may use the same program id); raises what the hop
-        raised (TimeoutError, an InferxError), after recording it in the program."""
+        raised (TimeoutError, an InferxError), after recording it in the program.
+
+        The reply is read by `reader` (`reader()`; none: content as it is) inside the
+        call, so a reply that breaks its tool_choice (ToolChoiceNotFollowed) fails the
+        call and is recorded so. With `on_events` the engine's text is streamed and
+        what the reader makes of it (content, tool calls) is given as it comes."""
         limits = self._limits(who.tenant)
         try:
             self._quotas.admit(who.tenant, limits, int(identity.tier))
         except (TierNotAllowed, QuotaExceeded) as exc:
             metrics.TENANT_REFUSALS.labels(who.tenant, exc.limit).inc()
             raise
-        used = 0
+        # The hop's record: the tokens its engine used count against the tenant, a call
+        # whose reply then failed (ToolChoiceNotFollowed) too.
+        result = router_pb2.NodeFinished(model=call.model, node_type="model_inference")
         try:
-            done = await self._run(who, identity, call, on_text, parent)
-            used = done.done.prompt_tokens + done.done.completion_tokens
-            return done
+            return await self._run(who, identity, call, reader or ReplyReader(), on_events, parent, result)
         finally:
-            self._quotas.finished(who.tenant, limits, used)
+            self._quotas.finished(
+                who.tenant, limits, result.usage.prompt_tokens + result.usage.completion_tokens
+            )
 
     async def _run(
         self,
         who: Principal,
         identity: ProgramIdentity,
         call: Call,
-        on_text: Callable[[str], None] | None,
+        reader: ReplyReader,
+        on_events: Callable[[list[Event]], None] | None,
         parent: otel_context.Context | None,
+        result: router_pb2.NodeFinished,
     ) -> CallDone:
         attributes = {
             "inferx.program_id": identity.program_id,
@@ -196,9 +219,8 @@ class ProgramCalls:
             span.set_attributes(
                 {"inferx.run_id": ticket.program.run_id, "inferx.hop_index": ticket.hop_index}
             )
-            result = router_pb2.NodeFinished(model=call.model, node_type="model_inference")
             try:
-                done = await self._hop(call, ticket, identity, result, on_text)
+                done = await self._hop(call, ticket, identity, result, reader, on_events)
             finally:
                 self.book.finish(ticket, result)
                 metrics.PROGRAMS_OPEN.set(len(self.book))
@@ -214,6 +236,7 @@ class ProgramCalls:
             program_id=identity.program_id,
             call_index=ticket.hop_index,
             latency_ms=result.latency_ms,
+            reply=reader,
         )
 
     async def _hop(
@@ -222,7 +245,8 @@ class ProgramCalls:
         ticket: Ticket,
         identity: ProgramIdentity,
         result: router_pb2.NodeFinished,
-        on_text: Callable[[str], None] | None,
+        reader: ReplyReader,
+        on_events: Callable[[list[Event]], None] | None,
     ) -> HopDone:
         hop, timeout_s = program_hop(
             call,
@@ -235,7 +259,14 @@ class ProgramCalls:
         def dispatched(worker_id: str) -> None:
             result.worker_id = worker_id
 
+        def text(piece: str) -> None:
+            assert on_events is not None
+            if events := reader.feed(piece):
+                on_events(events)
+
+        streamed = on_events is not None
         try:
+            on_text = text if streamed else None
             done = await self._executor.run_hop(hop, timeout_s, dispatched, on_text=on_text)
         except TimeoutError:
             result.status, result.error = "timeout", f"timed out after {timeout_s * 1000:g}ms"
@@ -249,13 +280,18 @@ class ProgramCalls:
         except Exception as exc:
             result.status, result.error = "error", f"internal error: {type(exc).__name__}"
             raise
+        try:
+            if not streamed:
+                reader.feed(done.text)
+            rest = reader.finish()
+        except ToolChoiceNotFollowed as exc:  # the model ran; its reply fails the call
+            result.status, result.error = "error", f"{exc.code_name}: {exc.message}"
+            _fill(result, done)
+            raise
+        if rest and on_events is not None:
+            on_events(rest)
         result.status = "ok"
-        result.output = done.text
-        result.worker_id = done.worker_id
-        result.queue_ms = done.queue_ms
-        result.usage.prompt_tokens = done.prompt_tokens
-        result.usage.completion_tokens = done.completion_tokens
-        result.usage.cached_prompt_tokens = done.cached_prompt_tokens
+        _fill(result, done)
         return done
 
     async def stream(
@@ -264,13 +300,22 @@ class ProgramCalls:
         identity: ProgramIdentity,
         call: Call,
         *,
+        reader: ReplyReader | None = None,
         parent: otel_context.Context | None = None,
-    ) -> AsyncGenerator[str | CallDone, None]:
-        """The call's text as it is generated, then its CallDone. Errors of the hop are
-        raised where they happen (before the first piece, or after some). Closing the
-        iterator early (the caller went away) abandons the hop: the engine call is aborted."""
-        pieces: asyncio.Queue[str | None] = asyncio.Queue()
-        task = asyncio.create_task(self.call(who, identity, call, on_text=pieces.put_nowait, parent=parent))
+    ) -> AsyncGenerator[Event | CallDone, None]:
+        """What `reader` reads of the call's text as it is generated (content pieces,
+        tool calls), then its CallDone. Errors of the hop are raised where they happen
+        (before the first piece, or after some). Closing the iterator early (the caller
+        went away) abandons the hop: the engine call is aborted."""
+        pieces: asyncio.Queue[Event | None] = asyncio.Queue()
+
+        def put(events: list[Event]) -> None:
+            for event in events:
+                pieces.put_nowait(event)
+
+        task = asyncio.create_task(
+            self.call(who, identity, call, reader=reader, on_events=put, parent=parent)
+        )
         task.add_done_callback(lambda _task: pieces.put_nowait(None))
         try:
             while (piece := await pieces.get()) is not None:
@@ -292,6 +337,16 @@ class ProgramCalls:
         ended = self.book.sweep()
         metrics.PROGRAMS_OPEN.set(len(self.book))
         return ended
+
+
+def _fill(result: router_pb2.NodeFinished, done: HopDone) -> None:
+    """A hop's record of what the engine did."""
+    result.output = done.text
+    result.worker_id = done.worker_id
+    result.queue_ms = done.queue_ms
+    result.usage.prompt_tokens = done.prompt_tokens
+    result.usage.completion_tokens = done.completion_tokens
+    result.usage.cached_prompt_tokens = done.cached_prompt_tokens
 
 
 def _observe_end(program: Program) -> None:
@@ -365,6 +420,7 @@ def request_identity(
         program_end=request.program_end,
         parent_program_id=request.parent_program_id,
         priority=request.priority,
+        kv_retention_s=request.kv_retention_s if request.HasField("kv_retention_s") else None,
     )
 
 
@@ -377,12 +433,16 @@ def finished_event(result: CallDone) -> router_pb2.ProgramCallEvent:
                 completion_tokens=done.completion_tokens,
                 cached_prompt_tokens=done.cached_prompt_tokens,
             ),
-            finish_reason=schema.finish_reason(done.finish_reason),
+            finish_reason=schema.finish_reason(done.finish_reason, result.reply.called),
             worker_id=done.worker_id,
             run_id=result.run_id,
             program_id=result.program_id,
             call_index=result.call_index,
             queue_ms=done.queue_ms,
             latency_ms=result.latency_ms,
+            tool_calls=[
+                router_pb2.ProgramToolCall(id=call.id, name=call.name, arguments_json=call.arguments)
+                for call in result.reply.calls
+            ],
         )
     )

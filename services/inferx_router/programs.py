@@ -334,5 +334,6 @@ def program_hop(
         max_tokens=call.max_tokens,
         temperature=call.temperature,
         chat_json=call.chat_json,
+        kv_retention_s=identity.kv_retention_s,
     )
     return hop, timeout_ms / 1000

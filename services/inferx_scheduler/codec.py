@@ -8,6 +8,7 @@ place, so the policy and the KV reservation can never disagree about a hop's siz
 
 from __future__ import annotations
 
+import math
 import time
 
 from inferx.scheduling.views import TIER_NAMES, HopView, Tier
@@ -45,7 +46,17 @@ def hop_view(pool: str, request: scheduler_pb2.HopRequest) -> HopView:
         # Per chain config and tier, as the simulator learns (one config, one tier).
         program=f"{ctx.chain_name}/{TIER_NAMES.get(tier, 'standard')}" if ctx.chain_name else "",
         last_worker_id=ctx.last_worker_id,
+        kv_retention_s=_retention_s(ctx),
     )
+
+
+def _retention_s(ctx) -> float | None:
+    """The client's KV retention hint; None when unset, or not a number of seconds at
+    least 0 (a bad hint is no hint: the policy prices the hold itself)."""
+    if not ctx.HasField("kv_retention_s"):
+        return None
+    value = ctx.kv_retention_s
+    return value if math.isfinite(value) and value >= 0 else None
 
 
 def next_hop_views(hop: HopView, request: scheduler_pb2.HopRequest, pool_of) -> list[HopView]:

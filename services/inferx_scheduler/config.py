@@ -63,7 +63,18 @@ class SchedulerSettings(ServiceSettings):
         "(no hop is admitted over it) for as long as that is expected to cost less than re-prefilling it, "
         "learned from the gaps seen so far (priced), or for --kv-warm-s (fixed)",
     )
-    max_hold_s: float = Field(600.0, gt=0, description="chain-aware, priced retention: the longest hold")
+    max_hold_s: float = Field(
+        600.0,
+        gt=0,
+        description="chain-aware: the longest hold, priced or asked for by a client (kv_retention_ttl)",
+    )
+    client_retention: Literal["override", "cap", "off"] = Field(
+        "override",
+        description="chain-aware: a client's KV retention hint (agentic_context.kv_retention_ttl, "
+        "X-InferX-KV-Retention-S, CallModel's kv_retention_s) holds its program's context that long "
+        "instead of the priced hold (override), only shortens it (cap), or is ignored (off); 0 lets "
+        "go at once; never beyond --max-hold-s",
+    )
     strict_holds: bool = Field(
         False,
         description="chain-aware: no hop runs over room held for another chain, on any worker (off: a "
@@ -141,6 +152,7 @@ class SchedulerSettings(ServiceSettings):
             "reuse_window_hops": self.reuse_window_hops,
             "kv_retention": self.kv_retention,
             "max_hold_s": self.max_hold_s,
+            "client_retention": self.client_retention,
             "strict_holds": self.strict_holds,
             "offload_retention": self.offload_retention,
             "kv_warm_s": self.kv_warm_s,

@@ -26,6 +26,15 @@ def set_queued_by_tier(pool: str, counts: dict[str, int]) -> None:
         child(QUEUED_BY_TIER, pool, tier).set(counts.get(tier, 0))
 
 
+KV_RETENTION_HINTS = Counter(
+    "inferx_scheduler_kv_retention_hints_total",
+    "Finished hops whose client gave a KV retention hint (kv_retention_ttl), by what the policy "
+    "made of it: held (for the hint), capped (at --max-hold-s), released (hint 0: let go at once), "
+    "priced (the policy's own hold: --client-retention cap or off), ended (the program's last call), "
+    "not_applied (another of its hops still ran, or the policy holds nothing)",
+    ["pool", "outcome"],
+)
+
 REDISPATCHES = Counter(
     "inferx_scheduler_redispatches_total", "Hops sent to another worker after theirs failed", ["pool"]
 )

@@ -254,6 +254,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             self._health.hop_succeeded(worker_id)
         finally:
             self._dispatcher.finished(hop, outcome.context_tokens, outcome.service_s)
+            if view.kv_retention_s is not None:  # what the policy made of the client's hint
+                metrics.KV_RETENTION_HINTS.labels(pool, hop.retention_hint or "not_applied").inc()
 
     def _next_hops(self, view: HopView, request: scheduler_pb2.HopRequest) -> list[HopView]:
         def pool_of(model: str) -> str | None:

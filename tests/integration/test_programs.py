@@ -16,6 +16,7 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import openai
@@ -24,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from inferx import telemetry
 from inferx.devstack import LocalStack, read_models_file, wait_serving
+from inferx.errors import Internal
 from inferx.v1 import common_pb2, router_pb2, router_pb2_grpc
 from inferx_router.http_front import RUN_HEADER, WORKER_HEADER
 from tests.conftest import EXAMPLES, dump_logs, make_stack
@@ -32,6 +34,14 @@ from tests.polling import poll_until
 pytestmark = pytest.mark.integration
 
 MODEL = "qwen-7b"
+CALL_TRACK, NO_TOOLS = "Track parcel TRK-42 with the tool.", "Answer in words only."
+SCRIPT = [
+    {
+        "when": CALL_TRACK,
+        "reply": 'Checking.\n<tool_call>\n{"name": "track", "arguments": {"id": "TRK-42"}}\n</tool_call>',
+    },
+    {"when": NO_TOOLS, "reply": "It is on its way."},
+]
 IDLE_S = 3.0
 INFERX = str(Path(sys.executable).with_name("inferx"))
 
@@ -42,6 +52,8 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalStac
     and writes its spans to a file."""
     tmp = tmp_path_factory.mktemp("programs")
     spans = tmp / "spans.jsonl"
+    script = tmp / "script.json"  # SIMULATED replies for two prompts only (tool-call tests)
+    script.write_text(json.dumps(SCRIPT))
     stack = make_stack(tmp)
     try:
         stack.start_etcd()
@@ -52,7 +64,7 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalStac
         stack.start_core()
         stack.load_models(read_models_file(EXAMPLES / "models.yaml"))
         for _ in range(2):
-            stack.start_worker("tiny-llama", "sim", ["--sim-speed", "5"])
+            stack.start_worker("tiny-llama", "sim", ["--sim-speed", "5", "--sim-script", str(script)])
         for worker in stack.workers:
             wait_serving(worker, 60)
         yield stack, spans
@@ -91,7 +103,7 @@ def conversation(program: str) -> list:
     ]
 
 
-TOOL = {
+TOOL: Any = {
     "type": "function",
     "function": {"name": "track", "parameters": {"type": "object", "properties": {"id": {"type": "string"}}}},
 }
@@ -116,7 +128,7 @@ async def test_an_agent_loop_is_one_program_in_its_trace_with_cached_tokens_grow
         raw = client.chat.completions.with_raw_response.create(
             model=MODEL,
             messages=messages,
-            tools=[TOOL],  # type: ignore[list-item]
+            tools=[TOOL],
             max_tokens=12,
             extra_headers={"X-InferX-Program-End": "true"} if last else None,
         )
@@ -358,3 +370,128 @@ def test_inferx_call_streams_a_call_and_inferx_trace_shows_its_program(stack: Lo
         assert "running: 1 call so far" in traced.stdout, traced.stdout
     else:
         assert "running: 1 call so far" in traced.stdout or "ok: 1 call" in traced.stdout, traced.stdout
+
+
+# ----- tool calls over CallModel; tool_choice failures in the record; KV retention hints -----
+
+
+def tool_messages(program: str, ask: str) -> list:
+    return [
+        {"role": "system", "content": f"[{program}] You track parcels."},
+        {"role": "user", "content": ask},
+    ]
+
+
+async def test_call_model_reads_tool_calls_as_the_http_front_does(stack: LocalStack) -> None:
+    program = f"tools-{uuid.uuid4().hex[:8]}"
+    http = sdk(stack).chat.completions.create(
+        model=MODEL, messages=tool_messages(program + "-http", CALL_TRACK), tools=[TOOL], max_tokens=64
+    )
+    assert http.choices[0].finish_reason == "tool_calls"
+    async with stack.client(timeout_s=30) as client:
+        events = [
+            e
+            async for e in client.call_model(
+                MODEL,
+                messages=tool_messages(program, CALL_TRACK),
+                tools=[TOOL],
+                max_tokens=64,
+                program_id=program,
+            )
+        ]
+    texts = "".join(e.text for e in events if e.WhichOneof("event") == "text")
+    finished = events[-1].finished
+    assert texts == "Checking." == http.choices[0].message.content  # the content only, no markup
+    assert finished.finish_reason == "tool_calls"
+    (call,) = finished.tool_calls
+    (http_call,) = http.choices[0].message.tool_calls or []
+    assert (call.name, json.loads(call.arguments_json)) == ("track", {"id": "TRK-42"})
+    assert (http_call.function.name, json.loads(http_call.function.arguments)) == ("track", {"id": "TRK-42"})  # type: ignore[union-attr]
+    assert call.id.startswith("call_")
+
+
+async def test_a_reply_breaking_tool_choice_fails_both_fronts_and_is_recorded_as_an_error(
+    stack: LocalStack,
+) -> None:
+    program = f"choice-{uuid.uuid4().hex[:8]}"
+    client_http = sdk(stack, default_headers={"X-InferX-Program": program})
+    with pytest.raises(openai.InternalServerError) as http_error:
+        client_http.chat.completions.create(
+            model=MODEL,
+            messages=tool_messages(program, NO_TOOLS),
+            tools=[TOOL],
+            tool_choice="required",
+            max_tokens=32,
+        )
+    assert http_error.value.code == "tool_choice_not_followed"
+    async with stack.client(timeout_s=30) as client:
+        with pytest.raises(Internal, match="tool_choice"):
+            async for event in client.call_model(
+                MODEL,
+                messages=tool_messages(program, NO_TOOLS),
+                tools=[TOOL],
+                tool_choice={"type": "function", "function": {"name": "track"}},
+                max_tokens=32,
+                program_id=program,
+            ):
+                assert event.WhichOneof("event") != "text"  # nothing of a held reply is sent
+    trace = await get_run(stack, program)
+    assert [(h.status, h.error.split(":")[0]) for h in trace.finished.hops] == [
+        ("error", "tool_choice_not_followed"),
+        ("error", "tool_choice_not_followed"),
+    ]
+    assert trace.finished.hops[0].usage.completion_tokens > 0  # the model ran; its reply failed
+
+
+async def scheduler_hints(stack: LocalStack) -> dict[str, float]:
+    """inferx_scheduler_kv_retention_hints_total by outcome, over the stack's schedulers."""
+    async with stack.client() as client:
+        status = await client.status()
+    counts: dict[str, float] = {}
+    for service in status.services:
+        if service.kind != "scheduler" or not service.metrics_address:
+            continue
+        body = urllib.request.urlopen(f"http://{service.metrics_address}/metrics", timeout=5).read().decode()
+        for family in text_string_to_metric_families(body):
+            for sample in family.samples:
+                if sample.name == "inferx_scheduler_kv_retention_hints_total":
+                    outcome = sample.labels["outcome"]
+                    counts[outcome] = counts.get(outcome, 0.0) + sample.value
+    return counts
+
+
+async def test_a_clients_kv_retention_hint_reaches_the_scheduler_from_both_fronts(stack: LocalStack) -> None:
+    before = await scheduler_hints(stack)
+    program = f"keep-{uuid.uuid4().hex[:8]}"
+    sdk(stack).chat.completions.create(
+        model=MODEL,
+        messages=conversation(program),
+        max_tokens=4,
+        extra_body={"agentic_context": {"program_id": program, "kv_retention_ttl": 0}},
+    )
+    async with stack.client(timeout_s=30) as client:
+        async for _ in client.call_model(MODEL, "More?", max_tokens=4, program_id=program, kv_retention_s=30):
+            pass
+    # Past --max-hold-s (600 s by default): cut to it. From a shell, `inferx call`.
+    router = ["--router", stack.router_address]
+    command = [INFERX, "call", MODEL, "And?", "--program", program, "--max-tokens", "4", *router]
+    called = subprocess.run(
+        [*command, "--kv-retention-s", "3600"], capture_output=True, text=True, timeout=60
+    )
+    assert called.returncode == 0, called.stderr
+
+    async def counted() -> dict[str, float] | None:
+        now = await scheduler_hints(stack)
+        grown = {k: now.get(k, 0.0) - before.get(k, 0.0) for k in ("released", "held", "capped")}
+        return grown if all(v >= 1 for v in grown.values()) else None
+
+    await poll_until(counted, timeout_s=10, what="the scheduler's count of the hints")
+    with pytest.raises(grpc.aio.AioRpcError) as caught:  # a bad hint: INVALID_ARGUMENT naming it
+        async with grpc.aio.insecure_channel(stack.router_address) as channel:
+            request = router_pb2.ProgramCallRequest(
+                model=MODEL, prompt="x", program_id=program, kv_retention_s=-1
+            )
+            [e async for e in router_pb2_grpc.RouterStub(channel).CallModel(request, timeout=10)]
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "kv_retention_s" in (
+        caught.value.details() or ""
+    )

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from inferx.scheduling.chain_aware import ChainAwareConfig, ChainAwarePolicy
 from inferx.scheduling.queue import DispatchQueue
-from inferx.scheduling.retention import GapModel, hold_seconds
+from inferx.scheduling.retention import HINT_PRICED, HINT_RELEASED, GapModel, client_hold, hold_seconds
 from inferx.scheduling.views import TIER_BATCH, TIER_REALTIME, TIER_STANDARD, HopView, WorkerSlots
 
 RATE = 15_000.0  # prefill tokens/s
@@ -296,3 +296,113 @@ def test_the_models_sorted_gaps_and_remembered_price_match_pricing_from_scratch(
                 "k", kv_capacity_tokens=capacity, prefill_tokens_per_s=RATE, max_hold_s=600.0
             ) == hold(list(window), capacity=capacity)
     assert model.price("never", kv_capacity_tokens=BIG_KV, prefill_tokens_per_s=RATE, max_hold_s=5.0) == 5.0
+
+
+# ----- a client's retention hint (kv_retention_ttl) ------------------------------------
+
+
+@given(
+    st.floats(0.0, 1_000.0),
+    st.one_of(st.none(), st.floats(0.0, 1e6)),
+    st.sampled_from(["override", "cap", "off"]),
+    st.floats(1.0, 1_000.0),
+)
+def test_a_hint_never_holds_beyond_the_bound_and_zero_lets_go(
+    priced: float, hint: float | None, mode: str, max_hold: float
+) -> None:
+    priced = min(priced, max_hold)  # the price is bounded already
+    hold_s, outcome = client_hold(priced, hint, mode=mode, max_hold_s=max_hold)
+    assert 0.0 <= hold_s <= max_hold
+    if hint is None:
+        assert (hold_s, outcome) == (priced, "")
+    elif mode == "off":
+        assert (hold_s, outcome) == (priced, HINT_PRICED)
+    elif hint == 0:
+        assert (hold_s, outcome) == (0.0, HINT_RELEASED)
+    elif mode == "override":
+        assert hold_s == min(hint, max_hold)
+    else:  # cap: a hint only shortens the priced hold
+        assert hold_s == min(hint, priced)
+
+
+def _hinted_call(q: DispatchQueue, program: str, hop: int, now: float, hint: float | None, **kw):
+    """One call of a dynamic program with the client's retention hint; the finished hop."""
+    submit(
+        q,
+        program,
+        now,
+        str(hop),
+        hop_index=hop,
+        prompt_tokens=9_000,
+        max_tokens=100,
+        program="agent/standard",
+        kv_retention_s=hint,
+        **kw,
+    )
+    (queued,) = q.assign(ONE, now=now)
+    q.finished(queued, now + 1, context_tokens=10_000, service_s=1.0)
+    return queued
+
+
+def _learn_long_gaps(q: DispatchQueue) -> None:
+    """Programs of the kind whose tool calls took minutes: the price is to let go at once."""
+    for i in range(5):
+        _hinted_call(q, f"old{i}", 0, 1_000.0 * i, None)
+        _hinted_call(q, f"old{i}", 1, 1_000.0 * i + 300.0, None, remaining_hops=0)
+
+
+def test_a_clients_hint_holds_its_program_that_long_where_the_price_would_let_go() -> None:
+    q, chosen = policy()
+    _learn_long_gaps(q)
+    _hinted_call(q, "priced", 0, 10_000.0, None)
+    assert chosen.resident("a") == 0  # the price: let go at once
+    done = _hinted_call(q, "told", 0, 10_000.0, 30.0)  # "my tool call takes 30 s: keep it"
+    state = chosen.chain("told", "p")
+    assert state is not None and state.held_until == pytest.approx(10_031.0)  # finished at 10 001
+    assert chosen.resident("a") == 10_000 and done.retention_hint == "held"
+
+
+def test_a_hint_of_zero_lets_go_at_once_where_the_price_would_hold() -> None:
+    q, chosen = policy()
+    _hinted_call(q, "priced", 0, 0.0, None)  # no gaps seen: held for the break-even time
+    assert chosen.resident("a") == 10_000
+    done = _hinted_call(q, "done-soon", 0, 0.0, 0.0)
+    assert chosen.resident("a") == 10_000  # only the unhinted program's context
+    assert done.retention_hint == "released"
+
+
+def test_a_hint_is_held_no_longer_than_max_hold() -> None:
+    q, chosen = policy(max_hold_s=60.0)
+    done = _hinted_call(q, "greedy", 0, 0.0, 3_600.0)
+    state = chosen.chain("greedy", "p")
+    assert state is not None and state.held_until == pytest.approx(61.0)
+    assert done.retention_hint == "capped"
+
+
+def test_in_cap_mode_a_hint_only_shortens_the_priced_hold_and_off_ignores_it() -> None:
+    q, chosen = policy(client_retention="cap")
+    _learn_long_gaps(q)
+    longer = _hinted_call(q, "longer", 0, 10_000.0, 30.0)
+    assert chosen.resident("a") == 0 and longer.retention_hint == "released"  # the price (0) wins
+    q, chosen = policy(client_retention="cap")  # no gaps seen: the price is the break-even time
+    shorter = _hinted_call(q, "shorter", 0, 0.0, 5.0)
+    state = chosen.chain("shorter", "p")
+    assert state is not None and state.held_until == pytest.approx(6.0) and shorter.retention_hint == "held"
+    q, chosen = policy(client_retention="off")
+    ignored = _hinted_call(q, "ignored", 0, 0.0, 0.0)
+    assert chosen.resident("a") == 10_000 and ignored.retention_hint == "priced"
+
+
+def test_the_programs_end_mark_wins_over_its_hint() -> None:
+    q, chosen = policy()
+    done = _hinted_call(q, "ending", 0, 0.0, 30.0, remaining_hops=0)
+    assert chosen.resident("a") == 0 and done.retention_hint == "ended"
+
+
+def test_a_hinted_hold_ends_when_the_hint_says() -> None:
+    q, chosen = policy(strict_holds=True)
+    _learn_long_gaps(q)
+    _hinted_call(q, "told", 0, 10_000.0, 30.0)
+    assert chosen.resident("a") == 10_000
+    _hinted_call(q, "later", 0, 10_040.0, None)  # past the hint: the hold has expired
+    assert chosen.resident("a") == 0

@@ -121,6 +121,19 @@ def test_agentic_context_maps_onto_program_tier_priority_deadline_and_end() -> N
     )
 
 
+def test_the_kv_retention_header_wins_over_the_field_and_needs_a_program() -> None:
+    both = parse_identity({"X-InferX-KV-Retention-S": "0", "X-InferX-Program": "p"}, ctx(kv_retention_ttl=30))
+    assert both.kv_retention_s == 0.0  # 0 is a hint (let go at once), not "unset"
+    assert parse_identity({}, ctx(program_id="p", kv_retention_ttl_seconds=12.5)).kv_retention_s == 12.5
+    assert parse_identity({"X-InferX-Program": "p"}).kv_retention_s is None
+    # A call of no program holds nothing after it: the hint has nothing to keep.
+    assert parse_identity({"X-InferX-KV-Retention-S": "30"}).kv_retention_s is None
+    for bad in ("-1", "soon", "inf", "nan"):
+        with pytest.raises(InvalidField) as caught:
+            parse_identity({"X-InferX-KV-Retention-S": bad, "X-InferX-Program": "p"})
+        assert caught.value.param == "X-InferX-KV-Retention-S"
+
+
 def test_agentic_context_derives_the_program_from_task_or_session_and_agent() -> None:
     assert parse_identity({}, ctx(task_id="t", agent_id="a")).program_id == "t:a"
     assert parse_identity({}, ctx(session_id="s")).program_id == "s"
@@ -281,6 +294,7 @@ header_names = st.sampled_from(
         "X-InferX-Tier",
         "X-InferX-Deadline-Ms",
         "X-InferX-Program-End",
+        "X-InferX-KV-Retention-S",
         "X-Session-Id",
         "Session-Id",
         "Thread-Id",

@@ -6,6 +6,7 @@ fake executor."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 
 import pytest
@@ -15,15 +16,17 @@ from inferx.auth.model import Principal, Role
 from inferx.errors import InvalidArgument, NotFound, Unavailable
 from inferx.limits import RequestLimits
 from inferx.openai_compat import schema
-from inferx.openai_compat.errors import InvalidField, ModelNotFound
+from inferx.openai_compat.errors import InvalidField, ModelNotFound, ToolChoiceNotFollowed
 from inferx.openai_compat.identity import ProgramIdentity
+from inferx.openai_compat.toolcalls import Content, ToolCall
 from inferx.pools import PoolDirectory
 from inferx.scheduling.views import Tier
 from inferx.v1 import common_pb2, router_pb2
 from inferx_router import programs
 from inferx_router.access import AccessControl
+from inferx_router.executors import hop_request
 from inferx_router.hops import HopDone, ModelHop
-from inferx_router.program_calls import CallDone, ProgramCalls, request_body, request_identity
+from inferx_router.program_calls import CallDone, ProgramCalls, finished_event, request_body, request_identity
 from inferx_router.programs import Program, ProgramBook
 from inferx_router.records import RUNNING, RunStore, chain_stats, run_trace_message
 
@@ -272,14 +275,14 @@ class FakeExecutor:
         )
 
 
-def calls_with(executor: FakeExecutor, store: RunStore) -> ProgramCalls:
+def calls_with(executor: FakeExecutor, store: RunStore, quotas: TenantQuotas | None = None) -> ProgramCalls:
     directory = PoolDirectory()
     directory.model_to_pool = {"m": "pool"}
     return ProgramCalls(
         directory,
         executor,
         access=AccessControl(None),
-        quotas=TenantQuotas(),
+        quotas=quotas or TenantQuotas(),
         default_timeout_s=30,
         book=ProgramBook(store),
     )
@@ -310,7 +313,7 @@ async def test_calls_of_a_program_are_recorded_with_their_usage_and_worker() -> 
 async def test_the_stream_sends_text_then_the_result() -> None:
     calls = calls_with(FakeExecutor(), RunStore())
     items = [item async for item in calls.stream(WHO, ProgramIdentity(), calls.prepare(chat()))]
-    assert items[:2] == ["Hel", "lo"] and isinstance(items[-1], CallDone)
+    assert items[:2] == [Content("Hel"), Content("lo")] and isinstance(items[-1], CallDone)
 
 
 async def test_a_failed_call_is_raised_and_recorded() -> None:
@@ -322,13 +325,127 @@ async def test_a_failed_call_is_raised_and_recorded() -> None:
     assert (hop.status, hop.error) == ("error", "no worker")
 
 
+# ----- tool calls: one reading for the HTTP front and CallModel -------------------------------
+
+TOOLS = [{"type": "function", "function": {"name": "track", "parameters": {"type": "object"}}}]
+CALL_TEXT = ("Let me check.", '\n<tool_call>\n{"name": "track", "arguments": {"id": "T"}}\n</tool_call>')
+
+
+async def test_a_streamed_call_gives_content_and_whole_tool_calls_not_the_markup() -> None:
+    calls = calls_with(FakeExecutor(CALL_TEXT), RunStore())
+    body = chat(tools=TOOLS)
+    items = [
+        item
+        async for item in calls.stream(
+            WHO, ProgramIdentity("p"), calls.prepare(body), reader=calls.reader(body)
+        )
+    ]
+    assert items[0] == Content("Let me check.")
+    assert not any(isinstance(i, Content) and "<tool_call>" in i.text for i in items)
+    (call,) = [i for i in items if isinstance(i, ToolCall)]
+    assert (call.name, json.loads(call.arguments)) == ("track", {"id": "T"})
+    done = items[-1]
+    assert isinstance(done, CallDone) and done.reply.calls == [call]
+    finished = finished_event(done).finished
+    assert finished.finish_reason == "tool_calls"
+    assert [(c.id, c.name, json.loads(c.arguments_json)) for c in finished.tool_calls] == [
+        (call.id, "track", {"id": "T"})
+    ]
+
+
+async def test_a_call_without_tools_keeps_the_markup_as_content_and_no_tool_calls() -> None:
+    calls = calls_with(FakeExecutor(CALL_TEXT), RunStore())
+    body = chat()
+    done = await calls.call(WHO, ProgramIdentity(), calls.prepare(body), reader=calls.reader(body))
+    finished = finished_event(done).finished
+    assert done.reply.content == "".join(CALL_TEXT) and not finished.tool_calls
+    assert finished.finish_reason == "length"
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_a_reply_that_breaks_tool_choice_fails_the_call_and_is_recorded_as_an_error(
+    streamed: bool,
+) -> None:
+    store = RunStore()
+    calls = calls_with(FakeExecutor(("No tool ", "for you.")), store)
+    body = chat(tools=TOOLS, tool_choice="required")
+    call, reader = calls.prepare(body), calls.reader(body)
+    with pytest.raises(ToolChoiceNotFollowed):
+        if streamed:
+            items = [item async for item in calls.stream(WHO, ProgramIdentity("p"), call, reader=reader)]
+            assert items == []  # never reached; nothing of the reply was given either
+        else:
+            await calls.call(WHO, ProgramIdentity("p"), call, reader=reader)
+    hop = store.find("p", tenant="acme").finished.hops[0]
+    assert hop.status == "error" and hop.error.startswith("tool_choice_not_followed: ")
+    assert hop.output == "No tool for you." and hop.usage.completion_tokens == 2  # the model did run
+
+
+async def test_the_tokens_of_a_reply_that_broke_tool_choice_count_against_its_tenant() -> None:
+    class Counting(TenantQuotas):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tokens = 0
+
+        def finished(self, tenant, limits, tokens) -> None:
+            self.tokens += tokens
+            super().finished(tenant, limits, tokens)
+
+    quotas = Counting()
+    calls = calls_with(FakeExecutor(("No tool.",)), RunStore(), quotas)
+    body = chat(tools=TOOLS, tool_choice="required")
+    with pytest.raises(ToolChoiceNotFollowed):
+        await calls.call(WHO, ProgramIdentity(), calls.prepare(body), reader=calls.reader(body))
+    assert quotas.tokens == 52  # 50 prompt + 2 completion: the engine ran
+    with pytest.raises(Unavailable):
+        failing = calls_with(FakeExecutor(fail=Unavailable("no worker")), RunStore(), quotas)
+        await failing.call(WHO, ProgramIdentity(), failing.prepare(chat()))
+    assert quotas.tokens == 52  # a hop that never ran used none
+
+
+async def test_nothing_of_a_held_reply_is_streamed_before_it_fails() -> None:
+    calls = calls_with(FakeExecutor(("No tool ", "for you.")), RunStore())
+    body = chat(tools=TOOLS, tool_choice="required")
+    seen = []
+    with pytest.raises(ToolChoiceNotFollowed):
+        async for item in calls.stream(
+            WHO, ProgramIdentity(), calls.prepare(body), reader=calls.reader(body)
+        ):
+            seen.append(item)
+    assert seen == []
+
+
+async def test_the_clients_kv_retention_hint_goes_with_the_hop() -> None:
+    executor = FakeExecutor()
+    calls = calls_with(executor, RunStore())
+    await calls.call(WHO, ProgramIdentity("p", kv_retention_s=30.0), calls.prepare(chat()))
+    await calls.call(WHO, ProgramIdentity("p", kv_retention_s=0.0), calls.prepare(chat()))
+    await calls.call(WHO, ProgramIdentity("p"), calls.prepare(chat()))
+    assert [hop.kv_retention_s for hop in executor.hops] == [30.0, 0.0, None]
+    sent = [hop_request(hop).context for hop in executor.hops]
+    assert [c.kv_retention_s if c.HasField("kv_retention_s") else None for c in sent] == [30.0, 0.0, None]
+
+
+def test_call_model_takes_a_kv_retention_hint_checked_like_the_headers() -> None:
+    given = router_pb2.ProgramCallRequest(model="m", prompt="p", program_id="p", kv_retention_s=12.5)
+    assert request_identity(given, None).kv_retention_s == 12.5
+    zero = router_pb2.ProgramCallRequest(model="m", prompt="p", program_id="p", kv_retention_s=0)
+    assert request_identity(zero, None).kv_retention_s == 0.0  # set: let go at once
+    assert request_identity(router_pb2.ProgramCallRequest(model="m", prompt="p"), None).kv_retention_s is None
+    for bad in (-1.0, float("inf"), float("nan")):
+        request = router_pb2.ProgramCallRequest(model="m", prompt="p", program_id="p", kv_retention_s=bad)
+        with pytest.raises(InvalidField) as caught:
+            request_identity(request, None)
+        assert caught.value.param == "kv_retention_s"
+
+
 async def test_closing_the_stream_early_cancels_the_call_and_records_it() -> None:
     store = RunStore()
     executor = FakeExecutor()
     executor.gate = asyncio.Event()  # never set: the call hangs after its text
     calls = calls_with(executor, store)
     stream = calls.stream(WHO, ProgramIdentity("p"), calls.prepare(chat()))
-    assert await anext(stream) == "Hel"
+    assert await anext(stream) == Content("Hel")
     await stream.aclose()
     for _ in range(5):
         await asyncio.sleep(0)

@@ -59,6 +59,7 @@ def test_scheduler_flags_reach_the_policy() -> None:
         overload_control=True,
         strict_holds=True,
         offload_retention=False,
+        client_retention="cap",
     )
     policy = registry.make_policy("chain-aware", time_scale=2.0, **settings.policy_options())
     assert isinstance(policy, ChainAwarePolicy)
@@ -66,6 +67,9 @@ def test_scheduler_flags_reach_the_policy() -> None:
     assert (config.reuse_window_hops, config.kv_retention, config.overload_control) == (2, "priced", True)
     assert (config.max_hold_s, config.kv_warm_s) == (21.0, 3.5)  # time constants scaled
     assert config.strict_holds and not config.offload_retention
+    assert config.client_retention == "cap"
+    with pytest.raises(ValidationError, match="client_retention"):
+        SchedulerSettings(client_retention="always")
     assert config.clock_scale == 2.0  # rates workers report follow the replay's clock
     # A peer ignores the chain-aware options.
     assert registry.make_policy("session-affinity", **settings.policy_options()).name == "session-affinity"

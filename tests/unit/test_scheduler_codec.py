@@ -80,6 +80,16 @@ def test_remaining_hops_present_zero_versus_absent() -> None:
     assert hop_view("p", request()).remaining_hops is None
 
 
+def test_kv_retention_hint_present_zero_versus_absent_and_a_bad_one_is_none() -> None:
+    """The client's hint: 0 is one (let go at once); unset is none; a value no client
+    could have sent (negative, not finite) is no hint rather than a failed hop."""
+    assert hop_view("p", request(kv_retention_s=30.0)).kv_retention_s == 30.0
+    assert hop_view("p", request(kv_retention_s=0.0)).kv_retention_s == 0.0
+    assert hop_view("p", request()).kv_retention_s is None
+    for bad in (-1.0, float("nan"), float("inf")):
+        assert hop_view("p", request(kv_retention_s=bad)).kv_retention_s is None
+
+
 def test_max_tokens_defaults_when_zero() -> None:
     """max_tokens 0 (unset) becomes DEFAULT_MAX_TOKENS; a set value is kept."""
     assert DEFAULT_MAX_TOKENS not in (0, 7)  # so the two cases below differ

@@ -35,6 +35,7 @@ async def cmd_call(args: argparse.Namespace) -> int:
             tier=TIERS.get(args.tier or "", 0),  # type: ignore[arg-type]
             deadline_ms=args.deadline_ms,
             program_end=args.end,
+            kv_retention_s=args.kv_retention_s,
         ):
             if event.WhichOneof("event") == "text":
                 if not args.json:
@@ -75,6 +76,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     call.add_argument("--end", action="store_true", help="the program ends after this call")
     call.add_argument("--tier", choices=sorted(TIERS))
     call.add_argument("--deadline-ms", type=int, default=0, metavar="MS")
+    call.add_argument(
+        "--kv-retention-s",
+        type=float,
+        metavar="S",
+        help="keep the program's KV this long after the call (0: let it go at once; "
+        "at most the scheduler's --max-hold-s)",
+    )
     call.add_argument("--max-tokens", type=int, default=0, metavar="N")
     call.add_argument("--temperature", type=float)
     call.set_defaults(handler=cmd_call)

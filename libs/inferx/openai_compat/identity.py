@@ -10,6 +10,9 @@ InferX's own headers (these win over everything below):
     X-InferX-Tier          realtime | standard | batch (default standard)
     X-InferX-Deadline-Ms   this call's deadline, in ms from its arrival (1 .. 86,400,000)
     X-InferX-Program-End   true | false: the program ends after this call (its KV is let go)
+    X-InferX-KV-Retention-S  seconds to keep the program's KV after this call (0 = let it
+                           go at once; agentic_context's kv_retention_ttl), at most the
+                           scheduler's --max-hold-s
 
 For drop-in use, without X-InferX-Program the program id comes from, in this order:
 
@@ -48,6 +51,7 @@ PROGRAM_NAME = "X-InferX-Program-Name"
 TIER = "X-InferX-Tier"
 DEADLINE_MS = "X-InferX-Deadline-Ms"
 PROGRAM_END = "X-InferX-Program-End"
+KV_RETENTION = "X-InferX-KV-Retention-S"
 
 # Agent frameworks' session headers: (session, agent within it, the agent's parent agent).
 SESSION_HEADERS: tuple[tuple[str, str | None, str | None], ...] = (
@@ -75,7 +79,10 @@ class ProgramIdentity:
     name: str = DEFAULT_PROGRAM_NAME  # the program's kind: its chain name in records and metrics
     parent_program_id: str = ""  # the program that started this one (kept in its record)
     priority: int = DEFAULT_PRIORITY  # the hops' priority rank, 0 (high) .. 3 (low)
-    kv_retention_s: float | None = None  # a client's KV retention hint (not used yet: see the README)
+    # The client's KV retention hint: seconds to keep the program's KV after this call
+    # (HopContext.kv_retention_s: the chain-aware policy holds it that long, at most its
+    # --max-hold-s); 0 = let go at once; None = the policy's priced hold.
+    kv_retention_s: float | None = None
 
 
 # ----- values ----------------------------------------------------------------------------------
@@ -103,6 +110,13 @@ def check_deadline_ms(param: str, value: int) -> int:
     if not 1 <= value <= MAX_DEADLINE_MS:
         raise InvalidField(param, f"expected 1 to {MAX_DEADLINE_MS:,} milliseconds, got {value}")
     return value
+
+
+def check_retention_s(param: str, value: float) -> float:
+    """A KV retention hint in seconds: finite, at least 0 (capped at MAX_SECONDS)."""
+    if not math.isfinite(value) or value < 0:
+        raise InvalidField(param, f"expected a number of seconds, at least 0, got {value!r}")
+    return float(min(value, MAX_SECONDS))
 
 
 def priority_rank(priority: int) -> int:
@@ -154,7 +168,17 @@ def _inferx_headers(get: Callable[[str], str | None]) -> tuple[_Given, str | Non
         if raw.lower() not in _TRUE | _FALSE:
             raise InvalidField(PROGRAM_END, f"expected true or false, got {raw!r}")
         end = raw.lower() in _TRUE
-    return _Given(program_id=program, tier=tier, deadline_ms=deadline_ms, end=end), name
+    retention_s = None
+    if (raw := get(KV_RETENTION)) is not None:
+        try:
+            retention_s = float(raw)
+        except ValueError:
+            raise InvalidField(KV_RETENTION, f"expected a number of seconds, got {raw!r}") from None
+        retention_s = check_retention_s(KV_RETENTION, retention_s)
+    given = _Given(
+        program_id=program, tier=tier, deadline_ms=deadline_ms, end=end, kv_retention_s=retention_s
+    )
+    return given, name
 
 
 def _session_headers(get: Callable[[str], str | None]) -> _Given:
@@ -402,7 +426,7 @@ def parse_identity(headers: Mapping[str, str], body: Mapping[str, Any] | None = 
         name=name or DEFAULT_PROGRAM_NAME,
         parent_program_id=parent if program else "",
         priority=DEFAULT_PRIORITY if priority is None else priority_rank(priority),
-        kv_retention_s=context.kv_retention_s,
+        kv_retention_s=first("kv_retention_s", own, context) if program else None,
     )
 
 
@@ -415,6 +439,7 @@ def identity_of_fields(
     program_end: bool = False,
     parent_program_id: str = "",
     priority: int = 0,
+    kv_retention_s: float | None = None,
 ) -> ProgramIdentity:
     """The identity of a `Router.CallModel` request (its fields are the headers' twins;
     0 and "" mean not given). Errors name the field."""
@@ -434,6 +459,8 @@ def identity_of_fields(
             raise InvalidField("parent_program_id", "needs program_id")
         if parent_program_id == program_id:
             raise InvalidField("parent_program_id", "must differ from program_id")
+    if kv_retention_s is not None:
+        kv_retention_s = check_retention_s("kv_retention_s", kv_retention_s)
     return ProgramIdentity(
         program_id=program_id,
         tier=Tier(tier) if tier else Tier.STANDARD,
@@ -442,4 +469,5 @@ def identity_of_fields(
         name=name or DEFAULT_PROGRAM_NAME,
         parent_program_id=parent_program_id,
         priority=priority_rank(priority),
+        kv_retention_s=kv_retention_s if program_id else None,
     )

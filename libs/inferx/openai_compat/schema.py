@@ -17,7 +17,6 @@ from inferx.openai_compat.toolcalls import (
     ToolCall,
     new_call_id,
     parser_for,
-    split_tool_calls,
 )
 from inferx.tokens import DEFAULT_MAX_TOKENS
 
@@ -248,6 +247,74 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
+class ReplyReader:
+    """What a chat reply says, read as its text comes: content and tool calls. The one
+    reading both the HTTP front and `Router.CallModel` use (and the router runs it
+    inside the call, so a reply that fails tool_choice is recorded as a failed call).
+
+    With `parse_tool_calls`, tool calls in `tool_format` (inferx.openai_compat.toolcalls)
+    are read out of the text: `feed` gives what can be told so far (content, whole calls;
+    content held back only while it may be part of a call), `finish` the rest. With a
+    "required" or named `tool_choice` everything is held until the reply has ended, and
+    `finish` raises ToolChoiceNotFollowed when the reply does not follow it (so nothing
+    of a reply that breaks the promise is sent). Without, the text is content as it is."""
+
+    def __init__(
+        self,
+        *,
+        parse_tool_calls: bool = False,
+        tool_format: str = DEFAULT_FORMAT,
+        tool_choice: str | dict[str, Any] | None = None,
+        new_id: Callable[[], str] = new_call_id,
+    ) -> None:
+        self._parser = parser_for(tool_format, new_id) if parse_tool_calls else None
+        self.tool_choice = tool_choice
+        self._hold = parse_tool_calls and (tool_choice == "required" or forced_tool(tool_choice) is not None)
+        self._held: list[Event] = []
+        self._text: list[str] = []  # the whole reply, for ToolChoiceNotFollowed's message
+        self._content: list[str] = []
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return self._parser.calls if self._parser is not None else []
+
+    @property
+    def called(self) -> bool:
+        """The reply called tools of its own accord: OpenAI's finish reason 'tool_calls'
+        ('stop' for a call a named tool_choice made it make, as OpenAI says)."""
+        return bool(self.calls) and forced_tool(self.tool_choice) is None
+
+    @property
+    def content(self) -> str | None:
+        """The content read so far (all of it after `finish`); None when nothing but
+        whitespace is left beside tool calls."""
+        text = "".join(self._content)
+        return None if self.calls and not text.strip() else text
+
+    def feed(self, piece: str) -> list[Event]:
+        self._text.append(piece)
+        if self._parser is None:
+            return self._out([Content(piece)] if piece else [])
+        events = self._parser.feed(piece)
+        if self._hold:
+            self._held += events
+            return []
+        return self._out(events)
+
+    def finish(self) -> list[Event]:
+        """The rest, once the reply has ended (ToolChoiceNotFollowed: see the class)."""
+        if self._parser is None:
+            return []
+        events, self._held = self._held + self._parser.finish(), []
+        if self._hold:
+            check_tool_choice(self.tool_choice, self._parser.calls, "".join(self._text))
+        return self._out(events)
+
+    def _out(self, events: list[Event]) -> list[Event]:
+        self._content += [event.text for event in events if isinstance(event, Content)]
+        return events
+
+
 def chat_completion(
     call_id: str,
     created: int,
@@ -265,15 +332,21 @@ def chat_completion(
     in `tool_format`) become `message.tool_calls` and the finish reason 'tool_calls'
     ('stop' for a named tool_choice, as OpenAI says). A reply that does not follow a
     "required" or named `tool_choice` raises ToolChoiceNotFollowed."""
-    message: dict[str, Any] = {"role": "assistant", "content": text}
-    called = False
-    if parse_tool_calls:
-        content, calls = split_tool_calls(text, new_id, tool_format)
-        check_tool_choice(tool_choice, calls, text)
-        message["content"] = content
-        if calls:
-            message["tool_calls"] = [call.as_openai() for call in calls]
-            called = forced_tool(tool_choice) is None
+    reader = ReplyReader(
+        parse_tool_calls=parse_tool_calls, tool_format=tool_format, tool_choice=tool_choice, new_id=new_id
+    )
+    reader.feed(text)
+    reader.finish()
+    return chat_reply(call_id, created, model, reader, reason, usage_)
+
+
+def chat_reply(
+    call_id: str, created: int, model: str, reader: ReplyReader, reason: str, usage_: dict[str, Any]
+) -> dict[str, Any]:
+    """A chat completion of a reply `reader` has read to its end."""
+    message: dict[str, Any] = {"role": "assistant", "content": reader.content}
+    if reader.calls:
+        message["tool_calls"] = [call.as_openai() for call in reader.calls]
     return {
         "id": call_id,
         "object": "chat.completion",
@@ -283,7 +356,7 @@ def chat_completion(
             {
                 "index": 0,
                 "message": message,
-                "finish_reason": finish_reason(reason, called),
+                "finish_reason": finish_reason(reason, reader.called),
                 "logprobs": None,
             }
         ],
@@ -318,13 +391,12 @@ def chat_chunk(
 
 class ChatChunks:
     """The chunks of a streamed chat completion, as OpenAI sends them: the role first,
-    then content deltas as text arrives; with `parse_tool_calls`, each tool call (in
-    `tool_format`) as two deltas (its index, id, type and name with empty arguments;
-    then the arguments), content held back only while it may be part of a call
-    (toolcalls' parsers), and the finish reason 'tool_calls' when the reply called
-    tools ('stop' for a named tool_choice). With a "required" or named `tool_choice`
-    everything is held until the reply has ended, and `finish` raises
-    ToolChoiceNotFollowed when the reply does not follow it (nothing of it sent)."""
+    then content deltas as text arrives; each tool call as two deltas (its index, id,
+    type and name with empty arguments; then the arguments), and the finish reason
+    'tool_calls' when the reply called tools ('stop' for a named tool_choice). The text
+    is read by a `ReplyReader` (see it for what is held back and when `finish` raises
+    ToolChoiceNotFollowed): its own, made from the arguments, or `reader`, one the
+    router runs inside the call (then `events` and `end` take what it read)."""
 
     def __init__(
         self,
@@ -336,45 +408,36 @@ class ChatChunks:
         tool_format: str = DEFAULT_FORMAT,
         tool_choice: str | dict[str, Any] | None = None,
         new_id: Callable[[], str] = new_call_id,
+        reader: ReplyReader | None = None,
     ) -> None:
         self._head = (call_id, created, model)
-        self._parser = parser_for(tool_format, new_id) if parse_tool_calls else None
-        self._choice = tool_choice
-        self._hold = parse_tool_calls and (tool_choice == "required" or forced_tool(tool_choice) is not None)
-        self._held: list[Event] = []
-        self._text_so_far: list[str] = []  # for ToolChoiceNotFollowed's message
+        self.reader = reader or ReplyReader(
+            parse_tool_calls=parse_tool_calls, tool_format=tool_format, tool_choice=tool_choice, new_id=new_id
+        )
 
     def _chunk(self, delta: dict[str, Any], reason: str | None = None) -> dict[str, Any]:
-        called = self._parser is not None and bool(self._parser.calls) and forced_tool(self._choice) is None
-        return chat_chunk(*self._head, delta, reason, tool_calls=called)
+        return chat_chunk(*self._head, delta, reason, tool_calls=self.reader.called)
 
     def start(self) -> dict[str, Any]:
         return self._chunk({"role": "assistant", "content": ""})
 
     def text(self, piece: str) -> list[dict[str, Any]]:
-        if self._parser is None:
-            return [self._chunk({"content": piece})] if piece else []
-        events = self._parser.feed(piece)
-        if self._hold:
-            self._text_so_far.append(piece)
-            self._held += events
-            return []
-        return self._deltas(events)
+        return self.events(self.reader.feed(piece))
 
     def finish(self, engine_reason: str) -> list[dict[str, Any]]:
         """The held-back rest, then the chunk with the finish reason."""
-        if self._parser is None:
-            return [self._chunk({}, engine_reason)]
-        events = self._held + self._parser.finish()
-        if self._hold:
-            check_tool_choice(self._choice, self._parser.calls, "".join(self._text_so_far))
-        return [*self._deltas(events), self._chunk({}, engine_reason)]
+        return [*self.events(self.reader.finish()), *self.end(engine_reason)]
 
-    def _deltas(self, events: list[Event]) -> list[dict[str, Any]]:
+    def end(self, engine_reason: str) -> list[dict[str, Any]]:
+        """The chunk with the finish reason, once the reader has finished."""
+        return [self._chunk({}, engine_reason)]
+
+    def events(self, events: list[Event]) -> list[dict[str, Any]]:
         chunks: list[dict[str, Any]] = []
         for event in events:
             if isinstance(event, Content):
-                chunks.append(self._chunk({"content": event.text}))
+                if event.text:
+                    chunks.append(self._chunk({"content": event.text}))
                 continue
             named = {"index": event.index, "id": event.id, "type": "function"}
             named["function"] = {"name": event.name, "arguments": ""}

@@ -79,7 +79,7 @@ from pydantic import TypeAdapter, ValidationError
 from inferx.scheduling.overload import ChainWindow, Stretch
 from inferx.scheduling.prefix_index import PrefixIndex
 from inferx.scheduling.registry import register_policy
-from inferx.scheduling.retention import GapModel, offload_fits
+from inferx.scheduling.retention import HINT_ENDED, HINT_PRICED, GapModel, client_hold, offload_fits
 from inferx.scheduling.views import (
     ACCEPT,
     TIER_BATCH,
@@ -122,7 +122,13 @@ class ChainAwareConfig:
     # expected to cost less than re-prefilling it, from the gaps learned so far
     # (`inferx.scheduling.retention`); "fixed" holds it `kv_warm_s`.
     kv_retention: Literal["priced", "fixed"] = "priced"
-    max_hold_s: float = 600.0  # "priced": the longest hold
+    max_hold_s: float = 600.0  # "priced": the longest hold (a client's hint too, in every mode)
+    # A client's KV retention hint (HopView.kv_retention_s: a dynamic program's
+    # kv_retention_ttl) for the gap after its hop: "override" holds for the hint instead
+    # of the price (the client knows its next gap; the price only its kind's past ones),
+    # "cap" lets it only shorten the hold, "off" ignores it. 0 lets go at once.
+    # `inferx.scheduling.retention.client_hold`.
+    client_retention: Literal["override", "cap", "off"] = "override"
     # "priced": a chain whose remaining hops were unknown (a dynamic program) forgotten
     # idle -- it never came back within `chain_ttl_s` -- counts as a gap of inf, so the
     # price learns how often such programs end after a hop, not only the gaps of those
@@ -1133,6 +1139,8 @@ class ChainAwarePolicy:
             return
         if hop.remaining_hops == 0 and not hop.session_id:
             self._forget(key)  # the run's last hop: nothing of it will be reused
+            if hop.kv_retention_s is not None:
+                queued.retention_hint = HINT_ENDED  # the program's end mark wins over its hint
             return
         state.idle_since = now
         state.open_ended = hop.remaining_hops is None
@@ -1142,9 +1150,19 @@ class ChainAwarePolicy:
         ahead = state.held_tokens if state.held_until > now else 0
         tokens, until = max(state.context_tokens, ahead), state.held_until if ahead else now
         hold_s = self._hold_s(hop, queued.worker_id, state.context_tokens)
-        if hold_s > 0:
-            # A little past the learned gap, so a chain back right on time finds it held.
-            until = max(until, now + hold_s * 1.05)
+        if hop.kv_retention_s is None:
+            if hold_s > 0:
+                # A little past the learned gap, so a chain back right on time finds it held.
+                until = max(until, now + hold_s * 1.05)
+        else:  # the client said how long to keep it: as long as it said (see `client_hold`)
+            hold_s, queued.retention_hint = client_hold(
+                hold_s,
+                hop.kv_retention_s,
+                mode=self.config.client_retention,
+                max_hold_s=self.config.max_hold_s,
+            )
+            if hold_s > 0:  # a priced hold keeps its margin; the client's is as it said
+                until = max(until, now + hold_s * (1.05 if queued.retention_hint == HINT_PRICED else 1.0))
         if until > now:
             self._hold(key, state, tokens, until)
         elif state.held_tokens:

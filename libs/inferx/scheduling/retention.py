@@ -151,3 +151,33 @@ def offload_fits(context_tokens: int, host_kv_capacity_tokens: int, share: float
     tier is LRU and shared by every context the worker evicts, so only one that takes
     at most `share` of it is likely to still be there when its chain comes back."""
     return host_kv_capacity_tokens > 0 and context_tokens <= host_kv_capacity_tokens * share
+
+
+# What became of a client's retention hint (`client_hold`): the hold is the hint as
+# given, cut to the longest hold, zero (let go at once), or the priced hold (mode
+# "cap" with a price below the hint; mode "off").
+HINT_HELD, HINT_CAPPED, HINT_RELEASED, HINT_PRICED = "held", "capped", "released", "priced"
+HINT_ENDED = "ended"  # the hop was its program's last: nothing is held, whatever the hint
+
+
+def client_hold(priced_s: float, hint_s: float | None, *, mode: str, max_hold_s: float) -> tuple[float, str]:
+    """How long to hold a chain's context after its hop when its client gave a KV
+    retention hint (`hint_s`: seconds to keep it; agentic_context's kv_retention_ttl),
+    and what became of the hint ("" when none was given: the priced hold stands).
+
+    `mode` "override" (the default) takes the hint for this gap, in place of the price:
+    the client knows what it is about to do (a 30 s test run, a user typing, the end of
+    its work) while the price only knows the gaps of the program's kind so far. "cap"
+    lets a hint only shorten the priced hold (an operator who does not trust clients
+    with KV). "off" ignores hints. In every mode a hint of 0 lets go at once (outside
+    "off"), and no hold exceeds `max_hold_s`: a client cannot keep room longer than the
+    operator allows any chain."""
+    if hint_s is None or mode == "off":
+        return priced_s, "" if hint_s is None else HINT_PRICED
+    if hint_s <= 0:
+        return 0.0, HINT_RELEASED
+    if mode == "cap" and priced_s < hint_s:
+        return priced_s, HINT_PRICED if priced_s > 0 else HINT_RELEASED
+    if hint_s > max_hold_s:
+        return max_hold_s, HINT_CAPPED
+    return hint_s, HINT_HELD

@@ -86,6 +86,10 @@ class HopView:
     # saw it; "" = unknown. A hint for a policy that has no record of the chain (after a
     # partition moved to another scheduler): its own record wins.
     last_worker_id: str = ""
+    # The client's hint: seconds to keep the chain's context held after this hop (a
+    # dynamic program's kv_retention_ttl); None = none given, 0 = let it go at once.
+    # What the client says of its own next gap, not read from a trace.
+    kv_retention_s: float | None = None
 
     @cached_property  # read for every queued hop on every pass
     def chain_key(self) -> str:
@@ -115,6 +119,9 @@ class QueuedHop:
     seq: int = 0
     worker_id: str | None = None  # set once assigned
     engine_priority: int = 0  # what the engine should order by (lower first)
+    # What the policy made of the client's KV retention hint when the hop finished
+    # (`inferx.scheduling.retention.client_hold`); "" = no hint, or a policy without holds.
+    retention_hint: str = ""
 
     @property
     def pool(self) -> str:
