@@ -160,8 +160,9 @@ def test_a_chain_whose_gaps_are_long_lets_its_context_go_at_once() -> None:
     assert chosen.resident("a") == 10_000
 
 
-def _program_call(q: DispatchQueue, program: str, hop: int, now: float, **kw) -> None:
-    """One call of a dynamic program: remaining hops unknown, as the OpenAI front sends."""
+def _program_call(q: DispatchQueue, program: str, hop: int, now: float, **kw):
+    """One call of a dynamic program: remaining hops unknown, as the OpenAI front sends;
+    the finished hop."""
     submit(
         q,
         program,
@@ -175,6 +176,7 @@ def _program_call(q: DispatchQueue, program: str, hop: int, now: float, **kw) ->
     )
     (queued,) = q.assign(ONE, now=now)
     q.finished(queued, now + 1, context_tokens=10_000, service_s=1.0)
+    return queued
 
 
 @pytest.mark.parametrize("learn", [True, False])
@@ -327,21 +329,7 @@ def test_a_hint_never_holds_beyond_the_bound_and_zero_lets_go(
 
 def _hinted_call(q: DispatchQueue, program: str, hop: int, now: float, hint: float | None, **kw):
     """One call of a dynamic program with the client's retention hint; the finished hop."""
-    submit(
-        q,
-        program,
-        now,
-        str(hop),
-        hop_index=hop,
-        prompt_tokens=9_000,
-        max_tokens=100,
-        program="agent/standard",
-        kv_retention_s=hint,
-        **kw,
-    )
-    (queued,) = q.assign(ONE, now=now)
-    q.finished(queued, now + 1, context_tokens=10_000, service_s=1.0)
-    return queued
+    return _program_call(q, program, hop, now, kv_retention_s=hint, **kw)
 
 
 def _learn_long_gaps(q: DispatchQueue) -> None:

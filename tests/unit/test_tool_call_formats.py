@@ -26,7 +26,7 @@ from inferx.openai_compat.toolcalls import (
 )
 from inferx.pools import PoolDirectory, model_entry
 from inferx.v1 import common_pb2
-from tests.unit.test_tool_calls import block, ids, stream, stream_chunks
+from tests.unit.test_tool_calls import assert_streamed_as_whole, block, ids, stream, stream_chunks
 
 LLAMA, MISTRAL = "llama3_json", "mistral"
 
@@ -185,14 +185,7 @@ _garbage = st.one_of(
 def test_any_text_in_any_format_cut_anyhow_streams_what_the_whole_reply_says(
     format_: str, text: str, cuts: list[int]
 ) -> None:
-    whole_content, whole_calls = split_tool_calls(text, ids(), format_)
-    content, calls = stream(text, cuts, format_)
-    assert calls == whole_calls
-    assert content == (whole_content or "")
-    if not calls:
-        assert content == text  # nothing read as a call: every character is content
-    for call in calls:
-        assert isinstance(json.loads(call.arguments), dict) and call.name.strip()
+    assert_streamed_as_whole(text, cuts, format_)
 
 
 _names = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,9}", fullmatch=True)

@@ -117,8 +117,14 @@ def stream(text: str, cuts: list[int], format_: str = "hermes") -> tuple[str, li
 @settings(max_examples=400, deadline=None)
 @given(text=_garbage, cuts=st.lists(st.integers(min_value=0, max_value=500), max_size=12))
 def test_any_text_cut_anyhow_streams_what_the_whole_reply_says(text: str, cuts: list[int]) -> None:
-    whole_content, whole_calls = split_tool_calls(text, ids())
-    content, calls = stream(text, cuts)
+    assert_streamed_as_whole(text, cuts, "hermes")
+
+
+def assert_streamed_as_whole(text: str, cuts: list[int], format_: str) -> None:
+    """`text` fed in pieces cut at `cuts` reads as the whole text does; what is not a
+    well-formed call stays content, every character of it."""
+    whole_content, whole_calls = split_tool_calls(text, ids(), format_)
+    content, calls = stream(text, cuts, format_)
     assert calls == whole_calls
     assert content == (whole_content or "")
     if not calls:
