@@ -35,9 +35,10 @@ async def seed(args: argparse.Namespace) -> None:
     )
     client = etcd.make_client(etcd_endpoint, tls=etcd_tls)
     async with client:
-        for model, pool in read_models_file(examples / "models.yaml").items():
-            await client.put(etcd.model_key(model).encode(), json.dumps({"pool": pool}).encode())
-            print(f"model {model} -> pool {pool}")
+        for model, entry in read_models_file(examples / "models.yaml").items():
+            # the checked entry as it is: {"pool": ...} and a tool_call_format when given
+            await client.put(etcd.model_key(model).encode(), json.dumps(entry).encode())
+            print(f"model {model} -> pool {entry['pool']}")
     deadline = asyncio.get_running_loop().time() + wait_s
     async with InferxClient(router, tls_ca=args.tls_ca, token=args.token) as inferx:
         for path in sorted((examples / "chains").glob("*.yaml")):

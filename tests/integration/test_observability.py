@@ -5,6 +5,8 @@ services (continuing the calling agent's trace); metric values after a known run
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import secrets
 import shutil
@@ -22,7 +24,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
-from inferx import telemetry
+from inferx import etcd, telemetry
 from inferx.client import InferxClient
 from inferx.devstack import LocalStack, read_models_file, wait_serving
 from inferx.v1 import router_pb2, router_pb2_grpc
@@ -379,3 +381,10 @@ def test_compose_seed_script_loads_the_examples_into_a_running_system(traced) ->
     assert seeded.returncode == 0, seeded.stderr
     assert "model qwen-7b -> pool tiny-llama" in seeded.stdout
     assert f"chain {CHAIN} unchanged" in seeded.stdout
+
+    async def stored() -> dict:
+        async with stack.etcd_client() as client:
+            found = await client.get(etcd.model_key("qwen-7b").encode())
+        return json.loads(found.value)
+
+    assert asyncio.run(stored()) == {"pool": "tiny-llama"}  # the mapping as the router reads it
