@@ -102,7 +102,10 @@ class InferxClient:
         label: str = "",
         session_id: str = "",
         tier: common_pb2.Tier = common_pb2.TIER_UNSPECIFIED,
+        final_only: bool = False,
     ) -> AsyncIterator[router_pb2.RunEvent]:
+        """The run's events: node_started / node_finished per node, then chain_finished
+        (every hop's result is in it too); `final_only`: chain_finished alone."""
         request = router_pb2.RunChainRequest(
             chain=chain,
             inputs=inputs or {},
@@ -110,6 +113,7 @@ class InferxClient:
             label=label,
             session_id=session_id,
             tier=tier,
+            final_only=final_only,
         )
         try:
             async for event in self._stub.RunChain(request, timeout=self._timeout_s, metadata=self._metadata):

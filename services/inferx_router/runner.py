@@ -97,6 +97,7 @@ class ChainRun:
         load: LoadMonitor | None = None,
         latency: LearnedLatency | None = None,
         rng: random.Random | None = None,
+        node_events: bool = True,
     ) -> None:
         self.chain = chain
         self.plan: ChainPlan = chain.plan
@@ -113,6 +114,10 @@ class ChainRun:
         self._learned = latency
         self._latency: LatencyEstimate = latency if latency is not None else TIMEOUTS
         self._rng = rng or _JITTER
+        # False (RunChainRequest.final_only): only chain_finished goes to `events`; each
+        # event is a message on the caller's stream, the costliest thing per hop after the
+        # hop itself, and a caller waiting for the result reads the hops from it anyway.
+        self._node_events = node_events
         self.budget = RetryBudget(self.config.retry_budget)
         self.events: asyncio.Queue[router_pb2.RunEvent | None] = asyncio.Queue()
         self._outcomes: dict[str, NodeOutcome] = {}
@@ -132,6 +137,10 @@ class ChainRun:
 
     def _emit(self, **event: Any) -> None:
         self.events.put_nowait(router_pb2.RunEvent(run_id=self.run_id, at_ms=self._at_ms(), **event))
+
+    def _emit_node(self, **event: Any) -> None:
+        if self._node_events:
+            self._emit(**event)
 
     async def run(self) -> router_pb2.ChainFinished:
         """Execute every node; always ends with a ChainFinished event."""
@@ -203,9 +212,9 @@ class ChainRun:
             if blocked:
                 result.status = "skipped"
                 result.error = f"upstream {', '.join(blocked)} did not finish"
-                self._emit(node_finished=result)
+                self._emit_node(node_finished=result)
                 return
-            self._emit(node_started=router_pb2.NodeStarted(node_id=node.id, node_type=node.type))
+            self._emit_node(node_started=router_pb2.NodeStarted(node_id=node.id, node_type=node.type))
             started = time.monotonic()
             node_attributes = {"inferx.node": node.id, "inferx.node.type": node.type}
             with telemetry.span(f"node {node.id}", node_attributes) as span:
@@ -218,7 +227,7 @@ class ChainRun:
                 # A node skipped on purpose contributes an empty output downstream.
                 self._outputs[node.id] = result.output
             metrics.observe_node(self.config.name, node.id, result)
-            self._emit(node_finished=result)
+            self._emit_node(node_finished=result)
         finally:
             outcome.done.set()
 

@@ -132,6 +132,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             tools=self._tools,
             load=self._load,
             latency=self._latency,
+            node_events=not request.final_only,
         )
         limits = self._limits(tenant)
         try:

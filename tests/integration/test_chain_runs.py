@@ -58,6 +58,19 @@ async def test_example_chain_runs_every_node_in_dependency_order(sim_stack: Loca
     assert finished.slo_met == (finished.latency_ms <= 5000)
 
 
+async def test_final_only_run_sends_one_event_with_every_hop(sim_stack: LocalStack) -> None:
+    events = await run_to_end(sim_stack, "customer_service_agent", QUERY, final_only=True)
+    assert [e.WhichOneof("event") for e in events] == ["chain_finished"]
+    finished = events[0].chain_finished
+    assert finished.status == "ok", finished.error
+    assert [h.node_id for h in finished.hops] == [
+        "intent_recognition",
+        "knowledge_retrieval",
+        "response_generation",
+    ]
+    assert all(h.status == "ok" and h.output for h in finished.hops)
+
+
 async def test_cacheable_tool_result_is_served_from_cache_the_second_time(
     sim_stack: LocalStack,
 ) -> None:

@@ -60,6 +60,27 @@ def test_marginal_hop_and_fixed_run_cost_from_the_1_hop_and_longest_chain() -> N
     assert summary.errors == 1
 
 
+def test_a_final_only_path_is_summarized_but_not_taken_for_the_longest_chain() -> None:
+    """The final-only path is the N-hop chain with fewer events: it gets its own row, and
+    the marginal hop still comes from the chains that send every event."""
+    summary = summarize(
+        [
+            samples(DIRECT, 1, [1.0], load_calls=1, load_wall_s=1.0),
+            samples("1-hop", 1, [7.0], load_calls=1, load_wall_s=1.0),
+            samples("4-hop", 4, [22.0], load_calls=1, load_wall_s=1.0),
+            PathSamples("8-hop final", 8, [30.0], final_only=True, load_calls=2, load_wall_s=1.0),
+        ]
+    )
+    final = summary.paths[-1]
+    assert (final.name, final.final_only, final.per_hop_p50_ms, final.hops_per_s) == (
+        "8-hop final",
+        True,
+        3.75,
+        16.0,
+    )
+    assert summary.marginal_hop_p50_ms == 5.0  # (22 - 7) / 3, not from the final-only path
+
+
 def test_without_a_long_chain_there_is_no_marginal_figure_and_direct_is_required() -> None:
     summary = summarize([samples(DIRECT, 1, [1.0]), samples("1-hop", 1, [3.0])])
     assert math.isnan(summary.marginal_hop_p50_ms) and math.isnan(summary.fixed_chain_p50_ms)

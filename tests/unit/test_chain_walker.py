@@ -375,6 +375,21 @@ async def test_events_stream_in_order_and_end_with_none() -> None:
     assert [e.at_ms for e in events[:-1]] == sorted(e.at_ms for e in events[:-1])
 
 
+async def test_final_only_sends_chain_finished_alone() -> None:
+    """node_events=False (RunChainRequest.final_only): no node events, even for a skipped
+    node; chain_finished still holds every hop, as the full stream's does."""
+    executor = FakeExecutor()
+    executor.script["a"] = [Unavailable("down")]
+    stored = chain(m("a", "m1"), tool("b", "kv", depends_on=["a"]), m("c", "m2"))
+    run = make_run(stored, executor, node_events=False)
+    finished = await finish(run)
+    events = drain(run)
+    assert events[-1] is None
+    assert [e.WhichOneof("event") for e in events[:-1]] == ["chain_finished"]
+    assert events[0].chain_finished == finished
+    assert [(h.node_id, h.status) for h in finished.hops] == [("a", "error"), ("b", "skipped"), ("c", "ok")]
+
+
 async def test_sink_outputs_are_joined_and_the_turn_remembered() -> None:
     """The output is every sink's text in file order; an ok run with a session is remembered."""
     tools = FakeTools({"kv": {"k": 1}})

@@ -7,7 +7,10 @@ time is ~0 (a very high --sim-speed), so what is measured is the serving path:
   * `direct`: a client calls the worker's Generate (the gRPC floor of one hop);
   * `1-hop`:  the same call as a one-node chain through the router (RunChain), i.e.
               router -> scheduler -> (memory-pool) -> worker and back;
-  * `N-hop`:  a chain of N such nodes, each depending on the one before.
+  * `N-hop`:  a chain of N such nodes, each depending on the one before;
+  * `N-hop final`: the same chain asking for its result alone (`RunChainRequest.
+              final_only`: one event per run instead of two per node), as a caller
+              that waits for the answer (`inferx run`, most agent code) would.
 
 Each path is measured twice: sequential latency (one call at a time, after a warm-up)
 and closed-loop throughput (C callers, each starting its next call when the last one
@@ -35,8 +38,8 @@ PROMPT = "ping"  # one sim-engine token (4 characters)
 DIRECT = "direct"
 
 
-def path_name(hops: int) -> str:
-    return f"{hops}-hop"
+def path_name(hops: int, final_only: bool = False) -> str:
+    return f"{hops}-hop final" if final_only else f"{hops}-hop"
 
 
 def chain_name(hops: int) -> str:
@@ -78,6 +81,7 @@ class PathSamples:
     name: str
     hops: int
     latencies_ms: list[float] = field(default_factory=list)  # sequential, after the warm-up
+    final_only: bool = False  # a chain path whose caller asked for the result event alone
     errors: int = 0  # sequential calls that failed (warm-up included)
     load_calls: int = 0  # closed-loop calls that succeeded
     load_errors: int = 0
@@ -101,6 +105,7 @@ class PathSummary:
     hops_per_s: float
     concurrency: int
     errors: int  # sequential + closed-loop
+    final_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -137,18 +142,20 @@ def summarize_path(samples: PathSamples, direct: PathSummary | None = None) -> P
         hops_per_s=calls_per_s * samples.hops,
         concurrency=samples.concurrency,
         errors=samples.errors + samples.load_errors,
+        final_only=samples.final_only,
     )
 
 
 def summarize(paths: list[PathSamples]) -> OverheadSummary:
     """Every path against the `direct` one (which must be there), and the marginal and
-    fixed costs from the 1-hop and the longest chain."""
+    fixed costs from the 1-hop and the longest chain (both with every event: a final-only
+    path is the same chain with fewer messages, not another length)."""
     direct_samples = next((p for p in paths if p.name == DIRECT), None)
     if direct_samples is None:
         raise ValueError("the direct path is the reference: it must be measured")
     direct = summarize_path(direct_samples)
     summaries = [direct if p is direct_samples else summarize_path(p, direct) for p in paths]
-    chains = [s for s in summaries if s.name != DIRECT]
+    chains = [s for s in summaries if s.name != DIRECT and not s.final_only]
     one = next((s for s in chains if s.hops == 1), None)
     longest = max(chains, key=lambda s: s.hops, default=None)
     marginal = fixed = math.nan

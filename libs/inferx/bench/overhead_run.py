@@ -107,9 +107,12 @@ def direct_call(stub: worker_pb2_grpc.ModelWorkerStub) -> Call:
 
 
 def chain_call(
-    stub: router_pb2_grpc.RouterStub, hops: int, metadata: tuple[tuple[str, str], ...] | None = None
+    stub: router_pb2_grpc.RouterStub,
+    hops: int,
+    metadata: tuple[tuple[str, str], ...] | None = None,
+    final_only: bool = False,
 ) -> Call:
-    request = router_pb2.RunChainRequest(chain=chain_name(hops))
+    request = router_pb2.RunChainRequest(chain=chain_name(hops), final_only=final_only)
 
     async def call() -> None:
         finished = None
@@ -202,7 +205,7 @@ async def measure(
     progress: ProgressFactory,
     on_path: Callable[[PathSamples], None] = lambda p: None,
 ) -> list[PathSamples]:
-    """direct, 1-hop, N-hop, in that order; `on_path` gets each as soon as it is done."""
+    """direct, 1-hop, N-hop, N-hop final, in that order; `on_path` gets each as soon as it is done."""
     channel_options = [("grpc.max_receive_message_length", 64 << 20)]
     done: list[PathSamples] = []
     # The stack's own certificate for both (the worker requires one; the router's public
@@ -217,6 +220,8 @@ async def measure(
         plan: list[tuple[PathSamples, Call]] = [(PathSamples(DIRECT, 1), direct_call(worker_stub))]
         for hops in sorted({1, options.hops}):
             plan.append((PathSamples(path_name(hops), hops), chain_call(router_stub, hops, metadata)))
+        final = PathSamples(path_name(options.hops, final_only=True), options.hops, final_only=True)
+        plan.append((final, chain_call(router_stub, options.hops, metadata, final_only=True)))
         for samples, call in plan:
             done.append(await measure_path(samples, call, options, progress))
             on_path(samples)

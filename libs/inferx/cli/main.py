@@ -122,6 +122,7 @@ async def cmd_run(args: argparse.Namespace) -> int:
             version=args.version,
             label=args.label or "",
             session_id=args.session or "",
+            final_only=True,  # the hops are printed from chain_finished
         ):
             which = event.WhichOneof("event")
             if which == "chain_finished":

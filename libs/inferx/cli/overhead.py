@@ -1,6 +1,6 @@
 """`inferx bench --overhead`: what a hop through the router and the scheduler adds to
 a direct worker call (issue #14). Starts its own local stack with one SIMULATED sim
-worker at a very high --sim-speed (engine time ~0), measures the three paths in one
+worker at a very high --sim-speed (engine time ~0), measures the four paths in one
 run, prints a table (or --json), and saves the raw samples first."""
 
 from __future__ import annotations
