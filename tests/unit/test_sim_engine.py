@@ -56,6 +56,16 @@ async def test_streams_tokens_and_reports_usage() -> None:
     assert final.completion_tokens == 5 and final.prompt_tokens == 100
     assert final.cached_prompt_tokens == 0
     assert len("".join(c.text for c in chunks)) == 5 * 4  # every token is 4 characters
+    # The last step's token rides on the finished chunk (as vLLM's final output does):
+    # no empty chunk of its own, so a one-token reply is one message.
+    assert final.text and all(c.text for c in chunks)
+    one = SimEngine(_fast())
+    await one.start()
+    try:
+        single = await _run(one, "x" * 400, max_tokens=1)
+    finally:
+        await one.stop()
+    assert [(c.finished, len(c.text)) for c in single] == [(True, 4)]
 
 
 async def test_next_hop_hits_the_prompt_and_the_previous_output() -> None:

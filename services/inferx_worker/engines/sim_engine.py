@@ -329,13 +329,17 @@ class SimEngine(Engine):
         self._kick.set()
         produced, done = 0, False
         try:
-            while not done:
+            while True:
                 count, done = await stream.get()
                 text = "".join(out[produced : produced + count])
                 produced += count
+                if done:
+                    break
                 yield EngineChunk(text=text)
+            # The last step's text rides on the finished chunk, as vLLM's final output
+            # carries its last token: one message fewer per call on every stream it crosses.
             yield EngineChunk(
-                text="",
+                text=text,
                 finished=True,
                 finish_reason=reason,
                 prompt_tokens=len(tokens),
