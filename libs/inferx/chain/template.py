@@ -16,6 +16,7 @@ instead of being expanded (no template injection through model output).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -84,7 +85,10 @@ def _parse_expression(expression: str) -> Reference | None:
     return None
 
 
-def _scan(template: str) -> tuple[list[tuple[re.Match[str], Reference | None]], list[str]]:
+# A chain's templates are few and rendered on every run (each model hop's prompt): parsed
+# once each. Bounded, since templates come from stored configs that change over time.
+@functools.lru_cache(maxsize=4096)
+def _scan(template: str) -> tuple[tuple[tuple[re.Match[str], Reference | None], ...], tuple[str, ...]]:
     """Every tag with its parsed reference (None when bad), and every problem found."""
     tags: list[tuple[re.Match[str], Reference | None]] = []
     problems: list[str] = []
@@ -103,12 +107,12 @@ def _scan(template: str) -> tuple[list[tuple[re.Match[str], Reference | None]], 
     if unclosed != -1:
         snippet = template[unclosed : unclosed + 30]
         problems.append(f"unclosed '{{{{' at character {unclosed}: {snippet!r}")
-    return tags, problems
+    return tuple(tags), tuple(problems)
 
 
 def check_template(template: str) -> list[str]:
     """Every syntax problem in `template` (empty when it is valid); never raises."""
-    return _scan(template)[1]
+    return list(_scan(template)[1])
 
 
 def references(template: str, *, skip_errors: bool = False) -> list[Reference]:
@@ -120,7 +124,7 @@ def references(template: str, *, skip_errors: bool = False) -> list[Reference]:
     """
     tags, problems = _scan(template)
     if problems and not skip_errors:
-        raise TemplateSyntaxError(problems)
+        raise TemplateSyntaxError(list(problems))
     seen: dict[Reference, None] = {}
     for _, reference in tags:
         if reference is not None:
@@ -137,7 +141,7 @@ def render(template: str, inputs: Mapping[str, str], outputs: Mapping[str, str])
     """
     tags, problems = _scan(template)
     if problems:
-        raise TemplateSyntaxError(problems)
+        raise TemplateSyntaxError(list(problems))
     pieces: list[str] = []
     position = 0
     for match, reference in tags:
