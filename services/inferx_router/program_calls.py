@@ -104,15 +104,10 @@ class ProgramCalls:
         return DEFAULT_FORMAT
 
     def reader(self, body: schema.CallRequest) -> ReplyReader:
-        """How the call's reply is read, the same for both fronts: a chat call that
-        offers tools gets its tool calls read out in its model's format and its
-        tool_choice checked; other replies are content as they come. Made before the
-        call: a model whose format InferX does not know refuses it."""
-        if isinstance(body, schema.ChatCompletionRequest) and body.parses_tool_calls:
-            return ReplyReader(
-                parse_tool_calls=True, tool_format=self.tool_call_format(body), tool_choice=body.tool_choice
-            )
-        return ReplyReader()
+        """How the call's reply is read, the same for both fronts (schema.reply_reader,
+        in its model's format). Made before the call: a model whose format InferX does
+        not know refuses it."""
+        return schema.reply_reader(body, self.tool_call_format(body))
 
     def prepare(self, body: schema.CallRequest) -> Call:
         """The call a validated body asks for (chat messages rendered into its prompt)."""

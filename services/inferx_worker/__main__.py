@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from inferx import etcd
 from inferx.httpserve import EmbeddedHttpServer
-from inferx.openai_compat.toolcalls import detect_format
+from inferx.openai_compat.toolcalls import DEFAULT_FORMAT, detect_format
 from inferx.server import ServiceComponent, ServiceRuntime, run_service, to_json_bytes
 from inferx.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from inferx_worker.config import WorkerSettings
@@ -33,7 +33,10 @@ class WorkerComponent(ServiceComponent):
         if settings.openai_http_port:
             from inferx_worker.http_api import WorkerHttpApi
 
-            self._http_api = WorkerHttpApi(engine, settings.model, runtime.instance_id)
+            # Its chat replies' tool calls are read in the format the worker registers
+            # for the routers (none known: the routers' default too).
+            tool_format = self._tool_call_format() or DEFAULT_FORMAT
+            self._http_api = WorkerHttpApi(engine, settings.model, runtime.instance_id, tool_format)
             self._http = EmbeddedHttpServer(
                 self._http_api.app(),
                 settings.host,

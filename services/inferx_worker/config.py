@@ -76,9 +76,11 @@ class WorkerSettings(ServiceSettings):
     )
     tool_call_format: str = Field(
         "auto",
-        description="how the model writes tool calls, registered for the routers: hermes (<tool_call> "
-        "blocks), llama3_json (a reply of JSON calls), mistral ([TOOL_CALLS]); auto: what the model's "
-        "chat template says (none known: the router's default, hermes)",
+        description="how the model writes tool calls, registered for the routers (and read by the sim's "
+        "--openai-http-port): hermes (<tool_call> blocks), llama3_json (a reply of JSON calls), mistral "
+        "([TOOL_CALLS]), pythonic ([f(x=1)]), deepseek_v3 (<｜tool▁calls▁begin｜>), granite "
+        "(<|tool_call|>[...]); auto: what the model's chat template says (none known: the router's "
+        "default, hermes)",
     )
     warm_up: bool = Field(True, description="run one short request before reporting ready")
     openai_http_port: int = Field(

@@ -18,7 +18,13 @@ over gRPC share the batch, the KV pool and the prefix cache. Endpoints:
 Request bodies, the chat rendering, response shapes and errors are
 `inferx.openai_compat`'s, as on the router's front; `priority` (vLLM's extension, lower
 runs first) is honoured. `usage.prompt_tokens_details.cached_tokens` is the engine's
-prefix-cache hit.
+prefix-cache hit. A chat call that offers tools has its reply read as the router's
+fronts read it (`schema.reply_reader`, in the worker's tool-call format: its
+--tool-call-format, else its chat template's): tool calls (a --sim-script reply writes
+them) come back as `message.tool_calls`, or streamed as OpenAI's tool-call deltas, with
+the finish reason "tool_calls", and tool_choice "required" or named is checked. A
+stream starts with its first chunk, so a call that fails before it (a reply held for
+its tool_choice too) gets its HTTP status.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from pydantic import Field
@@ -38,10 +44,11 @@ from starlette.routing import Route
 
 from inferx import __version__
 from inferx.chat_template import Chat
-from inferx.errors import InferxError, Unavailable
+from inferx.errors import Unavailable
 from inferx.openai_compat import schema
 from inferx.openai_compat.errors import InvalidField, ModelNotFound
 from inferx.openai_compat.render import chat_json, render_chat
+from inferx.openai_compat.toolcalls import DEFAULT_FORMAT, check_format
 from inferx.openai_http import error_reply_body, guarded, http_error
 from inferx_worker import metrics
 from inferx_worker.engines.base import Engine, EngineChunk, EngineError, EngineRequest
@@ -61,10 +68,13 @@ class WorkerCompletionRequest(schema.CompletionRequest):
 
 
 class WorkerHttpApi:
-    def __init__(self, engine: Engine, pool: str, worker_id: str) -> None:
+    def __init__(
+        self, engine: Engine, pool: str, worker_id: str, tool_call_format: str = DEFAULT_FORMAT
+    ) -> None:
         self._engine = engine
         self._pool = pool
         self._worker_id = worker_id
+        self.tool_call_format = check_format(tool_call_format)  # what replies' tool calls are read in
         self._created = int(time.time())
         self.serving = False  # /health: set once the engine is up, cleared on drain
 
@@ -144,7 +154,7 @@ class WorkerHttpApi:
         )
         created = int(time.time())
         if body.stream:
-            return self._stream(engine_request, body, call_id, created, chat=chat)
+            return await self._stream(engine_request, body, call_id, created, chat=chat)
         text: list[str] = []
         final: EngineChunk | None = None
         async for chunk in self._generate(engine_request):
@@ -154,16 +164,17 @@ class WorkerHttpApi:
         assert final is not None  # _generate always ends with the finished chunk
         usage = _usage(final)
         if chat:
-            reply = schema.chat_completion(
-                call_id, created, body.model, "".join(text), final.finish_reason, usage
-            )
+            reader = schema.reply_reader(body, self.tool_call_format)
+            reader.feed("".join(text))
+            reader.finish()  # ToolChoiceNotFollowed: a 500, as on the router
+            reply = schema.chat_reply(call_id, created, body.model, reader, final.finish_reason, usage)
         else:
             reply = schema.text_completion(
                 call_id, created, body.model, "".join(text), final.finish_reason, usage
             )
         return JSONResponse(reply)
 
-    def _stream(
+    async def _stream(
         self,
         engine_request: EngineRequest,
         body: schema.CallRequest,
@@ -174,35 +185,53 @@ class WorkerHttpApi:
     ) -> Response:
         model = body.model
         object_ = "chat.completion.chunk" if chat else "text_completion"
+        chat_chunks = schema.ChatChunks(
+            call_id, created, model, reader=schema.reply_reader(body, self.tool_call_format)
+        )
 
-        def chunk(text: str | None, reason: str | None) -> dict[str, Any]:
+        async def payloads() -> AsyncGenerator[dict[str, Any], None]:
+            """The chunks after the role's (a chat's tool calls as OpenAI's deltas); raises
+            what fails the call (ToolChoiceNotFollowed at the end of a held reply too)."""
+            final: EngineChunk | None = None
+            async for piece in self._generate(engine_request):
+                if piece.text and chat:
+                    for payload in chat_chunks.text(piece.text):
+                        yield payload
+                elif piece.text:
+                    yield schema.text_completion(call_id, created, model, piece.text, None, None)
+                if piece.finished:
+                    final = piece
+            assert final is not None
             if chat:
-                delta = {} if text is None else {"content": text}
-                return schema.chat_chunk(call_id, created, model, delta, reason)
-            return schema.text_completion(call_id, created, model, text or "", reason, None)
+                for payload in chat_chunks.finish(final.finish_reason):
+                    yield payload
+            else:
+                yield schema.text_completion(call_id, created, model, "", final.finish_reason, None)
+            if body.include_usage:
+                yield schema.usage_chunk(call_id, created, model, object_, _usage(final))
+
+        pieces = payloads()
+        try:
+            first = await anext(pieces)  # raises the call's error, if any, before the response starts
+        except BaseException:
+            await pieces.aclose()
+            raise
 
         async def events() -> AsyncIterator[str]:
-            if chat:
-                yield schema.sse(
-                    schema.chat_chunk(call_id, created, model, {"role": "assistant", "content": ""})
-                )
-            final: EngineChunk | None = None
             try:
-                async for piece in self._generate(engine_request):
-                    if piece.text:
-                        yield schema.sse(chunk(piece.text, None))
-                    if piece.finished:
-                        final = piece
-            except InferxError as exc:
-                yield schema.sse(error_reply_body(exc, SERVICE))
-                return
-            assert final is not None
-            yield schema.sse(chunk(None, final.finish_reason))
-            if body.include_usage:
-                yield schema.sse(schema.usage_chunk(call_id, created, model, object_, _usage(final)))
-            yield schema.SSE_DONE
+                if chat:
+                    yield schema.sse(chat_chunks.start())
+                yield schema.sse(first)
+                try:
+                    async for payload in pieces:
+                        yield schema.sse(payload)
+                except Exception as exc:
+                    yield schema.sse(error_reply_body(exc, SERVICE))
+                    return
+                yield schema.SSE_DONE
+            finally:
+                await pieces.aclose()  # the client went away: the engine request is aborted
 
-        # Leaving the generator early (the client went away) aborts the engine request.
         return StreamingResponse(
             events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )

@@ -1,8 +1,9 @@
 """Tool-calling agents through the router's OpenAI-compatible front: a real agent
 framework (the OpenAI Agents SDK, `openai-agents`) runs a multi-step tool-calling loop,
 and the plain `openai` SDK gets `tool_calls` whole and streamed, in the tiny template's
-Hermes format and, for models mapped with another `tool_call_format`, in Mistral's and
-Llama 3's; tool_choice "required" and named are checked on the reply.
+Hermes format and, for models mapped with another `tool_call_format`, in Mistral's,
+Llama 3's, pythonic, DeepSeek-V3's and Granite's; tool_choice "required" and named are
+checked on the reply.
 
 The workers are SIMULATED sim workers with a script (`--sim-script`: when the rendered
 prompt holds X, reply Y, where Y may be a tool call in the chat template's format) and
@@ -34,10 +35,11 @@ from agents import (
     function_tool,
     set_tracing_disabled,
 )
-from openai.types.chat import ChatCompletionFunctionToolParam
+from openai.types.chat import ChatCompletionFunctionToolParam, ChatCompletionMessageParam
 
 from inferx import etcd
 from inferx.devstack import LocalStack
+from inferx.openai_compat.toolcalls import DS_CALL_BEGIN, DS_CALL_END, DS_CALLS_BEGIN, DS_CALLS_END, DS_SEP
 from inferx.tinymodel import make_tiny_model
 from inferx_router.http_front import WORKER_HEADER
 from tests.conftest import running_sim_stack
@@ -79,6 +81,16 @@ SCRIPT = [
         "when": "Llama: where is order 5?",
         "reply": '<|python_tag|>{"name": "lookup_order", "parameters": {"order_id": "5"}}',
     },
+    {"when": "Pythonic: where is order 6?", "reply": '[lookup_order(order_id="6")]'},
+    {
+        "when": "DeepSeek: where is order 6?",
+        "reply": f"Checking.{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}lookup_order\n```json\n"
+        f'{{"order_id": "6"}}\n```{DS_CALL_END}{DS_CALLS_END}',
+    },
+    {
+        "when": "Granite: where is order 6?",
+        "reply": 'Checking.<|tool_call|>[{"name": "lookup_order", "arguments": {"order_id": "6"}}]',
+    },
     {"when": "Just say hello", "reply": "Hello!"},
 ]
 
@@ -87,6 +99,9 @@ SCRIPT = [
 MAPPED = {
     "mistral-7b": {"pool": "tiny-llama", "tool_call_format": "mistral"},
     "llama-8b": {"pool": "tiny-llama", "tool_call_format": "llama3_json"},
+    "llama-3b": {"pool": "tiny-llama", "tool_call_format": "pythonic"},
+    "deepseek-v3": {"pool": "tiny-llama", "tool_call_format": "deepseek_v3"},
+    "granite-8b": {"pool": "tiny-llama", "tool_call_format": "granite"},
 }
 
 TOOL_SPEC: ChatCompletionFunctionToolParam = {
@@ -329,6 +344,31 @@ def test_a_llama_model_streams_its_json_tool_call(agent_stack: LocalStack) -> No
     assert not final.choices[0].message.content
 
 
+@pytest.mark.parametrize(
+    ("model", "prompt", "content"),
+    [
+        ("llama-3b", "Pythonic: where is order 6?", None),
+        ("deepseek-v3", "DeepSeek: where is order 6?", "Checking."),
+        ("granite-8b", "Granite: where is order 6?", "Checking."),
+    ],
+)
+def test_models_mapped_to_the_later_formats_get_their_tool_calls(
+    agent_stack: LocalStack, model: str, prompt: str, content: str | None
+) -> None:
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": prompt}]
+    client = sdk(agent_stack)
+    reply = client.chat.completions.create(model=model, messages=messages, tools=[TOOL_SPEC], max_tokens=96)
+    with client.chat.completions.stream(
+        model=model, messages=messages, tools=[TOOL_SPEC], max_tokens=96
+    ) as stream:
+        streamed = stream.get_final_completion()
+    for choice in (reply.choices[0], streamed.choices[0]):
+        assert choice.finish_reason == "tool_calls" and (choice.message.content or None) == content
+        (tool_call,) = choice.message.tool_calls or []
+        assert tool_call.function.name == "lookup_order"  # type: ignore[union-attr]
+        assert json.loads(tool_call.function.arguments) == {"order_id": "6"}  # type: ignore[union-attr]
+
+
 def test_required_tool_choice_without_a_call_in_the_reply_is_an_error(agent_stack: LocalStack) -> None:
     request = {
         "model": MODEL,
@@ -373,7 +413,7 @@ async def put_mapping(stack: LocalStack, model: str, value: dict) -> None:
 
 def test_a_mapping_with_an_unknown_format_refuses_tool_calls_naming_it(agent_stack: LocalStack) -> None:
     # Written around inferx's checks (load_models refuses it), as a hand-edited etcd would.
-    asyncio.run(put_mapping(agent_stack, "odd-model", {"pool": "tiny-llama", "tool_call_format": "pythonic"}))
+    asyncio.run(put_mapping(agent_stack, "odd-model", {"pool": "tiny-llama", "tool_call_format": "xlam"}))
     wait_for_models(agent_stack, {"odd-model"})
     with pytest.raises(openai.BadRequestError) as raised:
         sdk(agent_stack).chat.completions.create(
@@ -382,11 +422,11 @@ def test_a_mapping_with_an_unknown_format_refuses_tool_calls_naming_it(agent_sta
             tools=[TOOL_SPEC],
             max_tokens=32,
         )
-    assert "unknown tool-call format 'pythonic'" in raised.value.message
+    assert "unknown tool-call format 'xlam'" in raised.value.message
     assert raised.value.code == "failed_precondition"
     plain = sdk(agent_stack).chat.completions.create(  # without tools it serves as ever
         model="odd-model", messages=[{"role": "user", "content": "Just say hello"}], max_tokens=32
     )
     assert plain.choices[0].message.content == "Hello!"
-    with pytest.raises(ValueError, match="unknown tool-call format 'pythonic'"):
-        agent_stack.load_models({"odd-model": {"pool": "tiny-llama", "tool_call_format": "pythonic"}})
+    with pytest.raises(ValueError, match="unknown tool-call format 'xlam'"):
+        agent_stack.load_models({"odd-model": {"pool": "tiny-llama", "tool_call_format": "xlam"}})

@@ -4,13 +4,18 @@ official `openai` SDK (sync and streaming), its router-facing endpoints (/health
 with the gRPC `ModelWorker`: a prefix cached by one path is a cache hit for the other.
 
 The worker's HTTP server and gRPC server run in-process, in one event loop on a
-background thread (as in the worker process), so the sync SDK can call them."""
+background thread (as in the worker process), so the sync SDK can call them. Tool calls
+a --sim-script reply writes come back as OpenAI's tool calls, whole and streamed, in
+the worker's format (its flag, else its chat template's), as the router's front gives
+them."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import threading
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import cast
 
@@ -19,9 +24,12 @@ import httpx
 import openai
 import pytest
 
+from inferx.chat_template import ChatTemplate
 from inferx.devstack import free_port
 from inferx.httpserve import EmbeddedHttpServer
+from inferx.openai_compat.toolcalls import DS_CALL_BEGIN, DS_CALL_END, DS_CALLS_BEGIN, DS_CALLS_END, DS_SEP
 from inferx.sim.profile import EngineProfile
+from inferx.sim.script import SimScript
 from inferx.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from inferx_worker.engines.sim_engine import SimEngine, SimParams, eos_after, eos_directive
 from inferx_worker.http_api import WorkerHttpApi, vllm_metrics
@@ -237,8 +245,6 @@ def test_health_is_503_while_not_serving(worker: Worker) -> None:
 async def test_chats_use_the_engines_chat_template_as_on_grpc() -> None:
     """With a model template the HTTP path renders as the gRPC path does (the template),
     without one InferX's generic rendering: the prompt's size says which."""
-    from inferx.chat_template import ChatTemplate
-
     template = ChatTemplate("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}[assistant]")
     for engine_template, expected in ((template, len("[user]hello there[assistant]")), (None, None)):
         engine = SimEngine(SimParams(speed=50), chat_template=engine_template)
@@ -258,3 +264,133 @@ async def test_chats_use_the_engines_chat_template_as_on_grpc() -> None:
             await engine.stop()
         generic = len("<|user|>\nhello there\n<|assistant|>\n")
         assert reply["usage"]["prompt_tokens"] == -(-(expected or generic) // 4)
+
+
+# ----- tool calls ---------------------------------------------------------------------------
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "lookup_order", "parameters": {"type": "object"}}},
+]
+# A scripted reply per format: content first where the format has it, then two calls.
+SCRIPTED = {
+    "hermes": 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    '</tool_call>\n<tool_call>\n{"name": "lookup_order", "arguments": {"order_id": "7"}}\n</tool_call>',
+    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+    '{"name": "lookup_order", "parameters": {"order_id": "7"}}',
+    "mistral": 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+    '[TOOL_CALLS]lookup_order[ARGS]{"order_id": "7"}',
+    "pythonic": '[get_weather(city="Paris"), lookup_order(order_id="7")]',
+    "deepseek_v3": f"Checking.{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}get_weather\n```json\n"
+    f'{{"city": "Paris"}}\n```{DS_CALL_END}\n{DS_CALL_BEGIN}function{DS_SEP}lookup_order\n```json\n'
+    f'{{"order_id": "7"}}\n```{DS_CALL_END}{DS_CALLS_END}',
+    "granite": 'Checking.<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+    '{"name": "lookup_order", "arguments": {"order_id": "7"}}]',
+}
+CONTENT = {"hermes": "Checking.", "mistral": "Checking.", "deepseek_v3": "Checking.", "granite": "Checking."}
+EXPECTED = [("get_weather", {"city": "Paris"}), ("lookup_order", {"order_id": "7"})]
+
+
+@contextlib.asynccontextmanager
+async def scripted_client(reply: str, tool_call_format: str = "hermes") -> AsyncIterator[openai.AsyncOpenAI]:
+    """The official SDK against a sim worker's HTTP API (in-process) whose every reply is `reply`."""
+    engine = SimEngine(SimParams(speed=100), script=SimScript.from_data([{"reply": reply}]))
+    api = WorkerHttpApi(engine, POOL, "w", tool_call_format)
+    api.serving = True
+    await engine.start()
+    try:
+        transport = httpx.ASGITransport(app=api.app())
+        async with httpx.AsyncClient(transport=transport) as http:
+            yield openai.AsyncOpenAI(
+                base_url="http://worker/v1",
+                api_key="unused",
+                http_client=http,  # type: ignore[arg-type]  # openai takes httpx clients too (typed as httpx2's)
+                max_retries=0,
+            )
+    finally:
+        await engine.stop()
+
+
+def _chat(**fields: object) -> dict:
+    return {
+        "model": POOL,
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "max_tokens": 200,
+    } | fields
+
+
+@pytest.mark.parametrize("format_", sorted(SCRIPTED))
+async def test_scripted_tool_calls_come_back_as_openai_tool_calls(format_: str) -> None:
+    async with scripted_client(SCRIPTED[format_], format_) as client:
+        reply = await client.chat.completions.create(**_chat(tools=TOOLS))
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == CONTENT.get(format_)
+        calls = choice.message.tool_calls or []
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == EXPECTED
+        assert all(c.id.startswith("call_") and c.type == "function" for c in calls)
+
+        stream = await client.chat.completions.create(**_chat(tools=TOOLS, stream=True))
+        chunks = [chunk async for chunk in stream]
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert deltas[0].role == "assistant"
+        assert "".join(d.content or "" for d in deltas) == (CONTENT.get(format_) or "")
+        parts = [tc for d in deltas for tc in d.tool_calls or []]
+        names = [(tc.index, tc.function.name) for tc in parts if tc.id and tc.function]
+        assert names == [(0, "get_weather"), (1, "lookup_order")]
+        arguments = [
+            "".join(tc.function.arguments or "" for tc in parts if tc.index == i and tc.function)
+            for i in (0, 1)
+        ]
+        assert [json.loads(a) for a in arguments] == [args for _, args in EXPECTED]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+            "tool_calls"
+        ]
+
+
+async def test_without_tools_offered_or_with_tool_choice_none_the_reply_is_content() -> None:
+    text = SCRIPTED["hermes"]
+    async with scripted_client(text) as client:
+        for fields in ({}, {"tools": TOOLS, "tool_choice": "none"}):
+            reply = await client.chat.completions.create(**_chat(**fields))
+            assert reply.choices[0].message.content == text and not reply.choices[0].message.tool_calls
+            assert reply.choices[0].finish_reason == "stop"
+            stream = await client.chat.completions.create(**_chat(stream=True, **fields))
+            chunks = [chunk async for chunk in stream]
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+            assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+async def test_a_reply_that_breaks_tool_choice_is_a_500_streamed_or_not() -> None:
+    async with scripted_client("It is sunny in Paris.") as client:
+        for stream in (False, True):
+            with pytest.raises(openai.InternalServerError) as failed:
+                await client.chat.completions.create(
+                    **_chat(tools=TOOLS, tool_choice="required", stream=stream)
+                )
+            assert failed.value.code == "tool_choice_not_followed"  # a stream: nothing was sent, so a 500
+    async with scripted_client(SCRIPTED["hermes"]) as client:
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        with pytest.raises(openai.InternalServerError):  # it also called lookup_order
+            await client.chat.completions.create(**_chat(tools=TOOLS, tool_choice=named))
+
+
+def test_the_worker_reads_tool_calls_in_the_format_it_registers() -> None:
+    """--tool-call-format, else the chat template's, else the routers' default."""
+    from types import SimpleNamespace
+
+    from inferx.server import ServiceRuntime
+    from inferx_worker.__main__ import WorkerComponent
+    from inferx_worker.config import WorkerSettings
+
+    runtime = cast(ServiceRuntime, SimpleNamespace(instance_id="w"))
+    granite = ChatTemplate("{{ '<|start_of_role|>assistant<|end_of_role|><|tool_call|>' }}")
+    for flag, template, expected in (
+        ("auto", granite, "granite"),
+        ("pythonic", granite, "pythonic"),
+        ("auto", None, "hermes"),
+    ):
+        settings = WorkerSettings(
+            model=POOL, engine="sim", openai_http_port=free_port(), tool_call_format=flag
+        )
+        component = WorkerComponent(runtime, settings, SimEngine(chat_template=template))
+        assert component._http_api is not None and component._http_api.tool_call_format == expected

@@ -1,11 +1,14 @@
-"""Tool calls in the formats other than Hermes's (Llama 3 JSON, Mistral's [TOOL_CALLS]),
-the format chosen per model (chat template, model mapping, worker flag; an unknown
-name is an error where it is configured), and tool_choice "required", named and
-"none". The Hermes format's own cases are in test_tool_calls.py."""
+"""Tool calls in the formats other than Hermes's (Llama 3 JSON, Mistral's [TOOL_CALLS],
+pythonic, DeepSeek-V3, Granite), the format chosen per model (chat template, model
+mapping, worker flag; an unknown name is an error where it is configured), and
+tool_choice "required", named and "none". The Hermes format's own cases are in
+test_tool_calls.py."""
 
 from __future__ import annotations
 
 import json
+import keyword
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -17,7 +20,13 @@ from inferx.errors import FailedPrecondition
 from inferx.openai_compat import schema
 from inferx.openai_compat.errors import InvalidField, ToolChoiceNotFollowed, error_reply
 from inferx.openai_compat.toolcalls import (
+    DS_CALL_BEGIN,
+    DS_CALL_END,
+    DS_CALLS_BEGIN,
+    DS_CALLS_END,
+    DS_SEP,
     FORMATS,
+    Content,
     ToolCall,
     check_format,
     detect_format,
@@ -29,6 +38,7 @@ from inferx.v1 import common_pb2
 from tests.unit.test_tool_calls import assert_streamed_as_whole, block, ids, stream, stream_chunks
 
 LLAMA, MISTRAL = "llama3_json", "mistral"
+PYTHONIC, DEEPSEEK, GRANITE = "pythonic", "deepseek_v3", "granite"
 
 
 def llama(name: str, arguments: object) -> str:
@@ -37,6 +47,12 @@ def llama(name: str, arguments: object) -> str:
 
 def named(calls: list[ToolCall]) -> list[tuple[str, object]]:
     return [(call.name, json.loads(call.arguments)) for call in calls]
+
+
+def text_of(events: list[Content | ToolCall]) -> str:
+    """The content of events that are all content."""
+    assert all(isinstance(event, Content) for event in events)
+    return "".join(event.text for event in events if isinstance(event, Content))
 
 
 # ----- Llama 3 JSON -------------------------------------------------------------------
@@ -156,14 +172,250 @@ def test_mistral_content_before_the_marker_streams_and_a_partial_marker_is_held(
     assert isinstance(call, ToolCall) and call.name == "f"
 
 
+# ----- pythonic -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('[get_weather(city="Paris")]', [("get_weather", {"city": "Paris"})]),
+        ("[get_weather(city='Paris'), f(x=1)]", [("get_weather", {"city": "Paris"}), ("f", {"x": 1})]),
+        ("[f()]", [("f", {})]),
+        (
+            '[f(a=-1, b=+2.5, c=True, d=None, e=[1, (2, 3)], g={"k": {"n": [False]}})]',
+            [("f", {"a": -1, "b": 2.5, "c": True, "d": None, "e": [1, [2, 3]], "g": {"k": {"n": [False]}}})],
+        ),
+        ('[f(q="[g(x=1)]", r="<|python_start|>")]', [("f", {"q": "[g(x=1)]", "r": "<|python_start|>"})]),
+        ('\n [ f ( x = "é😀\\n" ) ,\n g(y=1) ]\n', [("f", {"x": "é😀\n"}), ("g", {"y": 1})]),
+        ('<|python_start|>[f(x="y")]<|python_end|>', [("f", {"x": "y"})]),  # Llama 4's marks
+        ("<|python_start|>[f(x=1)]", [("f", {"x": 1})]),
+        ('[f(path="C:\\dir")]', [("f", {"path": "C:\\dir"})]),  # an invalid escape: read as Python does
+    ],
+)
+def test_a_pythonic_reply_of_calls_is_tool_calls_without_content(text: str, expected: list) -> None:
+    content, calls = split_tool_calls(text, ids(), PYTHONIC)
+    assert content is None and named(calls) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "The weather in Paris is fine.",
+        'Sure: [f(x="y")]',  # prose first: a reply is calls only when it is nothing else
+        '[f(x="y")] done',
+        '[f(x="y")]\n[g()]',
+        "[1, 2, 3]",
+        "[]",
+        "[f]",  # a name, not a call
+        '[f("positional")]',  # no name to make it a JSON key
+        "[f(**kwargs)]",
+        "[f(x=y)]",  # a variable
+        "[f(x=g())]",  # a call as an argument: never run
+        "[f(x=1 + 2)]",
+        '[f(x=__import__("os").system("true"))]',
+        "[os.system(cmd='true')]",  # not a plain name
+        "[(f)(x=1)]",
+        "[f(x={1: 2})]",  # a dict key that is not a string
+        "[f(x={1, 2})]",  # a set
+        "[f(x=b'raw')]",
+        "[f(x=1j)]",
+        "[f(x=...)]",
+        "[f(x=1e999)]",  # infinity is not JSON
+        "[f(x=lambda: 1)]",
+        "[f(x=1, x=2)]",
+        "[f(x=1)",  # cut short
+        "[f(x=1), ]]",
+        "f(x=1)",  # not a list
+        "[if(x=1)]",
+        "<|python_start|>",
+        "<|python_start|>print('hi')<|python_end|>",
+        "<|python",
+        "[",
+        "",
+        "  \n",
+    ],
+)
+def test_anything_else_in_pythonic_is_content_as_written(text: str) -> None:
+    assert split_tool_calls(text, ids(), PYTHONIC) == (text, [])
+
+
+def test_a_pythonic_reply_that_cannot_be_calls_streams_before_it_ends() -> None:
+    parser = parser_for(PYTHONIC, ids())
+    assert parser.feed("Hello") == [Content("Hello")]
+    parser = parser_for(PYTHONIC, ids())
+    assert parser.feed("[1] First,") == [Content("[1] First,")]  # '[' then no name: content at once
+    parser = parser_for(PYTHONIC, ids())
+    assert parser.feed("<|python_") == [] and parser.feed("start|>[get_weather(") == []  # may be calls
+    assert parser.feed('city="Paris")]') == []  # held until the reply ends
+    (call,) = parser.finish()
+    assert isinstance(call, ToolCall) and call.name == "get_weather"
+    parser = parser_for(PYTHONIC, ids())
+    assert parser.feed("[f ") == [] and parser.feed("is nice]") == [Content("[f is nice]")]
+
+
+# ----- DeepSeek-V3 --------------------------------------------------------------------------
+
+
+def ds_call(name: str, arguments: object, kind: str = "function") -> str:
+    return f"{DS_CALL_BEGIN}{kind}{DS_SEP}{name}\n```json\n{json.dumps(arguments)}\n```{DS_CALL_END}"
+
+
+def ds(*calls: str, end: str = DS_CALLS_END) -> str:
+    return DS_CALLS_BEGIN + "".join(calls) + end
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "expected"),
+    [
+        (ds(ds_call("get_weather", {"city": "Paris"})), None, [("get_weather", {"city": "Paris"})]),
+        (
+            ds(
+                ds_call("f", {"a": 1}), "\n", ds_call("g", {"b": [1, {"c": None}]})
+            ),  # as the template joins them
+            None,
+            [("f", {"a": 1}), ("g", {"b": [1, {"c": None}]})],
+        ),
+        ("Let me check.\n\n" + ds(ds_call("f", {})), "Let me check.", [("f", {})]),
+        (
+            ds(
+                ds_call("f", {"s": DS_CALLS_END + DS_CALL_END + "\n```\n" + DS_CALLS_BEGIN})
+            ),  # markers in strings
+            None,
+            [("f", {"s": DS_CALLS_END + DS_CALL_END + "\n```\n" + DS_CALLS_BEGIN})],
+        ),
+        (ds(ds_call("f", {"a": 1})) + "<｜end▁of▁sentence｜>", "<｜end▁of▁sentence｜>", [("f", {"a": 1})]),
+        (ds(ds_call("f", {}), end=""), None, [("f", {})]),  # the reply ends before the end marker
+        (ds(ds_call("f", {})) + " Done.", " Done.", [("f", {})]),  # text after stays content
+        (
+            ds(ds_call("f", {})) + " and " + ds(ds_call("g", {})),
+            " and",
+            [("f", {}), ("g", {})],
+        ),
+        (
+            DS_CALLS_BEGIN
+            + f'{DS_CALL_BEGIN} function {DS_SEP} f \n```json {{"a": 1}} ```\n{DS_CALL_END}'
+            + DS_CALLS_END,
+            None,
+            [("f", {"a": 1})],
+        ),
+    ],
+)
+def test_deepseek_v3_tool_calls(text: str, content: str | None, expected: list) -> None:
+    got_content, calls = split_tool_calls(text, ids(), DEEPSEEK)
+    assert got_content == content and named(calls) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "No tools needed.",
+        DS_CALLS_BEGIN,
+        ds(),  # no calls
+        ds("garbage"),
+        ds(ds_call("f", {}, kind="tool")),  # the type is always "function"
+        ds(ds_call("bad name", {})),
+        ds(ds_call("f", [1])),  # arguments not an object
+        ds(f"{DS_CALL_BEGIN}function{DS_SEP}f\n```json\n{{not json}}\n```{DS_CALL_END}"),
+        ds(f'{DS_CALL_BEGIN}function{DS_SEP}f\n{{"a": 1}}{DS_CALL_END}'),  # no fence (V3.1 writes that)
+        ds(f'{DS_CALL_BEGIN}function{DS_SEP}f\n```json\n{{"a": 1}}\n{DS_CALL_END}'),  # no closing fence
+        ds(f'{DS_CALL_BEGIN}function{DS_SEP}f\n```json\n{{"a": 1}}\n```'),  # no call end
+        ds(ds_call("f", {}), "chat", ds_call("g", {})),  # text between calls
+        ds(ds_call("f", {}), end=DS_CALLS_END[:-3]),  # the reply ends in a part of the end marker
+        ds(f'{DS_CALL_BEGIN}function{DS_SEP}f\n```json\n{{"a": 1', end=""),  # cut short
+        DS_CALLS_BEGIN[:5],
+    ],
+)
+def test_a_malformed_deepseek_section_stays_content_marker_and_all(text: str) -> None:
+    assert split_tool_calls(text, ids(), DEEPSEEK) == (text, [])
+
+
+def test_deepseek_content_streams_and_a_section_is_held_until_its_end_marker() -> None:
+    parser = parser_for(DEEPSEEK, ids())
+    assert parser.feed("On it " + DS_CALLS_BEGIN[:4]) == [Content("On it")]
+    assert parser.feed(DS_CALLS_BEGIN[4:] + ds_call("f", {"a": 1})) == []  # the section: held
+    (call, after) = parser.feed(DS_CALLS_END + " then more")
+    assert isinstance(call, ToolCall) and call.name == "f" and after == Content(" then more")
+    parser = parser_for(DEEPSEEK, ids())
+    assert text_of(parser.feed(DS_CALLS_BEGIN + "oops")) == DS_CALLS_BEGIN + "oops"  # not calls: at once
+
+
+# ----- Granite ------------------------------------------------------------------------------
+
+
+def granite(calls: Sequence[tuple[str, object]], marker: str = "<|tool_call|>") -> str:
+    return marker + json.dumps([{"name": name, "arguments": arguments} for name, arguments in calls])
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "expected"),
+    [
+        (granite([("get_weather", {"city": "Boston"})]), None, [("get_weather", {"city": "Boston"})]),
+        (
+            granite([("f", {"a": {"b": [1, "<|tool_call|>]"]}}), ("g", {})]),  # a marker in a string
+            None,
+            [("f", {"a": {"b": [1, "<|tool_call|>]"]}}), ("g", {})],
+        ),
+        (granite([("f", {})], marker="<tool_call>"), None, [("f", {})]),  # Granite 3.1+
+        ("Checking.\n" + granite([("f", {})]), "Checking.", [("f", {})]),
+        (granite([("f", {})], marker="  "), None, [("f", {})]),  # a bare list, as vLLM reads it
+        (granite([("f", {})]) + " Done.", " Done.", [("f", {})]),
+        ('<|tool_call|> [{"name": "f", "parameters": {"a": 1}}]', None, [("f", {"a": 1})]),
+        ('<|tool_call|>[{"name": "f", "arguments": "{\\"a\\": 1}"}]', None, [("f", {"a": 1})]),
+        ("[1] first " + granite([("f", {})]), "[1] first", [("f", {})]),
+    ],
+)
+def test_granite_tool_calls(text: str, content: str | None, expected: list) -> None:
+    got_content, calls = split_tool_calls(text, ids(), GRANITE)
+    assert got_content == content and named(calls) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Boston is sunny.",
+        "<|tool_call|>",
+        "<|tool_call|>[]",
+        "<|tool_call|>not json",
+        '<|tool_call|>{"name": "f", "arguments": {}}',  # an object, not a list
+        '<|tool_call|>[{"name": "f", "arguments": {}}, {"oops": 1}]',  # one bad entry
+        '<|tool_call|>[{"name": "f", "arguments": {}}',  # cut short
+        "[1, 2] are numbers",
+        "<|tool_",
+        "<tool_call>\n" + json.dumps({"name": "f", "arguments": {}}) + "\n</tool_call>",  # Hermes's
+    ],
+)
+def test_anything_else_in_granite_is_content_as_written(text: str) -> None:
+    assert split_tool_calls(text, ids(), GRANITE) == (text, [])
+
+
+def test_granite_content_streams_and_a_list_is_held_until_it_closes() -> None:
+    parser = parser_for(GRANITE, ids())
+    assert parser.feed("On it <|tool") == [Content("On it")]
+    assert parser.feed('_call|>[{"name": "f", "arguments": {"x": "]"}}') == []
+    (call, after) = parser.feed("] after")
+    assert isinstance(call, ToolCall) and call.name == "f" and after == Content(" after")
+    parser = parser_for(GRANITE, ids())
+    assert text_of(parser.feed("<|tool_call|>{")) == "<|tool_call|>{"  # not a list: at once
+
+
 # ----- every format: streamed == whole, garbage is content -----------------------------
 
 _calls_text = st.sampled_from(
     [block("g", {"k": "v"}), llama("h", {"k": 1}), "<|python_tag|>" + llama("h", {})]
     + ['[TOOL_CALLS][{"name": "m", "arguments": {}}]', '[TOOL_CALLS]m[ARGS]{"a": 1}', "[TOOL_CALLS]n{}"]
+    + ['[p(x="y")]', "[p(), q(n=-1, l=[1, {'k': None}])]", "<|python_start|>[p(x=1)]<|python_end|>"]
+    + [ds(ds_call("d", {"k": "v"})), ds(ds_call("d", {}), "\n", ds_call("e", {"n": 1})), ds_call("d", {})]
+    + [
+        granite([("r", {"k": 1})]),
+        granite([("r", {}), ("s", {})], marker="<tool_call>"),
+        granite([("r", {})], ""),
+    ]
 )
 _pieces = st.sampled_from(
     ["<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "[TOOL", "<|py"]
+    + ["<|python_start|>", "<|python_end|>", "<|tool_call|>", "<|tool_ca", "(", ")", "=", "'", "-", "f("]
+    + [DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END, DS_SEP, DS_CALLS_BEGIN[:6], DS_CALL_END[:4]]
+    + ["function", "```json", "```", "```json\n{}\n```"]
     + ["{", "}", "[", "]", '"', ":", ",", ";", "\n", " ", "x", "é", "😀", "null", "{}"]
     + ['"name"', '"arguments"', '"parameters"', '"f"', "f", '{"a": 1}']
 )
@@ -176,7 +428,7 @@ _garbage = st.one_of(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=600, deadline=None)
 @given(
     format_=st.sampled_from(FORMATS),
     text=_garbage,
@@ -192,19 +444,34 @@ _names = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,9}", fullmatch=True)
 _arguments = st.dictionaries(st.text(max_size=6), st.integers() | st.text(max_size=6), max_size=3)
 
 
+def _pythonic(calls: list[tuple[str, dict]]) -> str:
+    """Calls as Python source (repr writes each value as the literal it is)."""
+    written = (
+        f"{name}({', '.join(f'{key}={value!r}' for key, value in args.items())})" for name, args in calls
+    )
+    return "[" + ", ".join(written) + "]"
+
+
 def _write(format_: str, calls: list[tuple[str, dict]], v11: bool) -> str:
+    """Well-formed calls in `format_` (v11: the format's other spelling)."""
     if format_ == "hermes":
         return "\n".join(block(name, args) for name, args in calls)
     if format_ == LLAMA:
         return "<|python_tag|>" + "; ".join(llama(name, args) for name, args in calls)
+    if format_ == PYTHONIC:
+        return ("<|python_start|>" if v11 else "") + _pythonic(calls)
+    if format_ == DEEPSEEK:
+        return ds(*(ds_call(name, args) for name, args in calls), end=DS_CALLS_END if v11 else "")
+    if format_ == GRANITE:
+        return granite(calls, marker="<tool_call>" if v11 else "<|tool_call|>")
     if v11:
         return "".join(f"[TOOL_CALLS]{name}[ARGS]{json.dumps(args)}" for name, args in calls)
     return "[TOOL_CALLS]" + json.dumps([{"name": n, "arguments": a} for n, a in calls])
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
-    format_=st.sampled_from(FORMATS),
+    format_=st.sampled_from([f for f in FORMATS if f != PYTHONIC]),  # pythonic: below (names as keys)
     calls=st.lists(st.tuples(_names, _arguments), min_size=1, max_size=3),
     v11=st.booleans(),
     cuts=st.lists(st.integers(min_value=0, max_value=500), max_size=12),
@@ -218,7 +485,34 @@ def test_well_formed_calls_in_every_format_come_back_whole_and_streamed(
     assert stream(text, cuts, format_) == ("", parsed)
 
 
-@pytest.mark.parametrize("format_", [LLAMA, MISTRAL])
+_identifiers = _names.filter(lambda name: not keyword.iskeyword(name))
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    calls=st.lists(
+        st.tuples(_identifiers, st.dictionaries(_identifiers, _json_values, max_size=3)),
+        min_size=1,
+        max_size=3,
+    ),
+    python_start=st.booleans(),
+    cuts=st.lists(st.integers(min_value=0, max_value=500), max_size=12),
+)
+def test_well_formed_pythonic_calls_come_back_with_json_arguments(
+    calls: list[tuple[str, dict]], python_start: bool, cuts: list[int]
+) -> None:
+    text = _write(PYTHONIC, calls, python_start)
+    content, parsed = split_tool_calls(text, ids(), PYTHONIC)
+    assert content is None and named(parsed) == calls
+    assert stream(text, cuts, PYTHONIC) == ("", parsed)
+
+
+@pytest.mark.parametrize("format_", [LLAMA, MISTRAL, PYTHONIC, DEEPSEEK, GRANITE])
 def test_streamed_chunks_in_other_formats_are_what_the_sdk_parses(format_: str) -> None:
     text = _write(format_, [("lookup_order", {"order_id": "7"}), ("track", {"id": "T"})], v11=False)
     chunks = [ChatCompletionChunk.model_validate(c) for c in stream_chunks(text, 7, format_=format_)]
@@ -252,12 +546,48 @@ def test_the_format_is_read_from_the_chat_template() -> None:
     assert detect_format(None) is None and detect_format("") is None
 
 
+def test_the_later_formats_are_read_from_their_templates() -> None:
+    # vLLM's pythonic templates (Llama 3.2, ToolACE, Gemma 3; Llama 4's says "[func_name1(param1=")
+    # also name Llama's ipython role: pythonic wins.
+    llama32_pythonic = (
+        "{{- 'Respond in the format [func_name1(params_name1=params_value1, params_name2=params_value2...), "
+        'func_name2(params)] \' }}{%- elif message.role == "tool" or message.role == "ipython" %}'
+    )
+    assert detect_format(llama32_pythonic) == PYTHONIC
+    assert (
+        detect_format("Use exact format: [func_name1(param1=value1, param2=value2), func_name2(...)]")
+        == PYTHONIC
+    )
+    # DeepSeek-V3 (and R1): the type, the name and the arguments in a ```json fence.
+    deepseek_v3 = (
+        "{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + "
+        "tool['function']['name'] + '\\n' + '```json' + '\\n' + tool['function']['arguments'] + "
+        "'\\n' + '```' + "
+        "'<｜tool▁call▁end｜>'}}"
+    )
+    assert detect_format(deepseek_v3) == DEEPSEEK
+    # DeepSeek-V3.1 writes the arguments bare: another format, not this one.
+    deepseek_v31 = (
+        "{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>'+ tool['function']['name'] + '<｜tool▁sep｜>' + "
+        "tool['function']['arguments'] + '<｜tool▁call▁end｜>'}}"
+    )
+    assert detect_format(deepseek_v31) is None
+    # Granite 3.0's template (its role marks and the <|tool_call|> token).
+    granite_30 = (
+        "{%- elif message['role'] == 'assistant_tool_call' %}\n    "
+        "{{- '<|start_of_role|>assistant<|end_of_role|><|tool_call|>' + message['content'] + "
+        "'<|end_of_text|>\\n' }}"
+    )
+    assert detect_format(granite_30) == GRANITE
+    assert detect_format("{{ '<|tool_call|>' }}") is None  # the token alone says too little
+
+
 def test_an_unknown_format_name_is_an_error_naming_the_known_ones() -> None:
     assert [check_format(f) for f in FORMATS] == list(FORMATS)
     with pytest.raises(ValueError, match="unknown tool-call format 'llama3'.*hermes, llama3_json, mistral"):
         check_format("llama3")
-    with pytest.raises(ValueError, match="unknown tool-call format"):
-        parser_for("pythonic")
+    with pytest.raises(ValueError, match="unknown tool-call format 'xlam'.*pythonic, deepseek_v3, granite"):
+        parser_for("xlam")
     with pytest.raises(ValueError, match="unknown tool-call format 'json'"):
         model_entry({"pool": "p", "tool_call_format": "json"})
     assert model_entry({"pool": "p", "tool_call_format": MISTRAL}) == {
@@ -265,12 +595,15 @@ def test_an_unknown_format_name_is_an_error_naming_the_known_ones() -> None:
         "tool_call_format": MISTRAL,
     }
     assert model_entry({"pool": "p"}) == {"pool": "p"}
+    for format_ in (PYTHONIC, DEEPSEEK, GRANITE):
+        assert model_entry({"pool": "p", "tool_call_format": format_})["tool_call_format"] == format_
 
 
 def test_the_worker_flag_is_checked_at_start_up() -> None:
     from inferx_worker.config import WorkerSettings
 
-    assert WorkerSettings(model="m", engine="sim", tool_call_format=MISTRAL).tool_call_format == MISTRAL
+    for format_ in FORMATS:
+        assert WorkerSettings(model="m", engine="sim", tool_call_format=format_).tool_call_format == format_
     assert WorkerSettings(model="m", engine="sim").tool_call_format == "auto"
     with pytest.raises(ValueError, match="unknown tool-call format 'mistral3'"):
         WorkerSettings(model="m", engine="sim", tool_call_format="mistral3")

@@ -315,6 +315,16 @@ class ReplyReader:
         return events
 
 
+def reply_reader(body: CallRequest, tool_format: str = DEFAULT_FORMAT) -> ReplyReader:
+    """How a call's reply is read, the same on every front (the router's HTTP and
+    `CallModel`, the sim worker's HTTP): a chat call that offers tools gets its tool
+    calls read in `tool_format` and its tool_choice checked; other replies are content
+    as they come."""
+    if isinstance(body, ChatCompletionRequest) and body.parses_tool_calls:
+        return ReplyReader(parse_tool_calls=True, tool_format=tool_format, tool_choice=body.tool_choice)
+    return ReplyReader()
+
+
 def chat_completion(
     call_id: str,
     created: int,
