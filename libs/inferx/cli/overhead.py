@@ -80,7 +80,7 @@ def table(summary) -> Table:
         collapse_padding=True,
     )
     for column in COLUMNS:
-        t.add_column(column, justify="left" if column == "path" else "right")
+        t.add_column(column, justify="left" if column == "path" else "right", no_wrap=column == "path")
     for s in summary.paths:
         t.add_row(
             s.name,
