@@ -141,8 +141,11 @@ class InferxClient:
         kv_retention_s: float | None = None,
     ) -> AsyncIterator[router_pb2.ProgramCallEvent]:
         """One model call of a dynamic program (`Router.CallModel`): the reply's content
-        as it is generated (`event.text`), then `event.finished` (usage, finish reason,
-        worker, the program's run id, the tool calls read out of the reply). A prompt,
+        as it is generated (`event.text`), each tool call as soon as it has been read
+        whole (`event.tool_call`: index, id, name, arguments_json; held until the reply
+        has ended where a "required" or named `tool_choice` must be checked), then
+        `event.finished` (usage, finish reason, worker, the program's run id, all the
+        tool calls again). Tell them apart with `event.WhichOneof("event")`. A prompt,
         or OpenAI-shaped chat `messages` (role, content, name, tool_call_id, tool_calls)
         with optional `tools` / `tool_choice`. Calls with the same `program_id` are hops
         of one program (`inferx trace`); `kv_retention_s`: how long to keep the

@@ -31,7 +31,7 @@ from inferx.openai_compat.errors import InvalidField, ModelNotFound, ToolChoiceN
 from inferx.openai_compat.identity import MAX_DEADLINE_MS, ProgramIdentity, identity_of_fields
 from inferx.openai_compat.render import chat_json, render_chat
 from inferx.openai_compat.schema import ReplyReader
-from inferx.openai_compat.toolcalls import DEFAULT_FORMAT, Event
+from inferx.openai_compat.toolcalls import DEFAULT_FORMAT, Content, Event, ToolCall
 from inferx.pools import PoolDirectory
 from inferx.v1 import common_pb2, router_pb2
 from inferx_router import metrics
@@ -419,6 +419,25 @@ def request_identity(
     )
 
 
+def tool_call_message(call: ToolCall) -> router_pb2.ProgramToolCall:
+    return router_pb2.ProgramToolCall(
+        id=call.id, name=call.name, arguments_json=call.arguments, index=call.index
+    )
+
+
+def call_event(item: Event | CallDone) -> router_pb2.ProgramCallEvent | None:
+    """What `ProgramCalls.stream` gives, as CallModel's event: content as `text`, each
+    tool call as soon as the reader has it whole as `tool_call` (as the HTTP front's SSE
+    sends its tool_calls deltas), the result as `finished`. A held reply (tool_choice
+    "required" or named) gives nothing before it has passed its check, so nothing sent
+    here is ever refused later. None for empty content (nothing to send)."""
+    if isinstance(item, Content):
+        return router_pb2.ProgramCallEvent(text=item.text) if item.text else None
+    if isinstance(item, ToolCall):
+        return router_pb2.ProgramCallEvent(tool_call=tool_call_message(item))
+    return finished_event(item)
+
+
 def finished_event(result: CallDone) -> router_pb2.ProgramCallEvent:
     done = result.done
     return router_pb2.ProgramCallEvent(
@@ -435,9 +454,6 @@ def finished_event(result: CallDone) -> router_pb2.ProgramCallEvent:
             call_index=result.call_index,
             queue_ms=done.queue_ms,
             latency_ms=result.latency_ms,
-            tool_calls=[
-                router_pb2.ProgramToolCall(id=call.id, name=call.name, arguments_json=call.arguments)
-                for call in result.reply.calls
-            ],
+            tool_calls=[tool_call_message(call) for call in result.reply.calls],
         )
     )

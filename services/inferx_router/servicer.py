@@ -18,7 +18,6 @@ from inferx.chain.validate import load_chain_text, required_inputs
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from inferx.limits import RequestLimits
-from inferx.openai_compat.toolcalls import Content
 from inferx.pools import PoolDirectory, no_worker_message
 from inferx.v1 import (
     memory_pool_pb2,
@@ -33,7 +32,7 @@ from inferx_router.access import AccessControl, audit, caller
 from inferx_router.chain_store import ChainStore, StoredVersion
 from inferx_router.executors import SchedulerExecutor
 from inferx_router.load import LoadMonitor
-from inferx_router.program_calls import CallDone, ProgramCalls
+from inferx_router.program_calls import ProgramCalls
 from inferx_router.runner import ChainRun
 from inferx_router.tools import ToolRouter, cache_key, stale_key
 
@@ -162,11 +161,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:
             stream = self._calls.stream(caller(), identity, call, reader=reader)
             async with contextlib.aclosing(stream) as pieces:
-                async for piece in pieces:
-                    if isinstance(piece, Content):
-                        yield router_pb2.ProgramCallEvent(text=piece.text)
-                    elif isinstance(piece, CallDone):  # tool calls come whole, in the finished event
-                        yield program_calls.finished_event(piece)
+                async for piece in pieces:  # text, tool calls as each is read whole, finished
+                    if (event := program_calls.call_event(piece)) is not None:
+                        yield event
         except TimeoutError:
             raise DeadlineExceeded("the call's deadline passed before the model finished") from None
 

@@ -35,7 +35,13 @@ pytestmark = pytest.mark.integration
 
 MODEL = "qwen-7b"
 CALL_TRACK, NO_TOOLS = "Track parcel TRK-42 with the tool.", "Answer in words only."
+CALL_TWO = "Track TRK-42 and look up order 7."
 SCRIPT = [
+    {
+        "when": CALL_TWO,
+        "reply": 'Both.\n<tool_call>\n{"name": "track", "arguments": {"id": "TRK-42"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "lookup", "arguments": {"order": 7}}\n</tool_call>',
+    },
     {
         "when": CALL_TRACK,
         "reply": 'Checking.\n<tool_call>\n{"name": "track", "arguments": {"id": "TRK-42"}}\n</tool_call>',
@@ -106,6 +112,13 @@ def conversation(program: str) -> list:
 TOOL: Any = {
     "type": "function",
     "function": {"name": "track", "parameters": {"type": "object", "properties": {"id": {"type": "string"}}}},
+}
+LOOKUP: Any = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "parameters": {"type": "object", "properties": {"order": {"type": "integer"}}},
+    },
 }
 
 
@@ -408,6 +421,65 @@ async def test_call_model_reads_tool_calls_as_the_http_front_does(stack: LocalSt
     assert (call.name, json.loads(call.arguments_json)) == ("track", {"id": "TRK-42"})
     assert (http_call.function.name, json.loads(http_call.function.arguments)) == ("track", {"id": "TRK-42"})  # type: ignore[union-attr]
     assert call.id.startswith("call_")
+    # The call streamed on its own as soon as it was read: after the content, before finished.
+    assert event_kinds(events) == ["text", "tool_call", "finished"]
+    assert [e.tool_call for e in events if e.WhichOneof("event") == "tool_call"] == [call]
+
+
+def event_kinds(events: list[router_pb2.ProgramCallEvent]) -> list[str]:
+    """The kinds of a call's events, runs of text pieces as one."""
+    kinds: list[str] = []
+    for event in events:
+        kind = str(event.WhichOneof("event"))
+        if not (kind == "text" and kinds and kinds[-1] == "text"):
+            kinds.append(kind)
+    return kinds
+
+
+async def test_call_model_streams_two_tool_calls_and_a_held_one_after_its_check(
+    stack: LocalStack, tmp_path: Path
+) -> None:
+    program = f"two-{uuid.uuid4().hex[:8]}"
+    async with stack.client(timeout_s=30) as client:
+        both = [
+            e
+            async for e in client.call_model(
+                MODEL, messages=tool_messages(program, CALL_TWO), tools=[TOOL, LOOKUP], max_tokens=128
+            )
+        ]
+        # tool_choice named: the reply is held until it has passed its check, then sent.
+        held = [
+            e
+            async for e in client.call_model(
+                MODEL,
+                messages=tool_messages(program, CALL_TRACK),
+                tools=[TOOL, LOOKUP],
+                tool_choice={"type": "function", "function": {"name": "track"}},
+                max_tokens=64,
+            )
+        ]
+    assert event_kinds(both) == ["text", "tool_call", "tool_call", "finished"]
+    streamed = [e.tool_call for e in both if e.WhichOneof("event") == "tool_call"]
+    assert [(c.index, c.name, json.loads(c.arguments_json)) for c in streamed] == [
+        (0, "track", {"id": "TRK-42"}),
+        (1, "lookup", {"order": 7}),
+    ]
+    assert list(both[-1].finished.tool_calls) == streamed
+    assert event_kinds(held) == ["text", "tool_call", "finished"]
+    assert held[-1].finished.finish_reason == "stop"  # a named call, as OpenAI says
+    # From a shell: `inferx call --tools FILE` prints each call on a line of its own.
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([TOOL, LOOKUP]))
+    command = [INFERX, "call", MODEL, CALL_TWO, "--tools", str(tools), "--max-tokens", "128"]
+    called = subprocess.run(
+        [*command, "--router", stack.router_address], capture_output=True, text=True, timeout=60
+    )
+    assert called.returncode == 0, called.stderr
+    lines = [line for line in called.stdout.splitlines() if line.startswith("[tool call")]
+    assert [line.split(" (call_")[0] for line in lines] == [
+        '[tool call 0] track {"id": "TRK-42"}',
+        '[tool call 1] lookup {"order": 7}',
+    ]
 
 
 async def test_a_reply_breaking_tool_choice_fails_both_fronts_and_is_recorded_as_an_error(

@@ -26,7 +26,14 @@ from inferx_router import programs
 from inferx_router.access import AccessControl
 from inferx_router.executors import hop_request
 from inferx_router.hops import HopDone, ModelHop
-from inferx_router.program_calls import CallDone, ProgramCalls, finished_event, request_body, request_identity
+from inferx_router.program_calls import (
+    CallDone,
+    ProgramCalls,
+    call_event,
+    finished_event,
+    request_body,
+    request_identity,
+)
 from inferx_router.programs import Program, ProgramBook
 from inferx_router.records import RUNNING, RunStore, chain_stats, run_trace_message
 
@@ -348,8 +355,8 @@ async def test_a_streamed_call_gives_content_and_whole_tool_calls_not_the_markup
     assert isinstance(done, CallDone) and done.reply.calls == [call]
     finished = finished_event(done).finished
     assert finished.finish_reason == "tool_calls"
-    assert [(c.id, c.name, json.loads(c.arguments_json)) for c in finished.tool_calls] == [
-        (call.id, "track", {"id": "T"})
+    assert [(c.id, c.index, c.name, json.loads(c.arguments_json)) for c in finished.tool_calls] == [
+        (call.id, 0, "track", {"id": "T"})
     ]
 
 
@@ -413,6 +420,86 @@ async def test_nothing_of_a_held_reply_is_streamed_before_it_fails() -> None:
         ):
             seen.append(item)
     assert seen == []
+
+
+# ----- CallModel's events: text, each tool call as soon as it is read whole, finished -------
+
+TWO_TOOLS = [*TOOLS, {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+TWO_CALLS = (
+    "Checking both.",
+    '\n<tool_call>\n{"name": "track", "arguments": {"id": "T"}}\n</tool_call>',
+    '\n<tool_call>\n{"name": "lookup", "arguments": {"order": 7}}\n</tool_call>',
+)
+
+
+def kinds(events: list[router_pb2.ProgramCallEvent]) -> list[str]:
+    return [str(event.WhichOneof("event")) for event in events]
+
+
+async def test_call_model_sends_each_tool_call_as_soon_as_it_is_read_then_finished_lists_them() -> None:
+    executor = FakeExecutor(TWO_CALLS)
+    executor.gate = asyncio.Event()  # the model "runs on" after its calls until this is set
+    calls = calls_with(executor, RunStore())
+    body = chat(tools=TWO_TOOLS)
+    events: list[router_pb2.ProgramCallEvent] = []
+    calls_before_the_end = 0
+    stream = calls.stream(WHO, ProgramIdentity("p"), calls.prepare(body), reader=calls.reader(body))
+    async for item in stream:
+        if (event := call_event(item)) is not None:
+            events.append(event)
+        if kinds(events).count("tool_call") == 2 and not executor.gate.is_set():
+            calls_before_the_end = 2  # both arrived while the hop was still running
+            executor.gate.set()
+    assert calls_before_the_end == 2
+    assert kinds(events) == ["text", "tool_call", "tool_call", "finished"]
+    assert events[0].text == "Checking both."
+    streamed = [event.tool_call for event in events[1:3]]
+    assert [(c.index, c.name, json.loads(c.arguments_json)) for c in streamed] == [
+        (0, "track", {"id": "T"}),
+        (1, "lookup", {"order": 7}),
+    ]
+    finished = events[-1].finished
+    assert list(finished.tool_calls) == streamed  # the same calls (ids too), again, in finished
+    assert finished.finish_reason == "tool_calls"
+
+
+async def test_a_held_reply_sends_its_tool_call_only_after_it_has_passed_its_tool_choice() -> None:
+    executor = FakeExecutor(CALL_TEXT)
+    executor.gate = asyncio.Event()
+    calls = calls_with(executor, RunStore())
+    body = chat(tools=TWO_TOOLS, tool_choice={"type": "function", "function": {"name": "track"}})
+    stream = calls.stream(WHO, ProgramIdentity("p"), calls.prepare(body), reader=calls.reader(body))
+    first = asyncio.ensure_future(anext(stream))
+    for _ in range(10):  # the whole reply, call included, has been read by now
+        await asyncio.sleep(0)
+    assert len(executor.hops) == 1 and not first.done()  # held: nothing sent yet
+    executor.gate.set()
+    events = [call_event(await first)] + [call_event(item) async for item in stream]
+    assert kinds([e for e in events if e is not None]) == ["text", "tool_call", "finished"]
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        ("No tool ", "for you."),  # no call at all
+        CALL_TEXT,  # a call, but to another function than the one named
+    ],
+)
+async def test_no_tool_call_of_a_reply_that_breaks_a_named_tool_choice_is_ever_sent(reply) -> None:
+    calls = calls_with(FakeExecutor(reply), RunStore())
+    body = chat(tools=TWO_TOOLS, tool_choice={"type": "function", "function": {"name": "lookup"}})
+    sent = []
+    with pytest.raises(ToolChoiceNotFollowed):
+        async for item in calls.stream(
+            WHO, ProgramIdentity(), calls.prepare(body), reader=calls.reader(body)
+        ):
+            sent.append(call_event(item))
+    assert sent == []
+
+
+def test_empty_content_is_no_event() -> None:
+    assert call_event(Content("")) is None
+    assert call_event(Content("x")) == router_pb2.ProgramCallEvent(text="x")
 
 
 async def test_the_clients_kv_retention_hint_goes_with_the_hop() -> None:
@@ -543,3 +630,67 @@ def test_the_cli_registers_inferx_call() -> None:
     args = build_parser().parse_args(["call", "m", "hi", "--program", "p", "--end", "--tier", "realtime"])
     assert args.handler is call.cmd_call and (args.model, args.prompt) == ("m", "hi")
     assert args.program == "p" and args.end and args.tier == "realtime" and args.max_tokens == 0
+
+
+def test_inferx_call_offers_tools_from_a_file_and_refuses_a_bad_one(tmp_path) -> None:
+    from inferx.cli import call
+    from inferx.errors import InferxError
+
+    good = tmp_path / "tools.json"
+    good.write_text(json.dumps(TOOLS))
+    assert call.read_tools(str(good)) == TOOLS
+    assert call.tool_choice("required") == "required" and call.tool_choice(None) is None
+    assert call.tool_choice("track") == {"type": "function", "function": {"name": "track"}}
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "object.json").write_text('{"type": "function"}')
+    for name, problem in [
+        ("missing.json", "no such file"),
+        ("bad.json", "not JSON"),
+        ("object.json", "array"),
+    ]:
+        with pytest.raises(InferxError, match=problem):
+            call.read_tools(str(tmp_path / name))
+
+
+async def test_inferx_call_prints_each_tool_call_as_it_arrives(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from inferx.cli import call, connect
+    from inferx.cli.main import build_parser
+    from inferx.errors import InferxError
+
+    sent: dict = {}
+    tool = router_pb2.ProgramToolCall(id="call_1", name="track", arguments_json='{"id": "T"}', index=0)
+    events = [
+        router_pb2.ProgramCallEvent(text="Checking."),
+        router_pb2.ProgramCallEvent(tool_call=tool),
+        router_pb2.ProgramCallEvent(finished=router_pb2.ProgramCallFinished(finish_reason="tool_calls")),
+    ]
+
+    class Client:
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc) -> None:
+            return None
+
+        async def call_model(self, model, prompt, **kw):
+            sent.update(kw, prompt=prompt)
+            for event in events:
+                yield event
+
+    monkeypatch.setattr(connect, "client", lambda args: Client())
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+    args = build_parser().parse_args(
+        ["call", "m", "Track T", "--tools", str(tools), "--tool-choice", "track"]
+    )
+    assert await call.cmd_call(args) == 0
+    assert capsys.readouterr().out == 'Checking.\n[tool call 0] track {"id": "T"} (call_1)\n\n'
+    assert sent["prompt"] == "" and sent["messages"] == [{"role": "user", "content": "Track T"}]
+    assert sent["tools"] == TOOLS and sent["tool_choice"] == {
+        "type": "function",
+        "function": {"name": "track"},
+    }
+    with pytest.raises(InferxError, match="--tool-choice: only with --tools"):
+        await call.cmd_call(build_parser().parse_args(["call", "m", "hi", "--tool-choice", "required"]))

@@ -1,33 +1,66 @@
 """`inferx call MODEL PROMPT`: one model call of a dynamic program over `Router.CallModel`,
-the text streamed as it is generated, then its usage, worker and program record."""
+the text streamed as it is generated (each tool call on a line of its own as soon as it
+has been read), then its usage, worker and program record."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
 from inferx.cli import connect
+from inferx.errors import InferxError
 
 TIERS = {"realtime": 1, "standard": 2, "batch": 3}
 
 err = Console(stderr=True, highlight=False)
 
 
+def read_tools(path: str) -> list[dict[str, Any]]:
+    """--tools FILE: a JSON array of OpenAI tool specs (InferxError saying what is wrong;
+    the router checks each spec, as it does the HTTP front's)."""
+    try:
+        tools = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise InferxError(f"--tools {path}: no such file") from None
+    except OSError as exc:
+        raise InferxError(f"--tools {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise InferxError(f"--tools {path}: not JSON ({exc})") from None
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise InferxError(f"--tools {path}: expected a JSON array of tool specs")
+    return tools
+
+
+def tool_choice(value: str | None) -> str | dict[str, Any] | None:
+    """--tool-choice: auto, none, required, or the name of the function to call."""
+    if value is None or value in ("auto", "none", "required"):
+        return value
+    return {"type": "function", "function": {"name": value}}
+
+
 async def cmd_call(args: argparse.Namespace) -> int:
     from google.protobuf import json_format
 
+    if args.tool_choice is not None and not args.tools:
+        raise InferxError("--tool-choice: only with --tools")
+    tools = read_tools(args.tools) if args.tools else []
     messages = []
-    if args.system is not None:
-        messages = [{"role": "system", "content": args.system}, {"role": "user", "content": args.prompt}]
+    if args.system is not None or tools:  # tools need a chat: PROMPT is the user's message
+        system = [{"role": "system", "content": args.system}] if args.system is not None else []
+        messages = [*system, {"role": "user", "content": args.prompt}]
     finished = None
     async with connect.client(args) as client:
         async for event in client.call_model(
             args.model,
             "" if messages else args.prompt,
             messages=messages,
+            tools=tools,
+            tool_choice=tool_choice(args.tool_choice),
             max_tokens=args.max_tokens,
             temperature=args.temperature,
             program_id=args.program or "",
@@ -37,12 +70,20 @@ async def cmd_call(args: argparse.Namespace) -> int:
             program_end=args.end,
             kv_retention_s=args.kv_retention_s,
         ):
-            if event.WhichOneof("event") == "text":
-                if not args.json:
-                    sys.stdout.write(event.text)
-                    sys.stdout.flush()
-            else:
+            kind = event.WhichOneof("event")
+            if kind == "finished":
                 finished = event.finished
+            elif args.json:
+                continue
+            elif kind == "text":
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            elif kind == "tool_call":  # as soon as it was read, before the reply ends
+                call = event.tool_call
+                sys.stdout.write(
+                    f"\n[tool call {call.index}] {call.name} {call.arguments_json} ({call.id})\n"
+                )
+                sys.stdout.flush()
     if finished is None:
         err.print("the router ended the call without a result")
         return 1
@@ -71,6 +112,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     call.add_argument("model")
     call.add_argument("prompt")
     call.add_argument("--system", help="send a chat (this system message, then PROMPT as the user's)")
+    call.add_argument(
+        "--tools",
+        metavar="FILE",
+        help="offer tools (a JSON array of OpenAI tool specs; sends a chat): the model's tool calls "
+        "are printed as they are read, one line each",
+    )
+    call.add_argument(
+        "--tool-choice",
+        metavar="CHOICE",
+        help="with --tools: auto (default), none, required, or a function's name",
+    )
     call.add_argument("--program", metavar="ID", help="program id: calls with one id are hops of one program")
     call.add_argument("--name", metavar="NAME", help="the program's kind: its chain in `inferx stats`")
     call.add_argument("--end", action="store_true", help="the program ends after this call")
