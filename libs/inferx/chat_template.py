@@ -163,11 +163,14 @@ class Chat:
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
+    # The client's tool_choice, as it gave it (templates do not read it; an engine that
+    # sends the chat to a server's /v1/chat/completions passes it on).
+    tool_choice: str | dict[str, Any] | None = None
 
     @classmethod
     def from_json(cls, raw: str) -> Chat:
         """ValueError naming what is wrong when `raw` is not {"messages": [{...}, ...],
-        "tools": [{...}, ...]} (tools optional)."""
+        "tools": [{...}, ...], "tool_choice": "auto" | {...}} (tools, tool_choice optional)."""
         try:
             value = json.loads(raw)
         except ValueError as exc:
@@ -179,4 +182,7 @@ class Chat:
             raise ValueError("chat_json.messages: expected a non-empty list of objects")
         if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
             raise ValueError("chat_json.tools: expected a list of objects")
-        return cls(messages, tools or None)
+        choice = value.get("tool_choice")
+        if choice is not None and not isinstance(choice, str | dict):
+            raise ValueError("chat_json.tool_choice: expected a string or an object")
+        return cls(messages, tools or None, choice)

@@ -116,7 +116,7 @@ class ProgramCalls:
         chat = ""  # a chat call's messages and tools, for the worker's chat template
         if isinstance(body, schema.ChatCompletionRequest):
             prompt, prefix = render_chat(body.messages, body.tools, body.tool_choice), "chatcmpl"
-            chat = chat_json(body.messages, body.tools)
+            chat = chat_json(body.messages, body.tools, body.tool_choice)
         elif isinstance(body, schema.CompletionRequest):
             prompt, prefix = body.prompt_text, "cmpl"
         else:  # pragma: no cover - the two request kinds are all there is

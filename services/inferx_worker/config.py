@@ -25,6 +25,14 @@ class WorkerSettings(ServiceSettings):
     openai_kv_capacity_tokens: int = Field(
         100_000, gt=0, description="openai: KV capacity to register (the server does not report it)"
     )
+    openai_chat_endpoint: Literal["on", "off"] = Field(
+        "on",
+        description="openai: send chats to the server's /v1/chat/completions (on: the server renders them "
+        "with the model's chat template and may read tool calls and enforce tool_choice itself; vLLM needs "
+        "--enable-auto-tool-choice --tool-call-parser NAME for chats with tools) or, off, InferX's generic "
+        "rendering to /v1/completions (servers without a chat endpoint); prompts always go to "
+        "/v1/completions",
+    )
     model_path: str = Field(
         DEFAULT_MODEL_PATH,
         description="vllm: model directory or hub id (default: the generated tiny model); "

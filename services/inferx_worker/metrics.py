@@ -17,7 +17,8 @@ CONTEXT_TRUNCATIONS = Counter(
 CHAT_RENDERS = Counter(
     "inferx_worker_chat_renders_total",
     "Chats rendered into a prompt, by whose rendering: template=model (the model's own chat "
-    "template) or generic (InferX's, for a model without one)",
+    "template), generic (InferX's, for a model without one) or server (the openai engine's "
+    "server, sent the chat whole on /v1/chat/completions)",
     ["template"],
 )
 ENGINE_SECONDS = Histogram(

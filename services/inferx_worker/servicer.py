@@ -32,8 +32,19 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServicer):
         if not request.prompt:
             raise InvalidArgument("prompt: must not be empty")
         max_tokens = request.sampling.max_tokens or DEFAULT_MAX_TOKENS
-        prompt, templated = self._prompt(request)
-        prompt = await self._guard_context(prompt, request.sampling, max_tokens)
+        prompt, templated, chat = self._prompt(request)
+        guarded = await self._guard_context(prompt, request.sampling, max_tokens)
+        if guarded != prompt:  # the guard cut the context: the cut prompt runs, not the whole chat
+            prompt, chat = guarded, None
+        if request.chat_json:
+            kind = (
+                "server"
+                if chat is not None and self._engine.sends_chats()
+                else "model"
+                if templated
+                else "generic"
+            )
+            metrics.CHAT_RENDERS.labels(kind).inc()
         engine_request = EngineRequest(
             request_id=":".join(
                 (
@@ -50,6 +61,7 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServicer):
             seed=request.sampling.seed if request.sampling.HasField("seed") else None,
             priority=request.context.priority,
             templated=templated,
+            chat=chat,
         )
         started = time.perf_counter()
         first_token_at: float | None = None
@@ -85,18 +97,18 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServicer):
         """Generate's requests, many on one stream (`inferx.hopstream`)."""
         await hopstream.StreamServer(context, self.Generate, hopstream.GENERATE).serve()
 
-    def _prompt(self, request: worker_pb2.GenerateRequest) -> tuple[str, bool]:
+    def _prompt(self, request: worker_pb2.GenerateRequest) -> tuple[str, bool, Chat | None]:
         """A chat rendered by the model's own template, where the engine has one; else
         the prompt as it came (for a chat: the router's generic rendering of it). True
-        with a template's rendering."""
+        with a template's rendering. The chat itself, for engines that send it whole."""
         if not request.chat_json:
-            return request.prompt, False
+            return request.prompt, False, None
         try:
-            rendered = self._engine.render_chat(Chat.from_json(request.chat_json))
+            chat = Chat.from_json(request.chat_json)
+            rendered = self._engine.render_chat(chat)
         except ValueError as exc:  # a malformed chat_json, or ChatTemplateError (the template refused it)
             raise InvalidArgument(str(exc)) from None
-        metrics.CHAT_RENDERS.labels("generic" if rendered is None else "model").inc()
-        return (request.prompt, False) if rendered is None else (rendered, True)
+        return (request.prompt, False, chat) if rendered is None else (rendered, True, chat)
 
     async def _guard_context(self, prompt: str, sampling, max_tokens: int) -> str:
         if not sampling.max_context_tokens:

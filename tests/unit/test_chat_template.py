@@ -190,6 +190,7 @@ def test_an_old_tiny_model_gets_the_template_without_touching_its_tokenizer(tmp_
         ('{"messages": []}', "messages"),
         ('{"messages": ["hi"]}', "messages"),
         ('{"messages": [{}], "tools": {}}', "tools"),
+        ('{"messages": [{}], "tool_choice": 3}', "tool_choice"),
     ],
 )
 def test_a_malformed_chat_is_a_value_error_naming_what(raw: str, words: str) -> None:
@@ -213,3 +214,10 @@ def test_the_chat_travels_with_its_hop_to_the_scheduler() -> None:
     hop, _ = program_hop(call, ProgramBook().begin(identity), identity, now_unix_ms=0, default_timeout_ms=1)
     request = hop_request(hop)
     assert (request.chat_json, request.prompt) == (chat, "generic")
+
+
+def test_the_chat_carries_the_clients_tool_choice_for_engines_that_send_it_on() -> None:
+    named = {"type": "function", "function": {"name": "lookup"}}
+    assert Chat.from_json(chat_json(CONVERSATIONS[2], TOOLS, named)).tool_choice == named
+    assert Chat.from_json(chat_json(CONVERSATIONS[2], TOOLS, "required")).tool_choice == "required"
+    assert "tool_choice" not in json.loads(chat_json(CONVERSATIONS[2], TOOLS))  # none given: none sent

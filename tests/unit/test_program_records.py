@@ -694,3 +694,10 @@ async def test_inferx_call_prints_each_tool_call_as_it_arrives(
     }
     with pytest.raises(InferxError, match="--tool-choice: only with --tools"):
         await call.cmd_call(build_parser().parse_args(["call", "m", "hi", "--tool-choice", "required"]))
+
+
+def test_a_chat_calls_tool_choice_travels_in_its_chat_for_the_worker() -> None:
+    calls = calls_with(FakeExecutor(), RunStore())
+    chat_with = json.loads(calls.prepare(chat(tools=TOOLS, tool_choice="required")).chat_json)
+    assert chat_with["tools"] == TOOLS and chat_with["tool_choice"] == "required"
+    assert "tool_choice" not in json.loads(calls.prepare(chat(tools=TOOLS)).chat_json)

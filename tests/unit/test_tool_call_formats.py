@@ -32,6 +32,7 @@ from inferx.openai_compat.toolcalls import (
     detect_format,
     parser_for,
     split_tool_calls,
+    write_tool_call,
 )
 from inferx.pools import PoolDirectory, model_entry
 from inferx.v1 import common_pb2
@@ -782,3 +783,45 @@ def test_a_models_file_with_an_unknown_format_stops_inferx_up_naming_the_model(t
     path.write_text("models:\n  m: {pool: p, tool_call_format: Mistral}\n")
     with pytest.raises(StackError, match="model 'm': unknown tool-call format 'Mistral'"):
         read_models_file(path)
+
+
+@pytest.mark.parametrize("format_", FORMATS)
+@settings(max_examples=40, deadline=None)
+@given(
+    calls=st.lists(
+        st.tuples(
+            st.from_regex(r"[A-Za-z_][A-Za-z0-9_.-]{0,20}", fullmatch=True),
+            st.dictionaries(
+                st.text(max_size=5),
+                st.integers() | st.text(max_size=8) | st.sampled_from(["</tool_call>", "[TOOL_CALLS]", "}]"]),
+                max_size=3,
+            ),
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    content=st.text(alphabet="abc .,!", max_size=20).map(str.strip),
+)
+def test_written_calls_read_back_as_the_same_calls_in_every_format(
+    format_: str, calls: list[tuple[str, dict]], content: str
+) -> None:
+    """What the `openai` engine writes for calls its server parsed: the format's parser
+    reads them back, whole or piece by piece (a llama3_json reply is calls only)."""
+    content = "" if format_ == LLAMA else content
+    text = content + "".join(
+        write_tool_call(format_, index, name, json.dumps(arguments))
+        for index, (name, arguments) in enumerate(calls)
+    )
+    read, found = split_tool_calls(text, format_=format_)
+    assert (read or "") == content
+    assert named(found) == [(name, arguments) for name, arguments in calls]
+    parser = parser_for(format_)
+    pieces = [event for piece in text for event in parser.feed(piece)] + parser.finish()
+    assert named([event for event in pieces if isinstance(event, ToolCall)]) == named(found)
+
+
+def test_a_written_call_with_arguments_that_are_no_object_is_never_read_as_a_call() -> None:
+    for format_ in FORMATS:
+        for arguments in ("[1, 2]", "{broken", '"text"'):
+            content, calls = split_tool_calls(write_tool_call(format_, 0, "f", arguments), format_=format_)
+            assert calls == [] and content, (format_, arguments)

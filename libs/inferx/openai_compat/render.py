@@ -3,8 +3,9 @@ renders with its model's own chat template) and InferX's generic rendering of it
 (`render_chat`: what a worker whose model has no template runs, and what the
 scheduler's token estimates read).
 
-`chat_json` is {"messages": [...], "tools": [...]} in OpenAI's shapes, made ready for
-templates as vLLM's server makes them: text parts joined into one string, a tool call's
+`chat_json` is {"messages": [...], "tools": [...], "tool_choice": ...} in OpenAI's
+shapes, made ready for templates as vLLM's server makes them: text parts joined into
+one string, a tool call's
 `arguments` given as an object where they are a JSON object's text, and the roles
 templates know (`developer` is sent as `system`, the old `function` as `tool`).
 
@@ -85,11 +86,19 @@ def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
     return {**call, "function": {**function, "arguments": arguments}}
 
 
-def chat_json(messages: Sequence[ChatMessage], tools: Sequence[dict[str, Any]] | None = None) -> str:
-    """The chat a worker renders with its model's template (HopRequest.chat_json)."""
+def chat_json(
+    messages: Sequence[ChatMessage],
+    tools: Sequence[dict[str, Any]] | None = None,
+    tool_choice: str | dict[str, Any] | None = None,
+) -> str:
+    """The chat a worker renders with its model's template (HopRequest.chat_json); the
+    tool_choice rides along for workers that send the chat to a server whole (the
+    `openai` engine), which may enforce it."""
     chat: dict[str, Any] = {"messages": [template_message(m) for m in messages]}
     if tools:
         chat["tools"] = list(tools)
+    if tool_choice is not None:
+        chat["tool_choice"] = tool_choice
     return json.dumps(chat, ensure_ascii=False, separators=(",", ":"))
 
 

@@ -755,6 +755,33 @@ def parser_for(format_: str = DEFAULT_FORMAT, new_id: Callable[[], str] = new_ca
     return _PARSERS[check_format(format_)](new_id)
 
 
+def write_tool_call(format_: str, index: int, name: str, arguments: str) -> str:
+    """A tool call as a model writing `format_` writes it, what the format's parser reads
+    back as the same call: for a server that parsed the calls out of its model's text
+    and sends them apart (the `openai` engine on /v1/chat/completions). `index` is the
+    call's place in the reply (llama3_json separates calls with `; `); `arguments` is
+    the JSON object's text ("" is `{}`). Arguments that are not a JSON object are
+    written as a JSON string, which no parser takes for a call: the text stays content
+    rather than becoming a call with arguments the server never gave."""
+    try:
+        value: Any = json.loads(arguments) if arguments.strip() else {}
+    except (ValueError, RecursionError):
+        value = arguments
+    if not isinstance(value, dict):
+        value = arguments
+    format_ = check_format(format_)
+    if format_ == LLAMA3_JSON:
+        return ("; " if index else "") + json.dumps({"name": name, "parameters": value}, ensure_ascii=False)
+    call = json.dumps({"name": name, "arguments": value}, ensure_ascii=False)
+    # A marker inside a string would end the call early; JSON's escapes spell the same
+    # string without it (outside strings JSON never holds one).
+    if format_ == MISTRAL:
+        call = call.replace(TOOL_CALLS, "\\u005b" + TOOL_CALLS[1:])
+        return f"{TOOL_CALLS}[{call}]"  # the JSON form: a name of any spelling reads back
+    call = call.replace("</", "<\\/")
+    return f"\n{OPEN}\n{call}\n{CLOSE}"  # whitespace before a call is not content
+
+
 def split_tool_calls(
     text: str, new_id: Callable[[], str] = new_call_id, format_: str = DEFAULT_FORMAT
 ) -> tuple[str | None, list[ToolCall]]:

@@ -24,6 +24,10 @@ class EngineRequest:
     # The prompt is a chat template's rendering (Engine.render_chat): it holds the special
     # tokens the template wrote (a BOS, say), and engines add none when tokenizing it.
     templated: bool = False
+    # The chat the prompt is a rendering of, where the hop is a chat sent whole (None for
+    # a prompt, and for a chat the context guard cut): an engine whose `sends_chats()`
+    # sends it instead of the prompt.
+    chat: Chat | None = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,12 @@ class Engine(abc.ABC):
         InferX's generic rendering that came with the chat. Raises
         inferx.chat_template.ChatTemplateError when the template refuses the chat."""
         return None
+
+    def sends_chats(self) -> bool:
+        """True when this engine sends a chat whole (EngineRequest.chat) to a server that
+        renders it with the model's own template (the `openai` engine on
+        /v1/chat/completions), rather than running a prompt."""
+        return False
 
     def chat_template_source(self) -> str | None:
         """The model's chat template (Jinja text), None when this engine knows none:

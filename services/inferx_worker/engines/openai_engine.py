@@ -1,6 +1,10 @@
-"""`openai`: any OpenAI-compatible completions server (vLLM's `vllm serve`, SGLang, TGI,
-Ollama, ...) behind an InferX worker. Streams `/v1/completions`; closing the stream
-when a hop is abandoned makes the server abort the request.
+"""`openai`: any OpenAI-compatible server (vLLM's `vllm serve`, SGLang, TGI, Ollama, ...)
+behind an InferX worker. A chat (`EngineRequest.chat`) streams from the server's
+`/v1/chat/completions`, so the server renders it with the model's own chat template and
+may read tool calls with its own parser and enforce `tool_choice`; a prompt streams from
+`/v1/completions`. `--openai-chat-endpoint off` sends chats as InferX's generic rendering
+to `/v1/completions` too (for servers without a chat endpoint). Closing the stream when a
+hop is abandoned makes the server abort the request.
 
 What the server does not report, InferX cannot know: KV capacity comes from
 `--openai-kv-capacity-tokens`, and cached prompt tokens only where the server fills
@@ -16,12 +20,15 @@ from inferx_worker.engines.registry import register_engine
 if TYPE_CHECKING:
     from inferx_worker.config import WorkerSettings
 
+import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import httpx
 
+from inferx.chat_template import Chat
+from inferx.openai_compat.toolcalls import DEFAULT_FORMAT, check_format, write_tool_call
 from inferx_worker.engines.base import (
     Engine,
     EngineCapacity,
@@ -30,6 +37,113 @@ from inferx_worker.engines.base import (
     EngineLoad,
     EngineRequest,
 )
+
+CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
+
+
+def server_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A chat's messages (made ready for templates: `inferx.openai_compat.render`) as
+    OpenAI's API takes them: a tool call's `arguments` as JSON text, not an object."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if isinstance(calls, list):
+            message = {**message, "tool_calls": [_text_arguments(call) for call in calls]}
+        out.append(message)
+    return out
+
+
+def _text_arguments(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or isinstance(function.get("arguments"), str | None):
+        return call
+    arguments = json.dumps(function["arguments"], ensure_ascii=False)
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+class CompletionText:
+    """The text of a streamed completion (/v1/completions), its usage and finish reason."""
+
+    def __init__(self) -> None:
+        self.finish_reason = ""
+        self.usage: dict[str, Any] = {}
+
+    def event(self, event: dict[str, Any]) -> str:
+        if event.get("usage"):
+            self.usage = event["usage"]
+        text = []
+        for choice in event.get("choices") or ():
+            text.append(choice.get("text") or "")
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+        return "".join(text)
+
+    def finish(self) -> str:
+        return ""
+
+
+class ChatDeltas:
+    """The text of a streamed chat completion, as the engine's chunks carry it.
+
+    Content deltas are text as they come. Tool calls the server already read out of the
+    model's text arrive apart (`delta.tool_calls`: an index, then the name and the
+    arguments in pieces); they are written back into the text in `tool_format`, each
+    once it is whole (a call with a higher index, content, or the end follows it). Why
+    text rather than a structured field: everything after the engine -- the worker's
+    GenerateChunk, the scheduler's hop events, the router's reply reader that both
+    fronts share, the run record's output -- carries the reply as text and reads tool
+    calls out of it in the pool's format; writing them back in that format keeps one
+    path (and one `tool_choice` check) for every engine, at the cost of the server's
+    call ids (the router gives its own, as it does for every engine). The format is the
+    worker's `--tool-call-format` (auto: hermes, what the routers read when a worker
+    names none; llama3_json reads a reply as calls only when it is nothing but calls, so
+    there a reply with content besides its calls reads as content, as the model's own
+    text would). Pure: no I/O."""
+
+    def __init__(self, tool_format: str = DEFAULT_FORMAT) -> None:
+        self._format = check_format(tool_format)
+        self._calls: dict[int, tuple[str, str]] = {}  # index -> (name, arguments) so far, not written yet
+        self._written = 0  # calls written so far (llama3_json separates them)
+        self.finish_reason = ""
+        self.usage: dict[str, Any] = {}
+
+    def event(self, event: dict[str, Any]) -> str:
+        """The text one streamed chunk adds (usage and finish reason are kept)."""
+        if event.get("usage"):
+            self.usage = event["usage"]
+        text: list[str] = []
+        for choice in event.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("content"):  # (a reasoning parser's reasoning_content is not the reply's)
+                text += [self._flush(), delta["content"]]  # content after a call: the call is whole
+            for call in delta.get("tool_calls") or ():
+                index = call.get("index", self._written + len(self._calls))
+                text.append(self._flush(below=index))  # a later call: the earlier ones are whole
+                function = call.get("function") or {}
+                name, arguments = self._calls.get(index, ("", ""))
+                self._calls[index] = (  # OpenAI's deltas: each piece adds to the field
+                    name + (function.get("name") or ""),
+                    arguments + (function.get("arguments") or ""),
+                )
+            if choice.get("finish_reason"):
+                # "tool_calls" is the router's to say (it reads the calls back from the text).
+                reason = choice["finish_reason"]
+                self.finish_reason = "stop" if reason == "tool_calls" else reason
+        return "".join(text)
+
+    def finish(self) -> str:
+        """The calls not written yet, once the stream has ended."""
+        return self._flush()
+
+    def _flush(self, below: int | None = None) -> str:
+        text = []
+        for index in sorted(self._calls):
+            if below is not None and index >= below:
+                break
+            name, arguments = self._calls.pop(index)
+            text.append(write_tool_call(self._format, self._written, name, arguments))
+            self._written += 1
+        return "".join(text)
 
 
 class OpenAIEngine(Engine):
@@ -44,12 +158,16 @@ class OpenAIEngine(Engine):
         kv_capacity_tokens: int = 100_000,
         max_concurrency: int = 32,
         send_priority: bool = True,
+        chat_endpoint: bool = True,
+        tool_call_format: str = DEFAULT_FORMAT,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model_path = model
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._capacity = EngineCapacity(kv_capacity_tokens, max_concurrency, 0)
         self._send_priority = send_priority
+        self._chat_endpoint = chat_endpoint
+        self.tool_call_format = check_format(tool_call_format)  # how server-parsed calls are written
         self._client: httpx.AsyncClient | None = None
         self._running = 0
 
@@ -80,10 +198,12 @@ class OpenAIEngine(Engine):
     def load(self) -> EngineLoad:
         return EngineLoad(self._running, 0, 0.0)
 
-    def _body(self, request: EngineRequest) -> dict[str, Any]:
+    def sends_chats(self) -> bool:
+        return self._chat_endpoint
+
+    def _sampling(self, request: EngineRequest) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.model_path,
-            "prompt": request.prompt,
             "max_tokens": request.max_tokens,
             "temperature": request.temperature,
             "top_p": request.top_p,
@@ -96,44 +216,95 @@ class OpenAIEngine(Engine):
             body["priority"] = request.priority  # vLLM's priority scheduling; others ignore it
         return body
 
+    def _body(self, request: EngineRequest) -> dict[str, Any]:
+        return {**self._sampling(request), "prompt": request.prompt}
+
+    def _chat_body(self, request: EngineRequest, chat: Chat) -> dict[str, Any]:
+        body = {**self._sampling(request), "messages": server_messages(chat.messages)}
+        if chat.tools:
+            body["tools"] = chat.tools
+        if chat.tool_choice is not None:
+            body["tool_choice"] = chat.tool_choice
+        return body
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
         if self._client is None:
             raise EngineError("the openai engine is not started")
+        chat = request.chat if self._chat_endpoint else None
+        path = COMPLETIONS_PATH if chat is None else CHAT_PATH
+        body = self._body(request) if chat is None else self._chat_body(request, chat)
+        reader = CompletionText() if chat is None else ChatDeltas(self.tool_call_format)
         self._running += 1
-        finish_reason, usage = "", {}
         try:
-            async with self._client.stream("POST", "/v1/completions", json=self._body(request)) as reply:
+            # aclosing: a hop given up closes the HTTP stream at once, and the server aborts.
+            async with contextlib.aclosing(self._events(path, body)) as events:
+                async for event in events:
+                    if text := reader.event(event):
+                        yield EngineChunk(text=text)
+            if text := reader.finish():
+                yield EngineChunk(text=text)
+        finally:
+            self._running -= 1
+        usage = reader.usage
+        details = usage.get("prompt_tokens_details") or {}
+        yield EngineChunk(
+            text="",
+            finished=True,
+            finish_reason=reader.finish_reason or "stop",
+            prompt_tokens=int(usage.get("prompt_tokens", 0)),
+            completion_tokens=int(usage.get("completion_tokens", 0)),
+            cached_prompt_tokens=int(details.get("cached_tokens") or 0),
+        )
+
+    async def _events(self, path: str, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        """The server's streamed events (server-sent `data:` lines) up to `[DONE]`.
+        EngineError for a refusal (4xx: caused by a ValueError, so the worker answers
+        INVALID_ARGUMENT), a failure (5xx, or an error event mid-stream) or a broken
+        connection, naming the server's URL and its message."""
+        assert self._client is not None
+        url = self.base_url + path
+        try:
+            async with self._client.stream("POST", path, json=body) as reply:
                 if reply.status_code >= 400:
-                    detail = (await reply.aread()).decode(errors="replace")[:500]
+                    detail = _error_detail((await reply.aread()).decode(errors="replace"))
+                    if reply.status_code == 404 and path == CHAT_PATH:
+                        detail += (
+                            " (no chat endpoint there? start the worker with --openai-chat-endpoint off)"
+                        )
                     cause = ValueError(detail) if reply.status_code < 500 else RuntimeError(detail)
-                    raise EngineError(f"{self.base_url} answered {reply.status_code}: {detail}") from cause
+                    raise EngineError(f"{url} answered {reply.status_code}: {detail}") from cause
                 async for line in reply.aiter_lines():
                     if not line.startswith("data:"):
                         continue
                     data = line[5:].strip()
                     if data == "[DONE]":
                         break
-                    event = json.loads(data)
-                    if event.get("usage"):
-                        usage = event["usage"]
-                    for choice in event.get("choices") or ():
-                        if choice.get("text"):
-                            yield EngineChunk(text=choice["text"])
-                        if choice.get("finish_reason"):
-                            finish_reason = choice["finish_reason"]
+                    try:
+                        event = json.loads(data)
+                    except ValueError:
+                        raise EngineError(f"{url} streamed a line that is not JSON: {data[:200]}") from None
+                    if not isinstance(event, dict):
+                        raise EngineError(f"{url} streamed a line that is not a JSON object: {data[:200]}")
+                    if event.get("error"):
+                        raise EngineError(f"{url} failed mid-stream: {_error_detail(json.dumps(event))}")
+                    yield event
         except httpx.HTTPError as exc:
-            raise EngineError(f"{self.base_url}: {exc}") from exc
-        finally:
-            self._running -= 1
-        details = usage.get("prompt_tokens_details") or {}
-        yield EngineChunk(
-            text="",
-            finished=True,
-            finish_reason=finish_reason or "stop",
-            prompt_tokens=int(usage.get("prompt_tokens", 0)),
-            completion_tokens=int(usage.get("completion_tokens", 0)),
-            cached_prompt_tokens=int(details.get("cached_tokens") or 0),
-        )
+            raise EngineError(f"{url}: {exc}") from exc
+
+
+def _error_detail(body: str) -> str:
+    """The message of an error reply: OpenAI's {"error": {"message": ...}}, vLLM's
+    {"message": ...}, else the body itself (cut at 500 characters)."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return body.strip()[:500]
+    error = value.get("error", value) if isinstance(value, dict) else value
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return error["message"][:500]
+    if isinstance(error, str):
+        return error[:500]
+    return body.strip()[:500]
 
 
 @register_engine(
@@ -148,4 +319,8 @@ def from_settings(settings: WorkerSettings) -> OpenAIEngine:
         api_key=settings.openai_api_key,
         kv_capacity_tokens=settings.openai_kv_capacity_tokens,
         max_concurrency=settings.max_num_seqs,
+        chat_endpoint=settings.openai_chat_endpoint == "on",
+        # What the routers read this pool's replies in, unless a model mapping says
+        # otherwise: auto registers nothing here (no template to read), so hermes.
+        tool_call_format=DEFAULT_FORMAT if settings.tool_call_format == "auto" else settings.tool_call_format,
     )
