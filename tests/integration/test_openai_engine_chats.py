@@ -7,9 +7,10 @@ The script's rule matches text only the model's template writes (`<|im_start|>us
 so a scripted reply proves the chat went to the server's /v1/chat/completions and was
 rendered there; a worker with `--openai-chat-endpoint off` sends InferX's generic
 rendering to /v1/completions instead, which the rule does not match. The reply is a
-Hermes tool call in text (the sim's HTTP API does not parse tool calls), which the
-router reads and streams as a `tool_call` event. A server refusal (a context longer
-than the server's) comes back as INVALID_ARGUMENT naming the server's answer."""
+Hermes tool call, which the server reads out of its text and streams apart (OpenAI's
+tool-call deltas); the `openai` worker writes it back into the text in its format, and
+the router reads it and streams it as a `tool_call` event. A server refusal (a context
+longer than the server's) comes back as INVALID_ARGUMENT naming the server's answer."""
 
 from __future__ import annotations
 

@@ -20,7 +20,16 @@ from starlette.routing import Route
 from inferx.chat_template import Chat
 from inferx.errors import Internal, InvalidArgument
 from inferx.httpserve import EmbeddedHttpServer
-from inferx.openai_compat.toolcalls import FORMATS, HERMES, LLAMA3_JSON, MISTRAL, split_tool_calls
+from inferx.openai_compat.toolcalls import (
+    DEEPSEEK_V3,
+    FORMATS,
+    GRANITE,
+    HERMES,
+    LLAMA3_JSON,
+    MISTRAL,
+    PYTHONIC,
+    split_tool_calls,
+)
 from inferx.settings import load_settings
 from inferx.v1 import common_pb2, worker_pb2
 from inferx_worker import metrics
@@ -212,7 +221,8 @@ async def test_tool_calls_the_server_parsed_come_back_as_text_the_routers_read_a
 @pytest.mark.parametrize("format_", FORMATS)
 def test_chat_deltas_write_calls_in_the_workers_format(format_: str) -> None:
     deltas = ChatDeltas(format_)
-    content = "" if format_ == LLAMA3_JSON else "Let me see."  # a llama3_json reply is calls only
+    # A llama3_json or pythonic reply is calls only when it is nothing but calls.
+    content = "" if format_ in (LLAMA3_JSON, PYTHONIC) else "Let me see."
     pieces = [deltas.event(chat_chunk({"content": content}))] if content else []
     pieces += [
         deltas.event(tool_delta(0, call_id="a", name="track", arguments='{"id": "T"}')),
@@ -225,12 +235,19 @@ def test_chat_deltas_write_calls_in_the_workers_format(format_: str) -> None:
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("track", {"id": "T"}), ("track", {})]
 
 
-def test_content_after_a_call_writes_the_call_first_and_bad_arguments_stay_text() -> None:
-    deltas = ChatDeltas(MISTRAL)
+@pytest.mark.parametrize("format_", [HERMES, MISTRAL, DEEPSEEK_V3, GRANITE])
+def test_content_after_a_call_writes_the_call_and_ends_its_section_first(format_: str) -> None:
+    deltas = ChatDeltas(format_)
     text = deltas.event(tool_delta(0, call_id="a", name="track", arguments='{"id": "T"}'))
     assert text == ""  # not whole yet: more arguments may come
     text += deltas.event(chat_chunk({"content": " done"}))
-    assert text.startswith("[TOOL_CALLS]") and text.endswith(" done")
+    assert text.endswith(" done") and deltas.finish() == ""
+    content, calls = split_tool_calls(text, format_=format_)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("track", {"id": "T"})]
+    assert (content or "").strip() == "done"
+
+
+def test_bad_arguments_from_the_server_stay_text() -> None:
     broken = ChatDeltas(HERMES)
     written = broken.event(tool_delta(0, call_id="a", name="track", arguments="{not json")) + broken.finish()
     content, calls = split_tool_calls(written, format_=HERMES)

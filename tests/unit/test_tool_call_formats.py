@@ -28,11 +28,11 @@ from inferx.openai_compat.toolcalls import (
     FORMATS,
     Content,
     ToolCall,
+    ToolCallWriter,
     check_format,
     detect_format,
     parser_for,
     split_tool_calls,
-    write_tool_call,
 )
 from inferx.pools import PoolDirectory, model_entry
 from inferx.v1 import common_pb2
@@ -785,20 +785,33 @@ def test_a_models_file_with_an_unknown_format_stops_inferx_up_naming_the_model(t
         read_models_file(path)
 
 
+IDENTIFIER = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,12}", fullmatch=True).filter(
+    lambda name: not keyword.iskeyword(name)
+)
+TEXT = st.text(alphabet=st.characters(exclude_categories=["Cs"]), max_size=8)
+MARKERS = st.sampled_from(["</tool_call>", "[TOOL_CALLS]", "}]", "```", "<|tool_call|>", ")]"])
+VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | TEXT | MARKERS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=2),
+    max_leaves=6,
+)
+WHOLE_REPLY_FORMATS = ("llama3_json", "pythonic")  # a reply is calls only when nothing else
+
+
+def written(format_: str, content: str, calls: list[tuple[str, dict]]) -> str:
+    writer = ToolCallWriter(format_)
+    return (
+        content
+        + "".join(writer.call(name, json.dumps(arguments)) for name, arguments in calls)
+        + writer.close()
+    )
+
+
 @pytest.mark.parametrize("format_", FORMATS)
 @settings(max_examples=40, deadline=None)
 @given(
     calls=st.lists(
-        st.tuples(
-            st.from_regex(r"[A-Za-z_][A-Za-z0-9_.-]{0,20}", fullmatch=True),
-            st.dictionaries(
-                st.text(max_size=5),
-                st.integers() | st.text(max_size=8) | st.sampled_from(["</tool_call>", "[TOOL_CALLS]", "}]"]),
-                max_size=3,
-            ),
-        ),
-        min_size=1,
-        max_size=3,
+        st.tuples(IDENTIFIER, st.dictionaries(IDENTIFIER, VALUES, max_size=3)), min_size=1, max_size=3
     ),
     content=st.text(alphabet="abc .,!", max_size=20).map(str.strip),
 )
@@ -806,12 +819,9 @@ def test_written_calls_read_back_as_the_same_calls_in_every_format(
     format_: str, calls: list[tuple[str, dict]], content: str
 ) -> None:
     """What the `openai` engine writes for calls its server parsed: the format's parser
-    reads them back, whole or piece by piece (a llama3_json reply is calls only)."""
-    content = "" if format_ == LLAMA else content
-    text = content + "".join(
-        write_tool_call(format_, index, name, json.dumps(arguments))
-        for index, (name, arguments) in enumerate(calls)
-    )
+    reads them back, whole or piece by piece."""
+    content = "" if format_ in WHOLE_REPLY_FORMATS else content
+    text = written(format_, content, calls)
     read, found = split_tool_calls(text, format_=format_)
     assert (read or "") == content
     assert named(found) == [(name, arguments) for name, arguments in calls]
@@ -820,8 +830,14 @@ def test_written_calls_read_back_as_the_same_calls_in_every_format(
     assert named([event for event in pieces if isinstance(event, ToolCall)]) == named(found)
 
 
-def test_a_written_call_with_arguments_that_are_no_object_is_never_read_as_a_call() -> None:
-    for format_ in FORMATS:
-        for arguments in ("[1, 2]", "{broken", '"text"'):
-            content, calls = split_tool_calls(write_tool_call(format_, 0, "f", arguments), format_=format_)
-            assert calls == [] and content, (format_, arguments)
+@pytest.mark.parametrize("format_", FORMATS)
+def test_a_call_a_format_cannot_spell_is_never_read_as_a_call(format_: str) -> None:
+    for arguments in ("[1, 2]", "{broken", '"text"', "null"):
+        writer = ToolCallWriter(format_)
+        content, calls = split_tool_calls(writer.call("f", arguments) + writer.close(), format_=format_)
+        assert calls == [] and content, (format_, arguments)
+    if format_ == "pythonic":  # keyword arguments need identifiers
+        for name, arguments in (("f", '{"a b": 1}'), ("look.up", "{}"), ("class", "{}")):
+            writer = ToolCallWriter(format_)
+            content, calls = split_tool_calls(writer.call(name, arguments) + writer.close(), format_=format_)
+            assert calls == [] and content, (name, arguments)

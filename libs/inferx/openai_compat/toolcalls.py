@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import ast
 import json
+import keyword as python_keyword
 import re
 import uuid
 import warnings
@@ -755,31 +756,85 @@ def parser_for(format_: str = DEFAULT_FORMAT, new_id: Callable[[], str] = new_ca
     return _PARSERS[check_format(format_)](new_id)
 
 
-def write_tool_call(format_: str, index: int, name: str, arguments: str) -> str:
-    """A tool call as a model writing `format_` writes it, what the format's parser reads
-    back as the same call: for a server that parsed the calls out of its model's text
-    and sends them apart (the `openai` engine on /v1/chat/completions). `index` is the
-    call's place in the reply (llama3_json separates calls with `; `); `arguments` is
-    the JSON object's text ("" is `{}`). Arguments that are not a JSON object are
-    written as a JSON string, which no parser takes for a call: the text stays content
-    rather than becoming a call with arguments the server never gave."""
-    try:
-        value: Any = json.loads(arguments) if arguments.strip() else {}
-    except (ValueError, RecursionError):
-        value = arguments
-    if not isinstance(value, dict):
-        value = arguments
-    format_ = check_format(format_)
-    if format_ == LLAMA3_JSON:
-        return ("; " if index else "") + json.dumps({"name": name, "parameters": value}, ensure_ascii=False)
-    call = json.dumps({"name": name, "arguments": value}, ensure_ascii=False)
-    # A marker inside a string would end the call early; JSON's escapes spell the same
-    # string without it (outside strings JSON never holds one).
-    if format_ == MISTRAL:
-        call = call.replace(TOOL_CALLS, "\\u005b" + TOOL_CALLS[1:])
-        return f"{TOOL_CALLS}[{call}]"  # the JSON form: a name of any spelling reads back
-    call = call.replace("</", "<\\/")
-    return f"\n{OPEN}\n{call}\n{CLOSE}"  # whitespace before a call is not content
+def _python_literal(value: Any) -> str:
+    """A JSON value as the Python literal a pythonic call writes (read back by `_literal`)."""
+    if isinstance(value, dict):
+        return (
+            "{"
+            + ", ".join(
+                f"{json.dumps(k, ensure_ascii=False)}: {_python_literal(v)}" for k, v in value.items()
+            )
+            + "}"
+        )
+    if isinstance(value, list):
+        return "[" + ", ".join(_python_literal(v) for v in value) + "]"
+    if value is None or isinstance(value, bool):
+        return repr(value)
+    return json.dumps(value, ensure_ascii=False)  # strings' JSON escapes are Python's too
+
+
+def _python_name(name: str) -> bool:
+    return name.isidentifier() and not python_keyword.iskeyword(name)
+
+
+class ToolCallWriter:
+    """Tool calls as a model writing `format_` writes them: text its parser reads back as
+    the same calls (name and arguments; the parser gives its own ids). For a server that
+    has read the calls out of its model's text and sends them apart (the `openai` engine
+    on /v1/chat/completions), so that what follows reads them as every engine's.
+
+    `call` gives the next call's text, `close` what ends the calls written so far (a
+    DeepSeek section's end marker, the `]` of a Granite or pythonic list; "" for the
+    formats without one), to be written before content that follows calls and at the
+    reply's end. `arguments` is a JSON object's text ("" is `{}`). A call the format
+    cannot spell -- arguments that are not a JSON object; in pythonic, a name or key
+    that is not a Python identifier -- is written so that no parser takes it for a
+    call: it stays content rather than becoming a call the server never made. Markers
+    inside JSON strings are written with JSON's escapes, so they cannot end a call early.
+    As in the model's own text, llama3_json and pythonic replies are calls only when
+    they are nothing but calls (content beside them reads as content there)."""
+
+    def __init__(self, format_: str = DEFAULT_FORMAT) -> None:
+        self.format = check_format(format_)
+        self._written = 0  # calls written
+        self._open = False  # a section or list is open
+
+    def call(self, name: str, arguments: str) -> str:
+        try:
+            value: Any = json.loads(arguments) if arguments.strip() else {}
+        except (ValueError, RecursionError):
+            value = None
+        spelled = isinstance(value, dict)
+        if not spelled:
+            value = arguments  # a JSON string where an object belongs: no parser's call
+        first, self._written = not self._open, self._written + 1
+        self._open = self.format in (PYTHONIC, DEEPSEEK_V3, GRANITE)
+        if self.format == PYTHONIC:
+            head = "[" if first else ", "
+            if spelled and _python_name(name) and all(_python_name(key) for key in value):
+                keywords = ", ".join(f"{key}={_python_literal(v)}" for key, v in value.items())
+                return f"{head}{name}({keywords})"
+            return f"{head}{name}({json.dumps(arguments)})"  # positional, or no Python: never a call
+        if self.format == DEEPSEEK_V3:
+            head = DS_CALLS_BEGIN if first else ""
+            body = json.dumps(value, ensure_ascii=False)
+            return f"{head}{DS_CALL_BEGIN}function{DS_SEP}{name}\n{FENCE_JSON}\n{body}\n{FENCE}{DS_CALL_END}"
+        if self.format == LLAMA3_JSON:
+            separator = "; " if self._written > 1 else ""
+            return separator + json.dumps({"name": name, "parameters": value}, ensure_ascii=False)
+        call = json.dumps({"name": name, "arguments": value}, ensure_ascii=False)
+        if self.format == GRANITE:
+            return f"{GRANITE_CALL}[{call}" if first else f", {call}"
+        if self.format == MISTRAL:  # the JSON form: a name of any spelling reads back
+            return TOOL_CALLS + "[" + call.replace(TOOL_CALLS, "\\u005b" + TOOL_CALLS[1:]) + "]"
+        escaped = call.replace("</", "<\\/")
+        return f"\n{OPEN}\n{escaped}\n{CLOSE}"  # Hermes; whitespace before a call is not content
+
+    def close(self) -> str:
+        if not self._open:
+            return ""
+        self._open = False
+        return DS_CALLS_END if self.format == DEEPSEEK_V3 else "]"
 
 
 def split_tool_calls(

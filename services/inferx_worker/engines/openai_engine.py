@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from inferx.chat_template import Chat
-from inferx.openai_compat.toolcalls import DEFAULT_FORMAT, check_format, write_tool_call
+from inferx.openai_compat.toolcalls import DEFAULT_FORMAT, ToolCallWriter, check_format
 from inferx_worker.engines.base import (
     Engine,
     EngineCapacity,
@@ -96,14 +96,12 @@ class ChatDeltas:
     path (and one `tool_choice` check) for every engine, at the cost of the server's
     call ids (the router gives its own, as it does for every engine). The format is the
     worker's `--tool-call-format` (auto: hermes, what the routers read when a worker
-    names none; llama3_json reads a reply as calls only when it is nothing but calls, so
-    there a reply with content besides its calls reads as content, as the model's own
-    text would). Pure: no I/O."""
+    names none); `ToolCallWriter` says what each format can carry. Pure: no I/O."""
 
     def __init__(self, tool_format: str = DEFAULT_FORMAT) -> None:
-        self._format = check_format(tool_format)
+        self._writer = ToolCallWriter(tool_format)
         self._calls: dict[int, tuple[str, str]] = {}  # index -> (name, arguments) so far, not written yet
-        self._written = 0  # calls written so far (llama3_json separates them)
+        self._written = 0  # calls written so far
         self.finish_reason = ""
         self.usage: dict[str, Any] = {}
 
@@ -115,7 +113,8 @@ class ChatDeltas:
         for choice in event.get("choices") or ():
             delta = choice.get("delta") or {}
             if delta.get("content"):  # (a reasoning parser's reasoning_content is not the reply's)
-                text += [self._flush(), delta["content"]]  # content after a call: the call is whole
+                # Content after calls: they are whole, and their section ends before it.
+                text += [self._flush(), self._writer.close(), delta["content"]]
             for call in delta.get("tool_calls") or ():
                 index = call.get("index", self._written + len(self._calls))
                 text.append(self._flush(below=index))  # a later call: the earlier ones are whole
@@ -132,16 +131,15 @@ class ChatDeltas:
         return "".join(text)
 
     def finish(self) -> str:
-        """The calls not written yet, once the stream has ended."""
-        return self._flush()
+        """The calls not written yet, and the end of their section, once the stream has ended."""
+        return self._flush() + self._writer.close()
 
     def _flush(self, below: int | None = None) -> str:
         text = []
         for index in sorted(self._calls):
             if below is not None and index >= below:
                 break
-            name, arguments = self._calls.pop(index)
-            text.append(write_tool_call(self._format, self._written, name, arguments))
+            text.append(self._writer.call(*self._calls.pop(index)))
             self._written += 1
         return "".join(text)
 
