@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 
 from inferx import DEFAULT_ROUTER
-from inferx.errors import from_rpc_error
+from inferx.errors import Internal, from_rpc_error
 from inferx.tls import Transport
 from inferx.v1 import common_pb2, router_pb2, router_pb2_grpc
 from inferx.wire import CHANNEL_OPTIONS
@@ -120,6 +120,29 @@ class InferxClient:
                 yield event
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, target=f"the router at {self.address}") from None
+
+    async def chain_result(
+        self,
+        chain: str,
+        inputs: dict[str, str] | None = None,
+        *,
+        version: int = 0,
+        label: str = "",
+        session_id: str = "",
+        tier: common_pb2.Tier = common_pb2.TIER_UNSPECIFIED,
+    ) -> router_pb2.ChainFinished:
+        """Run a chain and return its `ChainFinished` (every hop's result is in `hops`),
+        asking the router for that event alone (`final_only`): the cheapest way to run a
+        chain when its progress is not shown."""
+        finished = None
+        async for event in self.run_chain(
+            chain, inputs, version=version, label=label, session_id=session_id, tier=tier, final_only=True
+        ):
+            if event.HasField("chain_finished"):
+                finished = event.chain_finished
+        if finished is None:
+            raise Internal(f"the router at {self.address} ended the run of '{chain}' without its result")
+        return finished
 
     async def call_model(
         self,

@@ -69,6 +69,9 @@ async def test_final_only_run_sends_one_event_with_every_hop(sim_stack: LocalSta
         "response_generation",
     ]
     assert all(h.status == "ok" and h.output for h in finished.hops)
+    async with InferxClient(sim_stack.router_address) as client:
+        result = await client.chain_result("customer_service_agent", QUERY)
+    assert result.status == "ok" and len(result.hops) == 3
 
 
 async def test_cacheable_tool_result_is_served_from_cache_the_second_time(

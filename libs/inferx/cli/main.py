@@ -115,20 +115,13 @@ async def cmd_run(args: argparse.Namespace) -> int:
     if args.version and args.label:
         raise InferxError("give --version or --label, not both")
     async with _client(args) as client:
-        finished = None
-        async for event in client.run_chain(
+        finished = await client.chain_result(  # the hops are printed from its ChainFinished
             args.chain,
             _parse_inputs(args.input),
             version=args.version,
             label=args.label or "",
             session_id=args.session or "",
-            final_only=True,  # the hops are printed from chain_finished
-        ):
-            which = event.WhichOneof("event")
-            if which == "chain_finished":
-                finished = event.chain_finished
-    if finished is None:
-        raise InferxError("the router ended the run without a result")
+        )
     if args.json:
         print(json.dumps(_msg_json(finished), indent=2))
     else:
