@@ -14,7 +14,10 @@ from inferx.scheduling.prefix_index import ChainContexts, PrefixIndex
 from inferx.scheduling.queue import DispatchQueue, QueuedHop, WorkerSlots
 from inferx.scheduling.registry import make_policy
 from inferx.scheduling.views import HopView
+from inferx.v1 import common_pb2
 from inferx_scheduler import metrics
+
+_SlotsKey = tuple[tuple[bool, ...], bool]
 
 
 class HopDispatcher:
@@ -44,6 +47,8 @@ class HopDispatcher:
         # Without the memory-pool nobody guards KV capacity: run at half concurrency.
         self.conservative = False
         self._depth_changed: set[str] = set()  # pools whose queue gauges are due
+        # pool -> (its workers dict, (usable flags, conservative), the slots made of them)
+        self._slots_cache: dict[str, tuple[object, _SlotsKey, tuple[WorkerSlots, ...]]] = {}
 
     def submit(self, view: HopView) -> tuple[QueuedHop, asyncio.Future[str]]:
         """Queue a hop; the future resolves to the worker it is assigned to."""
@@ -65,20 +70,7 @@ class HopDispatcher:
 
     def dispatch(self) -> None:
         registered = {pool: bool(workers) for pool, workers in self.directory.workers_by_pool.items()}
-        slots = {
-            pool: [
-                WorkerSlots(
-                    w.worker_id,
-                    self._concurrency(w.max_concurrency),
-                    w.kv_capacity_tokens,
-                    w.host_kv_capacity_tokens,
-                    w.host_kv_load_tokens_per_s,
-                )
-                for w in workers.values()
-                if self._usable(w.worker_id)  # circuit open: failed hops or health checks
-            ]
-            for pool, workers in self.directory.workers_by_pool.items()
-        }
+        slots = {pool: self._slots(pool, workers) for pool, workers in self.directory.workers_by_pool.items()}
         now = time.monotonic()
         assigned = self.queue.assign(slots, now)
         self._schedule_wake(now)
@@ -96,6 +88,29 @@ class HopDispatcher:
                     future = self._waiters.pop(hop.seq, None)
                     if future is not None and not future.done():
                         future.set_exception(Unavailable(f"all workers of pool '{pool}' left"))
+
+    def _slots(self, pool: str, workers: dict[str, common_pb2.WorkerInfo]) -> tuple[WorkerSlots, ...]:
+        """The pool's usable workers (circuit closed) as the queue takes them. Dispatch runs
+        on every hop's submit and finish; the same tuple is handed over while nothing
+        changed (the directory replaces a pool's dict when its registrations change), so
+        neither side rebuilds anything for it."""
+        usable = tuple(self._usable(worker_id) for worker_id in workers)
+        cached = self._slots_cache.get(pool)
+        if cached is not None and cached[0] is workers and cached[1] == (usable, self.conservative):
+            return cached[2]
+        slots = tuple(
+            WorkerSlots(
+                w.worker_id,
+                self._concurrency(w.max_concurrency),
+                w.kv_capacity_tokens,
+                w.host_kv_capacity_tokens,
+                w.host_kv_load_tokens_per_s,
+            )
+            for w, ok in zip(workers.values(), usable, strict=True)
+            if ok
+        )
+        self._slots_cache[pool] = (workers, (usable, self.conservative), slots)
+        return slots
 
     def _publish_depth(self, pool: str) -> None:
         """The pool's queue gauges, set once per event-loop turn however many hops were
