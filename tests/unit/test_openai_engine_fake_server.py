@@ -309,6 +309,30 @@ async def test_an_error_event_mid_stream_and_a_line_that_is_not_json_are_engine_
         await run(await engine_for(server), chat_request(Chat(MESSAGES[:1])))
 
 
+@pytest.mark.parametrize(
+    "event",
+    [
+        # arguments as an object, not OpenAI's JSON text
+        chat_chunk({"tool_calls": [{"index": 0, "function": {"name": "track", "arguments": {"id": "T"}}}]}),
+        chat_chunk({"tool_calls": [{"index": None, "function": {"name": "track", "arguments": "{}"}}]}),
+        chat_chunk({"tool_calls": [{"index": "0", "function": {"name": "track", "arguments": "{}"}}]}),
+        chat_chunk({"content": 5}),
+        {"choices": ["not an object"]},
+    ],
+)
+async def test_an_event_not_in_openais_shape_is_a_clear_engine_error(
+    server: FakeServer, event: dict[str, Any]
+) -> None:
+    """A server that streams something else than OpenAI's deltas gets an error naming it,
+    not a TypeError from deep in the reader (an UNKNOWN status with a traceback)."""
+    server.events = [event, tool_delta(1, call_id="b", name="lookup", arguments="{}")]
+    engine = await engine_for(server)
+    with pytest.raises(EngineError, match="streamed an event this engine cannot read") as caught:
+        await run(engine, chat_request(Chat(MESSAGES[:1], TOOLS)))
+    assert server.http.address in str(caught.value)
+    assert isinstance(engine_failure(engine, caught.value), Internal)  # the server's fault, not the caller's
+
+
 # ----- through the worker's servicer; the flag ---------------------------------------------------
 
 

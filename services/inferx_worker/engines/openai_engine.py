@@ -117,6 +117,8 @@ class ChatDeltas:
                 text += [self._flush(), self._writer.close(), delta["content"]]
             for call in delta.get("tool_calls") or ():
                 index = call.get("index", self._written + len(self._calls))
+                if not isinstance(index, int) or isinstance(index, bool):  # it orders the calls
+                    raise TypeError(f"a tool call's index is {index!r}, not an integer")
                 text.append(self._flush(below=index))  # a later call: the earlier ones are whole
                 function = call.get("function") or {}
                 name, arguments = self._calls.get(index, ("", ""))
@@ -237,7 +239,14 @@ class OpenAIEngine(Engine):
             # aclosing: a hop given up closes the HTTP stream at once, and the server aborts.
             async with contextlib.aclosing(self._events(path, body)) as events:
                 async for event in events:
-                    if text := reader.event(event):
+                    try:
+                        text = reader.event(event)
+                    except (AttributeError, TypeError) as exc:  # a field of another type than OpenAI's
+                        raise EngineError(
+                            f"{self.base_url}{path} streamed an event this engine cannot read ({exc}): "
+                            f"{json.dumps(event)[:200]}"
+                        ) from None
+                    if text:
                         yield EngineChunk(text=text)
             if text := reader.finish():
                 yield EngineChunk(text=text)
