@@ -841,3 +841,14 @@ def test_a_call_a_format_cannot_spell_is_never_read_as_a_call(format_: str) -> N
             writer = ToolCallWriter(format_)
             content, calls = split_tool_calls(writer.call(name, arguments) + writer.close(), format_=format_)
             assert calls == [] and content, (name, arguments)
+
+
+def test_pythonic_writes_a_call_python_would_read_as_another_name_or_not_at_all_as_content() -> None:
+    """Python reads identifiers NFKC-normalised (`ﬁnd` is `find`): written as keywords,
+    such a name or key would come back as a call the server never made. Arguments nested
+    too deep for Python's parser must not fail the reply (a RecursionError) either."""
+    deep = "[" * 900 + "]" * 900
+    for name, arguments in (("\ufb01nd", '{"x": 1}'), ("f", '{"\ufb01": 1}'), ("f", '{"a": %s}' % deep)):
+        writer = ToolCallWriter(PYTHONIC)
+        content, calls = split_tool_calls(writer.call(name, arguments) + writer.close(), format_=PYTHONIC)
+        assert calls == [] and content, (name, arguments[:20])

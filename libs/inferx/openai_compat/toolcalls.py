@@ -75,6 +75,7 @@ import ast
 import json
 import keyword as python_keyword
 import re
+import unicodedata
 import uuid
 import warnings
 from collections.abc import Callable
@@ -774,7 +775,13 @@ def _python_literal(value: Any) -> str:
 
 
 def _python_name(name: str) -> bool:
-    return name.isidentifier() and not python_keyword.iskeyword(name)
+    # Python reads identifiers NFKC-normalised (`\ufb01nd` is `find`): a name that changes
+    # would read back as a call the server never made.
+    return (
+        name.isidentifier()
+        and not python_keyword.iskeyword(name)
+        and unicodedata.normalize("NFKC", name) == name
+    )
 
 
 class ToolCallWriter:
@@ -812,8 +819,11 @@ class ToolCallWriter:
         if self.format == PYTHONIC:
             head = "[" if first else ", "
             if spelled and _python_name(name) and all(_python_name(key) for key in value):
-                keywords = ", ".join(f"{key}={_python_literal(v)}" for key, v in value.items())
-                return f"{head}{name}({keywords})"
+                try:
+                    keywords = ", ".join(f"{key}={_python_literal(v)}" for key, v in value.items())
+                    return f"{head}{name}({keywords})"
+                except RecursionError:  # nested deeper than Python's parser reads anyway
+                    pass
             return f"{head}{name}({json.dumps(arguments)})"  # positional, or no Python: never a call
         if self.format == DEEPSEEK_V3:
             head = DS_CALLS_BEGIN if first else ""
