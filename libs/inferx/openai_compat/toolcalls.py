@@ -819,8 +819,10 @@ class ToolCallWriter:
         spelled = isinstance(value, dict)
         if not spelled:
             value = arguments  # a JSON string where an object belongs: no parser's call
-        if not self._ascii and self.format in (DEEPSEEK_V3, GRANITE) and not (
-            spelled and (_NAME.fullmatch(name) if self.format == DEEPSEEK_V3 else name.strip())
+        if (
+            not self._ascii
+            and self.format in (DEEPSEEK_V3, GRANITE)
+            and not (spelled and (_NAME.fullmatch(name) if self.format == DEEPSEEK_V3 else name.strip()))
         ):
             # Its parser refuses a section with one call it cannot read, and reads what was
             # inside again as text: such a call gets a section of its own (the server's
