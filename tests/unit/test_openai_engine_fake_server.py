@@ -247,6 +247,21 @@ def test_content_after_a_call_writes_the_call_and_ends_its_section_first(format_
     assert (content or "").strip() == "done"
 
 
+def test_a_new_call_at_an_index_already_used_is_another_call() -> None:
+    """A server that numbers each chunk's calls from 0 (Ollama's compat layer) sends a
+    second call at index 0 again; its id says it is a new call, not more of the first."""
+    deltas = ChatDeltas(HERMES)
+    text = deltas.event(tool_delta(0, call_id="a", name="track", arguments='{"id": "T"}'))
+    text += deltas.event(tool_delta(0, call_id="b", name="lookup", arguments='{"order": 7}'))
+    text += deltas.event(tool_delta(0, arguments=""))  # no id: more of the same call
+    text += deltas.event(tool_delta(0, call_id="b", name="", arguments=""))  # its id again: the same
+    content, calls = split_tool_calls(text + deltas.finish(), format_=HERMES)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("track", {"id": "T"}),
+        ("lookup", {"order": 7}),
+    ]
+
+
 def test_bad_arguments_from_the_server_stay_text() -> None:
     broken = ChatDeltas(HERMES)
     written = broken.event(tool_delta(0, call_id="a", name="track", arguments="{not json")) + broken.finish()
