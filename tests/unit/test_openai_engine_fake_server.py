@@ -247,6 +247,21 @@ def test_content_after_a_call_writes_the_call_and_ends_its_section_first(format_
     assert (content or "").strip() == "done"
 
 
+def test_a_new_call_at_an_index_already_used_is_another_call() -> None:
+    """A server that numbers each chunk's calls from 0 (Ollama's compat layer) sends a
+    second call at index 0 again; its id says it is a new call, not more of the first."""
+    deltas = ChatDeltas(HERMES)
+    text = deltas.event(tool_delta(0, call_id="a", name="track", arguments='{"id": "T"}'))
+    text += deltas.event(tool_delta(0, call_id="b", name="lookup", arguments='{"order": 7}'))
+    text += deltas.event(tool_delta(0, arguments=""))  # no id: more of the same call
+    text += deltas.event(tool_delta(0, call_id="b", name="", arguments=""))  # its id again: the same
+    content, calls = split_tool_calls(text + deltas.finish(), format_=HERMES)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("track", {"id": "T"}),
+        ("lookup", {"order": 7}),
+    ]
+
+
 def test_bad_arguments_from_the_server_stay_text() -> None:
     broken = ChatDeltas(HERMES)
     written = broken.event(tool_delta(0, call_id="a", name="track", arguments="{not json")) + broken.finish()
@@ -307,6 +322,30 @@ async def test_an_error_event_mid_stream_and_a_line_that_is_not_json_are_engine_
     server.events = [chat_chunk({"content": "par"}), "{truncated"]
     with pytest.raises(EngineError, match="streamed a line that is not JSON: {truncated"):
         await run(await engine_for(server), chat_request(Chat(MESSAGES[:1])))
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        # arguments as an object, not OpenAI's JSON text
+        chat_chunk({"tool_calls": [{"index": 0, "function": {"name": "track", "arguments": {"id": "T"}}}]}),
+        chat_chunk({"tool_calls": [{"index": None, "function": {"name": "track", "arguments": "{}"}}]}),
+        chat_chunk({"tool_calls": [{"index": "0", "function": {"name": "track", "arguments": "{}"}}]}),
+        chat_chunk({"content": 5}),
+        {"choices": ["not an object"]},
+    ],
+)
+async def test_an_event_not_in_openais_shape_is_a_clear_engine_error(
+    server: FakeServer, event: dict[str, Any]
+) -> None:
+    """A server that streams something else than OpenAI's deltas gets an error naming it,
+    not a TypeError from deep in the reader (an UNKNOWN status with a traceback)."""
+    server.events = [event, tool_delta(1, call_id="b", name="lookup", arguments="{}")]
+    engine = await engine_for(server)
+    with pytest.raises(EngineError, match="streamed an event this engine cannot read") as caught:
+        await run(engine, chat_request(Chat(MESSAGES[:1], TOOLS)))
+    assert server.http.address in str(caught.value)
+    assert isinstance(engine_failure(engine, caught.value), Internal)  # the server's fault, not the caller's
 
 
 # ----- through the worker's servicer; the flag ---------------------------------------------------

@@ -134,3 +134,20 @@ def test_render_missing_node_output_names_the_node() -> None:
 def test_render_rejects_bad_expressions_before_substituting() -> None:
     with pytest.raises(TemplateSyntaxError, match="nodes.a.result"):
         render("{{ inputs.a }} {{ nodes.a.result }}", {"a": "1"}, {"a": "2"})
+
+
+def test_only_rendering_keeps_parsed_templates_not_validating_anyones_config() -> None:
+    """Runs render the same stored templates again and again: each is parsed once. Any
+    caller may validate (ValidateChain) configs of up to 256 KiB, as many as it likes:
+    those must not stay in memory."""
+    from inferx.chain import template as module
+
+    module._scan_once.cache_clear()
+    for i in range(20):
+        text = f"{{{{inputs.q}}}} #{i} " + "x" * 10_000
+        assert check_template(text) == []
+        assert references(text)
+    assert module._scan_once.cache_info().currsize == 0
+    for _ in range(3):
+        assert render("{{inputs.q}}!", {"q": "hi"}, {}) == "hi!"
+    assert module._scan_once.cache_info().currsize == 1

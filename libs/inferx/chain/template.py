@@ -85,9 +85,6 @@ def _parse_expression(expression: str) -> Reference | None:
     return None
 
 
-# A chain's templates are few and rendered on every run (each model hop's prompt): parsed
-# once each. Bounded, since templates come from stored configs that change over time.
-@functools.lru_cache(maxsize=4096)
 def _scan(template: str) -> tuple[tuple[tuple[re.Match[str], Reference | None], ...], tuple[str, ...]]:
     """Every tag with its parsed reference (None when bad), and every problem found."""
     tags: list[tuple[re.Match[str], Reference | None]] = []
@@ -108,6 +105,13 @@ def _scan(template: str) -> tuple[tuple[tuple[re.Match[str], Reference | None], 
         snippet = template[unclosed : unclosed + 30]
         problems.append(f"unclosed '{{{{' at character {unclosed}: {snippet!r}")
     return tuple(tags), tuple(problems)
+
+
+# A chain's templates are few and rendered on every run (each model hop's prompt): parsed
+# once each. Only where they render: they come from stored configs, while validation
+# (ValidateChain: any caller's configs, each up to --max-config-bytes) parses afresh, so
+# it cannot fill this. Bounded, since stored configs change over time.
+_scan_once = functools.lru_cache(maxsize=4096)(_scan)
 
 
 def check_template(template: str) -> list[str]:
@@ -139,7 +143,7 @@ def render(template: str, inputs: Mapping[str, str], outputs: Mapping[str, str])
     outputs. Raises TemplateSyntaxError for bad expressions and
     MissingReferenceError (a KeyError) for the first reference with no value.
     """
-    tags, problems = _scan(template)
+    tags, problems = _scan_once(template)
     if problems:
         raise TemplateSyntaxError(list(problems))
     pieces: list[str] = []

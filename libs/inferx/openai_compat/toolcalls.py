@@ -75,6 +75,7 @@ import ast
 import json
 import keyword as python_keyword
 import re
+import unicodedata
 import uuid
 import warnings
 from collections.abc import Callable
@@ -774,7 +775,13 @@ def _python_literal(value: Any) -> str:
 
 
 def _python_name(name: str) -> bool:
-    return name.isidentifier() and not python_keyword.iskeyword(name)
+    # Python reads identifiers NFKC-normalised (`\ufb01nd` is `find`): a name that changes
+    # would read back as a call the server never made.
+    return (
+        name.isidentifier()
+        and not python_keyword.iskeyword(name)
+        and unicodedata.normalize("NFKC", name) == name
+    )
 
 
 class ToolCallWriter:
@@ -788,9 +795,13 @@ class ToolCallWriter:
     formats without one), to be written before content that follows calls and at the
     reply's end. `arguments` is a JSON object's text ("" is `{}`). A call the format
     cannot spell -- arguments that are not a JSON object; in pythonic, a name or key
-    that is not a Python identifier -- is written so that no parser takes it for a
-    call: it stays content rather than becoming a call the server never made. Markers
-    inside JSON strings are written with JSON's escapes, so they cannot end a call early.
+    that is not a Python identifier; in deepseek_v3, a name the format cannot delimit;
+    in granite, a blank name -- is written so that no parser takes it for a call: it
+    stays content rather than becoming a call the server never made. In deepseek_v3 and
+    granite it gets a section of its own (its parser refuses a whole section for one such
+    call), written in ASCII, so nothing in it reads as a marker when its text is read
+    again. Markers inside JSON strings are written with JSON's escapes, so they cannot
+    end a call early.
     As in the model's own text, llama3_json and pythonic replies are calls only when
     they are nothing but calls (content beside them reads as content there)."""
 
@@ -798,6 +809,7 @@ class ToolCallWriter:
         self.format = check_format(format_)
         self._written = 0  # calls written
         self._open = False  # a section or list is open
+        self._ascii = False  # writing a call its parser refuses (see `call`)
 
     def call(self, name: str, arguments: str) -> str:
         try:
@@ -807,17 +819,36 @@ class ToolCallWriter:
         spelled = isinstance(value, dict)
         if not spelled:
             value = arguments  # a JSON string where an object belongs: no parser's call
+        if (
+            not self._ascii
+            and self.format in (DEEPSEEK_V3, GRANITE)
+            and not (spelled and (_NAME.fullmatch(name) if self.format == DEEPSEEK_V3 else name.strip()))
+        ):
+            # Its parser refuses a section with one call it cannot read, and reads what was
+            # inside again as text: such a call gets a section of its own (the server's
+            # other calls stay calls), in ASCII, so no DeepSeek marker is left in it to read.
+            before = self.close()
+            self._open, self._ascii = False, True
+            try:
+                return before + self.call(name, arguments) + self.close()
+            finally:
+                self._ascii = False
         first, self._written = not self._open, self._written + 1
         self._open = self.format in (PYTHONIC, DEEPSEEK_V3, GRANITE)
         if self.format == PYTHONIC:
             head = "[" if first else ", "
             if spelled and _python_name(name) and all(_python_name(key) for key in value):
-                keywords = ", ".join(f"{key}={_python_literal(v)}" for key, v in value.items())
-                return f"{head}{name}({keywords})"
+                try:
+                    keywords = ", ".join(f"{key}={_python_literal(v)}" for key, v in value.items())
+                    return f"{head}{name}({keywords})"
+                except RecursionError:  # nested deeper than Python's parser reads anyway
+                    pass
             return f"{head}{name}({json.dumps(arguments)})"  # positional, or no Python: never a call
         if self.format == DEEPSEEK_V3:
             head = DS_CALLS_BEGIN if first else ""
-            body = json.dumps(value, ensure_ascii=False)
+            body = json.dumps(value, ensure_ascii=self._ascii)
+            if self._ascii:  # a name that is no name here: quoted, so nothing in it is a marker
+                name = json.dumps(name)
             return f"{head}{DS_CALL_BEGIN}function{DS_SEP}{name}\n{FENCE_JSON}\n{body}\n{FENCE}{DS_CALL_END}"
         if self.format == LLAMA3_JSON:
             separator = "; " if self._written > 1 else ""

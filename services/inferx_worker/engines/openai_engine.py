@@ -88,7 +88,8 @@ class ChatDeltas:
     Content deltas are text as they come. Tool calls the server already read out of the
     model's text arrive apart (`delta.tool_calls`: an index, then the name and the
     arguments in pieces); they are written back into the text in `tool_format`, each
-    once it is whole (a call with a higher index, content, or the end follows it). Why
+    once it is whole (a call with a higher index, a new call -- another id -- at its
+    index, content, or the end follows it). Why
     text rather than a structured field: everything after the engine -- the worker's
     GenerateChunk, the scheduler's hop events, the router's reply reader that both
     fronts share, the run record's output -- carries the reply as text and reads tool
@@ -102,6 +103,7 @@ class ChatDeltas:
         self._writer = ToolCallWriter(tool_format)
         self._calls: dict[int, tuple[str, str]] = {}  # index -> (name, arguments) so far, not written yet
         self._written = 0  # calls written so far
+        self._ids: dict[int, str] = {}  # index -> the server's id of the call at it
         self.finish_reason = ""
         self.usage: dict[str, Any] = {}
 
@@ -117,7 +119,14 @@ class ChatDeltas:
                 text += [self._flush(), self._writer.close(), delta["content"]]
             for call in delta.get("tool_calls") or ():
                 index = call.get("index", self._written + len(self._calls))
-                text.append(self._flush(below=index))  # a later call: the earlier ones are whole
+                if not isinstance(index, int) or isinstance(index, bool):  # it orders the calls
+                    raise TypeError(f"a tool call's index is {index!r}, not an integer")
+                # A new call (its id) where one is under way: servers that number each
+                # chunk's calls from 0 (Ollama's) use an index again. The earlier one is whole.
+                call_id = call.get("id") or ""
+                renewed = index in self._calls and call_id not in ("", self._ids.get(index, ""))
+                text.append(self._flush(below=index + 1 if renewed else index))  # earlier ones are whole
+                self._ids[index] = call_id or self._ids.get(index, "")
                 function = call.get("function") or {}
                 name, arguments = self._calls.get(index, ("", ""))
                 self._calls[index] = (  # OpenAI's deltas: each piece adds to the field
@@ -237,7 +246,14 @@ class OpenAIEngine(Engine):
             # aclosing: a hop given up closes the HTTP stream at once, and the server aborts.
             async with contextlib.aclosing(self._events(path, body)) as events:
                 async for event in events:
-                    if text := reader.event(event):
+                    try:
+                        text = reader.event(event)
+                    except (AttributeError, TypeError) as exc:  # a field of another type than OpenAI's
+                        raise EngineError(
+                            f"{self.base_url}{path} streamed an event this engine cannot read ({exc}): "
+                            f"{json.dumps(event)[:200]}"
+                        ) from None
+                    if text:
                         yield EngineChunk(text=text)
             if text := reader.finish():
                 yield EngineChunk(text=text)
