@@ -358,6 +358,8 @@ def _json_field(param: str, text: str, kind: type) -> object:
         value = json.loads(text)
     except ValueError as exc:
         raise InvalidField(param, f"not valid JSON ({exc})") from None
+    except RecursionError:
+        raise InvalidField(param, "JSON nested too deeply") from None
     if not isinstance(value, kind):
         raise InvalidField(param, f"expected a JSON {'array' if kind is list else 'object'}")
     return value

@@ -56,6 +56,7 @@ def test_a_chat_body_takes_openai_fields_and_ignores_unsupported_ones() -> None:
     ("body", "param", "words"),
     [
         (b"{not json", "body", "not valid JSON"),
+        (b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "body", "nested too deeply"),
         (b"[1]", "body", "JSON object"),
         ({"messages": [{"role": "user", "content": "x"}]}, "model", "required"),
         ({"model": "m", "messages": []}, "messages", "at least 1"),

@@ -597,6 +597,12 @@ def test_a_call_model_request_is_the_openai_body_it_stands_for() -> None:
         (router_pb2.ProgramCallRequest(model="m", messages=[{"role": "user"}], tools_json="{"), "tools_json"),
         (
             router_pb2.ProgramCallRequest(
+                model="m", messages=[{"role": "user"}], tools_json="[" * 100_000 + "]" * 100_000
+            ),
+            "tools_json",
+        ),
+        (
+            router_pb2.ProgramCallRequest(
                 model="m", messages=[{"role": "assistant", "tool_calls_json": "{}"}]
             ),
             "messages[0].tool_calls_json",
@@ -643,9 +649,11 @@ def test_inferx_call_offers_tools_from_a_file_and_refuses_a_bad_one(tmp_path) ->
     assert call.tool_choice("track") == {"type": "function", "function": {"name": "track"}}
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "object.json").write_text('{"type": "function"}')
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
     for name, problem in [
         ("missing.json", "no such file"),
         ("bad.json", "not JSON"),
+        ("deep.json", "nested too deeply"),
         ("object.json", "array"),
     ]:
         with pytest.raises(InferxError, match=problem):

@@ -31,6 +31,8 @@ def read_tools(path: str) -> list[dict[str, Any]]:
         raise InferxError(f"--tools {path}: {exc.strerror}") from None
     except ValueError as exc:
         raise InferxError(f"--tools {path}: not JSON ({exc})") from None
+    except RecursionError:
+        raise InferxError(f"--tools {path}: JSON nested too deeply") from None
     if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
         raise InferxError(f"--tools {path}: expected a JSON array of tool specs")
     return tools

@@ -206,6 +206,8 @@ def load_object(raw: bytes) -> dict[str, Any]:
         data = json.loads(raw)
     except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise InvalidField("body", f"not valid JSON ({exc})") from None
+    except RecursionError:  # JSON nested deeper than the decoder goes: the caller's input
+        raise InvalidField("body", "JSON nested too deeply") from None
     if not isinstance(data, dict):
         raise InvalidField("body", f"expected a JSON object, got {type(data).__name__}")
     try:  # JSON's \uXXXX escapes can spell a lone UTF-16 surrogate, which is not text
