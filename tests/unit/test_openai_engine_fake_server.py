@@ -348,6 +348,17 @@ async def test_an_event_not_in_openais_shape_is_a_clear_engine_error(
     assert isinstance(engine_failure(engine, caught.value), Internal)  # the server's fault, not the caller's
 
 
+@pytest.mark.parametrize(
+    "usage", ["lots", {"prompt_tokens": "7"}, {"prompt_tokens": 3, "prompt_tokens_details": [1]}]
+)
+async def test_a_usage_not_in_openais_shape_is_a_clear_engine_error(server: FakeServer, usage: Any) -> None:
+    server.events = [chat_chunk({"content": "ok"}), {**chat_chunk(reason="stop"), "usage": usage}]
+    engine = await engine_for(server)
+    with pytest.raises(EngineError, match="sent a usage this engine cannot read") as caught:
+        await run(engine, chat_request(Chat(MESSAGES[:1], TOOLS)))
+    assert server.http.address in str(caught.value)
+
+
 # ----- through the worker's servicer; the flag ---------------------------------------------------
 
 

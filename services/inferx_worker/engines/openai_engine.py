@@ -259,16 +259,34 @@ class OpenAIEngine(Engine):
                 yield EngineChunk(text=text)
         finally:
             self._running -= 1
-        usage = reader.usage
-        details = usage.get("prompt_tokens_details") or {}
+        prompt_tokens, completion_tokens, cached_tokens = self._usage(reader.usage, path)
         yield EngineChunk(
             text="",
             finished=True,
             finish_reason=reader.finish_reason or "stop",
-            prompt_tokens=int(usage.get("prompt_tokens", 0)),
-            completion_tokens=int(usage.get("completion_tokens", 0)),
-            cached_prompt_tokens=int(details.get("cached_tokens") or 0),
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            cached_prompt_tokens=cached_tokens,
         )
+
+    def _usage(self, usage: Any, path: str) -> tuple[int, int, int]:
+        """(prompt, completion, cached prompt) tokens of the server's `usage`; EngineError
+        naming the server for one not in OpenAI's shape (a traceback otherwise)."""
+        try:
+            details = usage.get("prompt_tokens_details") or {}
+            counts = (
+                usage.get("prompt_tokens", 0),
+                usage.get("completion_tokens", 0),
+                details.get("cached_tokens") or 0,
+            )
+            if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
+                raise TypeError("token counts are not whole numbers")
+        except (AttributeError, TypeError) as exc:
+            shown = json.dumps(usage)[:200]
+            raise EngineError(
+                f"{self.base_url}{path} sent a usage this engine cannot read ({exc}): {shown}"
+            ) from None
+        return counts
 
     async def _events(self, path: str, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         """The server's streamed events (server-sent `data:` lines) up to `[DONE]`.
@@ -295,7 +313,7 @@ class OpenAIEngine(Engine):
                         break
                     try:
                         event = json.loads(data)
-                    except ValueError:
+                    except (ValueError, RecursionError):
                         raise EngineError(f"{url} streamed a line that is not JSON: {data[:200]}") from None
                     if not isinstance(event, dict):
                         raise EngineError(f"{url} streamed a line that is not a JSON object: {data[:200]}")
