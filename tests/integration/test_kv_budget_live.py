@@ -84,7 +84,7 @@ async def _run(client: InferxClient, q: str) -> None:
 
 async def test_chains_cost_far_fewer_memory_pool_calls_than_two_per_hop(budget_stack: LocalStack) -> None:
     stack = budget_stack
-    chains, at_once = 48, 8
+    at_once, min_chains, max_s = 8, 48, 30.0
     async with InferxClient(stack.router_address) as client:
         await _run(client, "warm-up")  # the first hops on each worker reserve before a budget exists
         before = _hop_calls(await _usage(stack))
@@ -98,10 +98,15 @@ async def test_chains_cost_far_fewer_memory_pool_calls_than_two_per_hop(budget_s
                 seen_reserved = max(seen_reserved, sum(w.reserved_tokens for w in usage.workers))
                 await asyncio.sleep(0.1)
 
+        # The memory-pool learns reservations at the budget's syncs (every 0.5 s): batches
+        # go on until one sync fell while hops were in flight (at least `min_chains`
+        # chains; bounded by `max_s`), not for a fixed count that might finish between two.
         watcher = asyncio.create_task(watch())
+        chains = 0
         try:
-            for batch in range(chains // at_once):
-                await asyncio.gather(*(_run(client, f"q{batch}-{i}") for i in range(at_once)))
+            while chains < min_chains or (seen_reserved == 0 and time.monotonic() - started < max_s):
+                await asyncio.gather(*(_run(client, f"q{chains}-{i}") for i in range(at_once)))
+                chains += at_once
         finally:
             watcher.cancel()
         elapsed = time.monotonic() - started
