@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,12 +64,27 @@ class PoolDirectory:
         """How `model` writes tool calls: its mapping's format, else the one its pool's
         workers register (the most of them, should they differ), else the default.
         FailedPrecondition when the mapping or a worker names a format InferX does not
-        know (never a silent default)."""
+        know, or when an `openai`-engine worker writes calls in another format than the
+        one chosen (never a silent default, never calls misread as text)."""
         if model in self.model_problems:
             raise FailedPrecondition(self.model_problems[model])
-        if model in self.model_tool_formats:
-            return self.model_tool_formats[model]
-        named = Counter(w.tool_call_format for w in self.workers_for(model).values() if w.tool_call_format)
+        workers = self.workers_for(model).values()
+        chosen = self.model_tool_formats.get(model) or self._registered_format(model, workers)
+        for worker in workers:
+            # A mapping may override what a template was read as; but an `openai` engine
+            # writes the calls its server read out back in the format it registers, by
+            # choice: read in another, every call would reach the caller as text.
+            if worker.engine == "openai" and worker.tool_call_format not in ("", chosen):
+                raise FailedPrecondition(
+                    f"worker {worker.worker_id} of model '{model}' (openai engine) writes tool calls in "
+                    f"{worker.tool_call_format!r} but this router reads the model's in {chosen!r}; start it "
+                    f"with --tool-call-format {chosen}, or set the model mapping's tool_call_format"
+                )
+        return chosen
+
+    @staticmethod
+    def _registered_format(model: str, workers: Iterable[common_pb2.WorkerInfo]) -> str:
+        named = Counter(w.tool_call_format for w in workers if w.tool_call_format)
         for name in named:
             if name not in FORMATS:
                 raise FailedPrecondition(

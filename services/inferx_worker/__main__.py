@@ -76,10 +76,13 @@ class WorkerComponent(ServiceComponent):
         log.info("worker registered at %s: %s", key, info)
 
     def _tool_call_format(self) -> str:
-        """--tool-call-format, else what the chat template says ("" when it says nothing)."""
+        """--tool-call-format, else the one the engine writes calls in, else what the chat
+        template says ("" when none says)."""
         if self._settings.tool_call_format != "auto":
             return self._settings.tool_call_format
-        return detect_format(self._engine.chat_template_source()) or ""
+        return (
+            self._engine.writes_tool_call_format() or detect_format(self._engine.chat_template_source()) or ""
+        )
 
     async def ending_streams(self) -> None:
         hub = self._engine.kv_events()

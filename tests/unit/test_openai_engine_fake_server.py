@@ -247,6 +247,40 @@ def test_content_after_a_call_writes_the_call_and_ends_its_section_first(format_
     assert (content or "").strip() == "done"
 
 
+@pytest.mark.parametrize("format_", FORMATS)
+def test_whitespace_the_server_sends_between_calls_keeps_them_calls(format_: str) -> None:
+    """A server may send a newline as content between two calls (or after the last): in
+    pythonic or Granite that must not close the list and turn both calls into text."""
+    deltas = ChatDeltas(format_)
+    text = deltas.event(tool_delta(0, call_id="a", name="track", arguments='{"id": "T"}'))
+    text += deltas.event(chat_chunk({"content": "\n"}))
+    text += deltas.event(tool_delta(1, call_id="b", name="lookup", arguments='{"order": 7}'))
+    text += deltas.event(chat_chunk({"content": " \n"}))
+    text += deltas.finish()
+    content, calls = split_tool_calls(text, format_=format_)
+    assert content is None
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("track", {"id": "T"}),
+        ("lookup", {"order": 7}),
+    ]
+
+
+def test_whitespace_between_a_call_and_content_stays_in_the_content() -> None:
+    deltas = ChatDeltas(HERMES)
+    text = deltas.event(tool_delta(0, call_id="a", name="track", arguments='{"id": "T"}'))
+    text += deltas.event(chat_chunk({"content": "\n\n"})) + deltas.event(chat_chunk({"content": "Done."}))
+    content, calls = split_tool_calls(text + deltas.finish(), format_=HERMES)
+    assert [c.name for c in calls] == ["track"] and content is not None and content.endswith("\n\nDone.")
+
+
+def test_the_engine_registers_the_format_it_writes_server_calls_in() -> None:
+    """What the worker registers for the routers: the chat endpoint's calls are written
+    in the engine's format; on /v1/completions the model's own text carries them."""
+    assert OpenAIEngine("http://x", "m", tool_call_format=PYTHONIC).writes_tool_call_format() == PYTHONIC
+    assert OpenAIEngine("http://x", "m").writes_tool_call_format() == HERMES
+    assert OpenAIEngine("http://x", "m", chat_endpoint=False).writes_tool_call_format() is None
+
+
 def test_a_new_call_at_an_index_already_used_is_another_call() -> None:
     """A server that numbers each chunk's calls from 0 (Ollama's compat layer) sends a
     second call at index 0 again; its id says it is a new call, not more of the first."""

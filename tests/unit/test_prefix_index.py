@@ -172,6 +172,82 @@ def test_chain_aware_leaves_a_home_whose_context_was_evicted() -> None:
     assert placed(True, index) == ("w1", 3500)  # exact: w1 holds the system prompt
 
 
+def test_chain_aware_does_not_pull_new_chains_to_a_shared_system_prompt() -> None:
+    """w1 holds the program's system prompt, w0 has more room. A new chain has no
+    context of its own anywhere: with exact locations it is placed and estimated as
+    without them (by room, whole prompt to prefill). Counting the shared prompt herds
+    every new chain of the program onto w1 (0.43x capacity on the simulator's mix)."""
+    workers = [WorkerView("w0", 8, 0, 100_000, 0), WorkerView("w1", 8, 4, 100_000, 40_000)]
+    index = PrefixIndex()
+    index.apply("w0", KvEvent(STORED, ()))
+    index.apply("w1", KvEvent(STORED, (("sys", 2000),)))
+    for exact in (False, True):
+        policy = ChainAwarePolicy(ChainAwareConfig(exact_prefix=exact, realtime_guard=False))
+        policy.use_prefix_index(index)
+        queued = _hop((("sys", 2000), ("ask", 300)), 2300)
+        policy.admit(queued.view, workers, [], 0.0)
+        assert policy.choose_worker(queued, workers, 0.0) == "w0"
+        assert policy._prefill_estimate(queued.view, "w1") == 2300
+
+
+def test_chain_aware_counts_only_the_chain_own_context_past_a_named_prefix() -> None:
+    """The chain ran on w0; w0 then evicted its own context but kept the shared system
+    prompt, which w1 holds too. With the prefix named (prefix_id, prefix_tokens) the
+    shared blocks tie the chain to neither worker and save it no prefill estimate;
+    unnamed, what a worker holds of the prompt counts (the test above)."""
+    blocks = (("sys", 2000), ("ctx", 3000), ("new", 500))
+    index = PrefixIndex()
+    index.apply("w0", KvEvent(STORED, (("sys", 2000), ("ctx", 3000))))
+    index.apply("w1", KvEvent(STORED, (("sys", 2000),)))
+    workers = [WorkerView("w0", 8, 2, 100_000, 30_000), WorkerView("w1", 8, 0, 100_000, 0)]
+
+    def second_hop(policy: ChainAwarePolicy) -> QueuedHop:
+        first = QueuedHop(
+            HopView(
+                "p",
+                "r",
+                "h1",
+                prompt_tokens=5000,
+                max_tokens=16,
+                prompt_blocks=blocks[:2],
+                prefix_id="sys",
+                prefix_tokens=2000,
+            ),
+            enqueued_at=0.0,
+        )
+        policy.admit(first.view, workers, [], 0.0)
+        policy.on_dispatch(first, "w0", 0.0)
+        first.worker_id = "w0"
+        policy.on_finish(first, 1.0, context_tokens=5000, service_s=1.0)
+        view = HopView(
+            "p",
+            "r",
+            "h2",
+            prompt_tokens=5500,
+            max_tokens=16,
+            hop_index=1,
+            prompt_blocks=blocks,
+            prefix_id="sys",
+            prefix_tokens=2000,
+        )
+        second = QueuedHop(view, enqueued_at=2.0)
+        policy.admit(view, workers, [], 2.0)
+        return second
+
+    policy = ChainAwarePolicy(ChainAwareConfig(exact_prefix=True, realtime_guard=False))
+    policy.use_prefix_index(index)
+    second = second_hop(policy)
+    assert policy._prefill_estimate(second.view, "w0") == 2500  # its own 3000 still there
+    assert policy.choose_worker(second, workers, 2.0) == "w0"  # stays with its context
+    index.apply("w0", KvEvent(REMOVED, (("ctx", 0),)))
+    policy = ChainAwarePolicy(ChainAwareConfig(exact_prefix=True, realtime_guard=False))
+    policy.use_prefix_index(index)
+    second = second_hop(policy)
+    assert policy._prefill_estimate(second.view, "w0") == 5500
+    assert policy._prefill_estimate(second.view, "w1") == 5500
+    assert policy.choose_worker(second, workers, 2.0) == "w1"  # nothing of its own left: by room
+
+
 def test_the_simulator_feeds_the_index_the_policy_reads() -> None:
     """In the simulator, hops carry their prompt's segment keys and the engines' events
     feed the index: the exact peer sees real matches and goes where they are largest."""

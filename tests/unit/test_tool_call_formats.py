@@ -650,6 +650,29 @@ def test_an_unknown_format_in_etcd_refuses_tool_calls_for_that_model_saying_why(
         directory.tool_call_format("m")
 
 
+def test_an_openai_worker_writing_another_format_than_the_router_reads_is_refused() -> None:
+    """An `openai`-engine worker writes the calls its server read out in the format it
+    registers; a mapping (or a pool majority) that reads another would turn every call
+    into text, so tool calls are refused naming the fix."""
+    directory = PoolDirectory()
+    directory.update_models({"/inferx/v1/models/m": b'{"pool": "p", "tool_call_format": "pythonic"}'})
+    openai_worker = common_pb2.WorkerInfo(worker_id="o", pool="p", engine="openai", tool_call_format="hermes")
+    directory.workers_by_pool = {"p": {"o": openai_worker}}
+    with pytest.raises(
+        FailedPrecondition, match="worker o .* writes tool calls in 'hermes'.*--tool-call-format pythonic"
+    ):
+        directory.tool_call_format("m")
+    directory.update_models({"/inferx/v1/models/m": b'{"pool": "p"}'})
+    directory.workers_by_pool = {
+        "p": {"o": openai_worker, "v1": _worker("v1", "p", LLAMA), "v2": _worker("v2", "p", LLAMA)}
+    }
+    with pytest.raises(FailedPrecondition, match="reads the model's in 'llama3_json'"):
+        directory.tool_call_format("m")
+    # Agreeing, or a vLLM worker whose template the mapping overrides: fine.
+    directory.update_models({"/inferx/v1/models/m": b'{"pool": "p", "tool_call_format": "hermes"}'})
+    assert directory.tool_call_format("m") == "hermes"
+
+
 # ----- tool_choice ----------------------------------------------------------------------
 
 TOOLS = [

@@ -53,10 +53,12 @@ Exact prefix location (`exact_prefix`, off by default): with an index fed by the
 workers' KV events (`inferx.scheduling.prefix_index`, as llm-d's precise prefix-cache
 scorer), what a worker holds of a hop's prompt is read, not guessed from where the
 chain last ran: the prefill estimate (buckets, the realtime guard, the affinity
-patience) counts the blocks really cached there, a home whose copy was evicted holds
-the chain no longer, and placement favours the worker holding most of the prompt (up
-to `rebalance_margin` of room; a new chain's shared system prompt counts too). A worker
-the index has no events from falls back to the estimate.
+patience) counts the blocks of the chain's own context really cached there, a home
+whose copy was evicted holds the chain no longer, and placement favours the worker
+holding most of that context (up to `rebalance_margin` of room). A shared system
+prompt does not count (a new chain is placed as without the index): counting it herds
+a program's new chains onto the workers that hold it. A worker the index has no events
+from falls back to the estimate.
 Overload control (`overload_control`, off by default; `inferx.scheduling.overload`):
 past capacity, while realtime (standard) hops finish stretched, new standard and batch
 (batch) chains wait to start within an AIMD window of chains under way, and are shed
@@ -300,14 +302,27 @@ class ChainAwarePolicy:
         return self.config.exact_prefix and self._prefix_index is not None and bool(hop.prompt_blocks)
 
     def _exact_cached(self, hop: HopView, worker_id: str | None) -> int | None:
-        """Tokens of the hop's prompt cached on the worker, from the KV-event index; None
-        when that is off or does not know (no events from the worker, no prompt keys)."""
+        """Tokens of the chain's *own* context cached on the worker, from the KV-event
+        index; None when that is off or does not know (no events from the worker, no
+        prompt keys).
+
+        Only the chain's own context counts: for a chain under way, what the worker holds
+        past the shared prefix (`prefix_tokens`, when the router names one); a new chain
+        has no context of its own anywhere, so it counts nothing. Counting the shared
+        system prompt herds: every new chain of a program is pulled to the workers that
+        already hold that prompt (placement bonus), and its small exact prefill estimate
+        lets the realtime guard start it there -- measured on the simulator's mix at 0.43x
+        the capacity of the estimate (docs/benchmarks.md, "Own context only")."""
         index = self._prefix_index
         if not self.config.exact_prefix or index is None or worker_id is None or not hop.prompt_blocks:
             return None
         if not index.knows(worker_id):
             return None
-        return min(index.match(worker_id, hop.prompt_blocks), hop.prompt_tokens)
+        if not self._under_way(hop):
+            return 0
+        matched = min(index.match(worker_id, hop.prompt_blocks), hop.prompt_tokens)
+        shared = hop.prefix_tokens if hop.prefix_id else 0
+        return max(matched - shared, 0)
 
     # ----- chain state ------------------------------------------------------------------
 

@@ -104,6 +104,14 @@ class Engine(abc.ABC):
         the worker reads from it how the model writes tool calls."""
         return None
 
+    def writes_tool_call_format(self) -> str | None:
+        """The format this engine itself writes tool calls in, None when they are the
+        model's own text. An engine whose server reads the calls out of the model's text
+        and hands them apart (the `openai` engine on /v1/chat/completions) writes them
+        back in a format it chooses; the routers must read that one, so the worker
+        registers it (a model mapping that says another is refused, not misread)."""
+        return None
+
     def count_tokens(self, prompt: str) -> int:
         """Prompt tokens as this engine counts them (an estimate unless overridden)."""
         return estimate_tokens(prompt)

@@ -104,6 +104,12 @@ class ChatDeltas:
         self._calls: dict[int, tuple[str, str]] = {}  # index -> (name, arguments) so far, not written yet
         self._written = 0  # calls written so far
         self._ids: dict[int, str] = {}  # index -> the server's id of the call at it
+        # Whitespace content after a call, held: when another call follows it is dropped
+        # (a pythonic or Granite list, a DeepSeek section, cannot hold it between calls,
+        # and closing the list for it would turn every call into text); when content
+        # follows, it is written before that content.
+        self._space = ""
+        self._in_calls = False  # the last thing the server sent was (part of) a call
         self.finish_reason = ""
         self.usage: dict[str, Any] = {}
 
@@ -114,13 +120,19 @@ class ChatDeltas:
         text: list[str] = []
         for choice in event.get("choices") or ():
             delta = choice.get("delta") or {}
-            if delta.get("content"):  # (a reasoning parser's reasoning_content is not the reply's)
-                # Content after calls: they are whole, and their section ends before it.
-                text += [self._flush(), self._writer.close(), delta["content"]]
+            content = delta.get("content")
+            if content:  # (a reasoning parser's reasoning_content is not the reply's)
+                if not content.strip() and self._in_calls:
+                    self._space += content  # between calls, or trailing: see __init__
+                else:
+                    # Content after calls: they are whole, and their section ends before it.
+                    text += [self._flush(), self._writer.close(), self._space, content]
+                    self._space, self._in_calls = "", False
             for call in delta.get("tool_calls") or ():
                 index = call.get("index", self._written + len(self._calls))
                 if not isinstance(index, int) or isinstance(index, bool):  # it orders the calls
                     raise TypeError(f"a tool call's index is {index!r}, not an integer")
+                self._space, self._in_calls = "", True  # whitespace between calls is not content
                 # A new call (its id) where one is under way: servers that number each
                 # chunk's calls from 0 (Ollama's) use an index again. The earlier one is whole.
                 call_id = call.get("id") or ""
@@ -141,7 +153,8 @@ class ChatDeltas:
 
     def finish(self) -> str:
         """The calls not written yet, and the end of their section, once the stream has ended."""
-        return self._flush() + self._writer.close()
+        text, self._space = self._flush() + self._writer.close() + self._space, ""
+        return text
 
     def _flush(self, below: int | None = None) -> str:
         text = []
@@ -177,6 +190,9 @@ class OpenAIEngine(Engine):
         self.tool_call_format = check_format(tool_call_format)  # how server-parsed calls are written
         self._client: httpx.AsyncClient | None = None
         self._running = 0
+
+    def writes_tool_call_format(self) -> str | None:
+        return self.tool_call_format if self._chat_endpoint else None
 
     async def start(self) -> None:
         self._client = httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=None)
@@ -352,7 +368,7 @@ def from_settings(settings: WorkerSettings) -> OpenAIEngine:
         kv_capacity_tokens=settings.openai_kv_capacity_tokens,
         max_concurrency=settings.max_num_seqs,
         chat_endpoint=settings.openai_chat_endpoint == "on",
-        # What the routers read this pool's replies in, unless a model mapping says
-        # otherwise: auto registers nothing here (no template to read), so hermes.
+        # The format server-parsed calls are written back in, which the worker registers
+        # for the routers (auto: hermes, the routers' default).
         tool_call_format=DEFAULT_FORMAT if settings.tool_call_format == "auto" else settings.tool_call_format,
     )
