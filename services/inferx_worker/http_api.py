@@ -29,6 +29,7 @@ its tool_choice too) gets its HTTP status.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -193,14 +194,17 @@ class WorkerHttpApi:
             """The chunks after the role's (a chat's tool calls as OpenAI's deltas); raises
             what fails the call (ToolChoiceNotFollowed at the end of a held reply too)."""
             final: EngineChunk | None = None
-            async for piece in self._generate(engine_request):
-                if piece.text and chat:
-                    for payload in chat_chunks.text(piece.text):
-                        yield payload
-                elif piece.text:
-                    yield schema.text_completion(call_id, created, model, piece.text, None, None)
-                if piece.finished:
-                    final = piece
+            # aclosing: closing this (the client went away) closes the engine's stream at
+            # once, which aborts the request, rather than whenever it is collected.
+            async with contextlib.aclosing(self._generate(engine_request)) as generated:
+                async for piece in generated:
+                    if piece.text and chat:
+                        for payload in chat_chunks.text(piece.text):
+                            yield payload
+                    elif piece.text:
+                        yield schema.text_completion(call_id, created, model, piece.text, None, None)
+                    if piece.finished:
+                        final = piece
             assert final is not None
             if chat:
                 for payload in chat_chunks.finish(final.finish_reason):
@@ -241,10 +245,11 @@ class WorkerHttpApi:
         started = time.perf_counter()
         metrics.REQUESTS_RUNNING.inc()
         try:
-            async for chunk in self._engine.generate(request):
-                if chunk.finished:
-                    metrics.observe_finished(chunk, (time.perf_counter() - started) * 1000)
-                yield chunk
+            async with contextlib.aclosing(self._engine.generate(request)) as chunks:
+                async for chunk in chunks:
+                    if chunk.finished:
+                        metrics.observe_finished(chunk, (time.perf_counter() - started) * 1000)
+                    yield chunk
         except EngineError as exc:
             raise engine_failure(self._engine, exc) from None
         finally:

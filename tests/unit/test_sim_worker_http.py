@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import threading
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import cast
@@ -394,3 +395,17 @@ def test_the_worker_reads_tool_calls_in_the_format_it_registers() -> None:
         )
         component = WorkerComponent(runtime, settings, SimEngine(chat_template=template))
         assert component._http_api is not None and component._http_api.tool_call_format == expected
+
+
+def test_a_stream_the_client_abandons_aborts_its_engine_request(worker: Worker) -> None:
+    """A client that reads one chunk and hangs up frees the engine at once: the request
+    is aborted, not run to its max_tokens for nobody (a slot and KV held meanwhile)."""
+    with httpx.Client(base_url=worker.http_url, timeout=30) as client:
+        body = {"model": POOL, "prompt": unique("abandoned"), "max_tokens": 20_000, "stream": True}
+        with client.stream("POST", "/v1/completions", json=body) as reply:
+            assert reply.status_code == 200
+            next(reply.iter_lines())
+    hung_up = time.monotonic()
+    while worker.engine.load().running and time.monotonic() < hung_up + 2:  # run out: ~8 s
+        time.sleep(0.01)
+    assert worker.engine.load().running == 0
