@@ -164,8 +164,9 @@ class InferxClient:
         kv_retention_s: float | None = None,
     ) -> AsyncIterator[router_pb2.ProgramCallEvent]:
         """One model call of a dynamic program (`Router.CallModel`): the reply's content
-        as it is generated (`event.text`), each tool call as soon as it has been read
-        whole (`event.tool_call`: index, id, name, arguments_json; held until the reply
+        as it is generated (`event.text`; a reasoning model's thinking before it as
+        `event.reasoning`, where its pool has a reasoning parser), each tool call as soon
+        as it has been read whole (`event.tool_call`: index, id, name, arguments_json; held until the reply
         has ended where a "required" or named `tool_choice` must be checked), then
         `event.finished` (usage, finish reason, worker, the program's run id, all the
         tool calls again). Tell them apart with `event.WhichOneof("event")`. A prompt,

@@ -7,7 +7,10 @@ in `/inferx/v1/models/<model>` (`{"pool": "tiny-llama"}`), so a laptop can serve
 A mapping may also say how the model writes tool calls (`{"pool": ..., "tool_call_format":
 "mistral"}`, one of inferx.openai_compat.toolcalls.FORMATS); without it, the format the
 pool's workers register (their --tool-call-format, or what their chat template says),
-else the default (hermes).
+else the default (hermes). Likewise how a reasoning model's replies carry its thinking
+(`"reasoning_parser": "deepseek_r1"`, one of inferx.openai_compat.reasoning's
+REASONING_PARSERS, "none" for none); without it, what the pool's workers register (their
+--reasoning-parser), else none.
 """
 
 from __future__ import annotations
@@ -23,19 +26,32 @@ from google.protobuf import json_format
 
 from inferx import etcd
 from inferx.errors import FailedPrecondition
+from inferx.openai_compat.reasoning import REASONING_PARSERS, check_reasoning_parser
 from inferx.openai_compat.toolcalls import DEFAULT_FORMAT, FORMATS, check_format
 from inferx.v1 import common_pb2
 
 
 def model_entry(spec: Any) -> dict[str, str]:
     """A model mapping's value, checked: {"pool": NAME} with an optional known
-    "tool_call_format". ValueError naming what is wrong."""
+    "tool_call_format" and "reasoning_parser" ("none": the model does not reason, stored
+    as ""). ValueError naming what is wrong."""
     if not isinstance(spec, Mapping) or not isinstance(spec.get("pool"), str) or not spec["pool"]:
-        raise ValueError("expected {pool: NAME} (and optionally tool_call_format)")
+        raise ValueError("expected {pool: NAME} (and optionally tool_call_format, reasoning_parser)")
     entry = {"pool": str(spec["pool"])}
     if spec.get("tool_call_format") is not None:
         entry["tool_call_format"] = check_format(spec["tool_call_format"])
+    if spec.get("reasoning_parser") is not None:
+        entry["reasoning_parser"] = mapped_reasoning_parser(spec["reasoning_parser"])
     return entry
+
+
+def mapped_reasoning_parser(value: Any) -> str:
+    """A mapping's reasoning_parser, checked ("none" is ""); ValueError otherwise."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(
+            f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} or 'none', not {value!r}"
+        )
+    return "" if value == "none" else check_reasoning_parser(value)
 
 
 log = logging.getLogger(__name__)
@@ -48,6 +64,8 @@ class PoolDirectory:
     model_to_pool: dict[str, str] = field(default_factory=dict)
     # a mapping's tool-call format, and the mappings whose format is not one InferX knows
     model_tool_formats: dict[str, str] = field(default_factory=dict)
+    model_reasoning_parsers: dict[str, str] = field(default_factory=dict)  # "" = the model does not reason
+    model_reasoning_problems: dict[str, str] = field(default_factory=dict)
     model_problems: dict[str, str] = field(default_factory=dict)
     workers_by_pool: dict[str, dict[str, common_pb2.WorkerInfo]] = field(default_factory=dict)
 
@@ -82,6 +100,24 @@ class PoolDirectory:
                 )
         return chosen
 
+    def reasoning_parser(self, model: str) -> str:
+        """How `model`'s replies carry its thinking: its mapping's parser, else the one its
+        pool's workers register (the most of them, should they differ), else "" (none).
+        FailedPrecondition when the mapping or a worker names one InferX does not know."""
+        if model in self.model_reasoning_problems:
+            raise FailedPrecondition(self.model_reasoning_problems[model])
+        if model in self.model_reasoning_parsers:
+            return self.model_reasoning_parsers[model]
+        named = Counter(w.reasoning_parser for w in self.workers_for(model).values() if w.reasoning_parser)
+        for name in named:
+            if name not in REASONING_PARSERS:
+                raise FailedPrecondition(
+                    f"a worker of model '{model}' registers reasoning parser {name!r}, which this "
+                    f"router does not know ({', '.join(REASONING_PARSERS)}); set the model mapping's "
+                    "reasoning_parser"
+                )
+        return min(named, key=lambda name: (-named[name], name)) if named else ""
+
     @staticmethod
     def _registered_format(model: str, workers: Iterable[common_pb2.WorkerInfo]) -> str:
         named = Counter(w.tool_call_format for w in workers if w.tool_call_format)
@@ -98,6 +134,8 @@ class PoolDirectory:
     def update_models(self, items: dict[str, bytes]) -> None:
         mapping: dict[str, str] = {}
         formats: dict[str, str] = {}
+        reasoning: dict[str, str] = {}
+        reasoning_problems: dict[str, str] = {}
         problems: dict[str, str] = {}
         for key, value in items.items():
             model = key.removeprefix(etcd.MODELS)
@@ -107,8 +145,15 @@ class PoolDirectory:
             except (ValueError, KeyError, TypeError):
                 log.warning("ignoring malformed model mapping at %s: %r", key, value[:200])
                 continue
+            if raw.get("reasoning_parser") is not None:
+                try:
+                    reasoning[model] = mapped_reasoning_parser(raw["reasoning_parser"])
+                except ValueError as exc:
+                    # Its chat calls are refused, naming this; chains and text completions run.
+                    reasoning_problems[model] = f"the model mapping at {key}: {exc}"
+                    log.error("%s", reasoning_problems[model])
             try:
-                entry = model_entry(raw)
+                entry = model_entry({**raw, "reasoning_parser": None})  # checked above
             except ValueError as exc:
                 # The model still serves calls; those that offer tools are refused, naming this.
                 problems[model] = f"the model mapping at {key}: {exc}"
@@ -118,6 +163,8 @@ class PoolDirectory:
                 formats[model] = entry["tool_call_format"]
         self.model_to_pool = mapping
         self.model_tool_formats = formats
+        self.model_reasoning_parsers = reasoning
+        self.model_reasoning_problems = reasoning_problems
         self.model_problems = problems
 
     def update_workers(self, items: dict[str, bytes]) -> None:

@@ -30,7 +30,8 @@ from inferx.limits import RequestLimits
 from inferx.openai_compat import schema
 from inferx.openai_compat.errors import BodyTooLarge
 from inferx.openai_compat.identity import ProgramIdentity, parse_identity
-from inferx.openai_compat.toolcalls import Content, Event
+from inferx.openai_compat.schema import ReplyEvent
+from inferx.openai_compat.toolcalls import Content
 from inferx.openai_http import error_reply_body, guarded, http_error
 from inferx_router.access import AccessControl
 from inferx_router.hops import HopDone
@@ -151,7 +152,7 @@ class OpenAIFront:
         object_ = "chat.completion.chunk" if chat else "text_completion"
         chat_chunks = schema.ChatChunks(call_id, created, model, reader=reader)
 
-        def chunks(event: Event | None, reason: str | None) -> list[dict[str, Any]]:
+        def chunks(event: ReplyEvent | None, reason: str | None) -> list[dict[str, Any]]:
             if chat:  # the reader read tool calls out of the text as it came
                 return chat_chunks.events([event]) if event is not None else chat_chunks.end(reason or "")
             text = event.text if isinstance(event, Content) else ""

@@ -29,9 +29,10 @@ from inferx.limits import RequestLimits
 from inferx.openai_compat import schema
 from inferx.openai_compat.errors import InvalidField, ModelNotFound, ToolChoiceNotFollowed
 from inferx.openai_compat.identity import MAX_DEADLINE_MS, ProgramIdentity, identity_of_fields
+from inferx.openai_compat.reasoning import Reasoning
 from inferx.openai_compat.render import chat_json, render_chat
-from inferx.openai_compat.schema import ReplyReader
-from inferx.openai_compat.toolcalls import DEFAULT_FORMAT, Content, Event, ToolCall
+from inferx.openai_compat.schema import ReplyEvent, ReplyReader
+from inferx.openai_compat.toolcalls import DEFAULT_FORMAT, Content, ToolCall
 from inferx.pools import PoolDirectory
 from inferx.v1 import common_pb2, router_pb2
 from inferx_router import metrics
@@ -105,9 +106,11 @@ class ProgramCalls:
 
     def reader(self, body: schema.CallRequest) -> ReplyReader:
         """How the call's reply is read, the same for both fronts (schema.reply_reader,
-        in its model's format). Made before the call: a model whose format InferX does
-        not know refuses it."""
-        return schema.reply_reader(body, self.tool_call_format(body))
+        in its model's tool-call format and reasoning parser). Made before the call: a
+        model whose format or parser InferX does not know refuses it."""
+        chat = isinstance(body, schema.ChatCompletionRequest)
+        reasoning = self._directory.reasoning_parser(body.model) if chat else ""
+        return schema.reply_reader(body, self.tool_call_format(body), reasoning)
 
     def prepare(self, body: schema.CallRequest) -> Call:
         """The call a validated body asks for (chat messages rendered into its prompt)."""
@@ -148,7 +151,7 @@ class ProgramCalls:
         call: Call,
         *,
         reader: ReplyReader | None = None,
-        on_events: Callable[[list[Event]], None] | None = None,
+        on_events: Callable[[list[ReplyEvent]], None] | None = None,
         parent: otel_context.Context | None = None,
     ) -> CallDone:
         """Run `call` as a hop of its program. Counted against the caller's tenant (whose
@@ -181,7 +184,7 @@ class ProgramCalls:
         identity: ProgramIdentity,
         call: Call,
         reader: ReplyReader,
-        on_events: Callable[[list[Event]], None] | None,
+        on_events: Callable[[list[ReplyEvent]], None] | None,
         parent: otel_context.Context | None,
         result: router_pb2.NodeFinished,
     ) -> CallDone:
@@ -241,7 +244,7 @@ class ProgramCalls:
         identity: ProgramIdentity,
         result: router_pb2.NodeFinished,
         reader: ReplyReader,
-        on_events: Callable[[list[Event]], None] | None,
+        on_events: Callable[[list[ReplyEvent]], None] | None,
     ) -> HopDone:
         hop, timeout_s = program_hop(
             call,
@@ -297,14 +300,14 @@ class ProgramCalls:
         *,
         reader: ReplyReader | None = None,
         parent: otel_context.Context | None = None,
-    ) -> AsyncGenerator[Event | CallDone, None]:
+    ) -> AsyncGenerator[ReplyEvent | CallDone, None]:
         """What `reader` reads of the call's text as it is generated (content pieces,
         tool calls), then its CallDone. Errors of the hop are raised where they happen
         (before the first piece, or after some). Closing the iterator early (the caller
         went away) abandons the hop: the engine call is aborted."""
-        pieces: asyncio.Queue[Event | None] = asyncio.Queue()
+        pieces: asyncio.Queue[ReplyEvent | None] = asyncio.Queue()
 
-        def put(events: list[Event]) -> None:
+        def put(events: list[ReplyEvent]) -> None:
             for event in events:
                 pieces.put_nowait(event)
 
@@ -427,7 +430,7 @@ def tool_call_message(call: ToolCall) -> router_pb2.ProgramToolCall:
     )
 
 
-def call_event(item: Event | CallDone) -> router_pb2.ProgramCallEvent | None:
+def call_event(item: ReplyEvent | CallDone) -> router_pb2.ProgramCallEvent | None:
     """What `ProgramCalls.stream` gives, as CallModel's event: content as `text`, each
     tool call as soon as the reader has it whole as `tool_call` (as the HTTP front's SSE
     sends its tool_calls deltas), the result as `finished`. A held reply (tool_choice
@@ -437,6 +440,8 @@ def call_event(item: Event | CallDone) -> router_pb2.ProgramCallEvent | None:
         return router_pb2.ProgramCallEvent(text=item.text) if item.text else None
     if isinstance(item, ToolCall):
         return router_pb2.ProgramCallEvent(tool_call=tool_call_message(item))
+    if isinstance(item, Reasoning):
+        return router_pb2.ProgramCallEvent(reasoning=item.text) if item.text else None
     return finished_event(item)
 
 

@@ -36,7 +36,9 @@ class WorkerComponent(ServiceComponent):
             # Its chat replies' tool calls are read in the format the worker registers
             # for the routers (none known: the routers' default too).
             tool_format = self._tool_call_format() or DEFAULT_FORMAT
-            self._http_api = WorkerHttpApi(engine, settings.model, runtime.instance_id, tool_format)
+            self._http_api = WorkerHttpApi(
+                engine, settings.model, runtime.instance_id, tool_format, self._reasoning_parser()
+            )
             self._http = EmbeddedHttpServer(
                 self._http_api.app(),
                 settings.host,
@@ -70,6 +72,7 @@ class WorkerComponent(ServiceComponent):
             host_kv_capacity_tokens=capacity.host_kv_capacity_tokens,
             host_kv_load_tokens_per_s=capacity.host_kv_load_tokens_per_s,
             tool_call_format=self._tool_call_format(),
+            reasoning_parser=self._reasoning_parser(),
         )
         key = etcd.worker_key(self._settings.model, self._runtime.instance_id)
         await self._runtime.leases.put(key, to_json_bytes(info))
@@ -83,6 +86,13 @@ class WorkerComponent(ServiceComponent):
         return (
             self._engine.writes_tool_call_format() or detect_format(self._engine.chat_template_source()) or ""
         )
+
+    def _reasoning_parser(self) -> str:
+        """--reasoning-parser ("" for none), else (auto) the one the engine writes for."""
+        parser = self._settings.reasoning_parser
+        if parser == "auto":
+            return self._engine.writes_reasoning_parser() or ""
+        return "" if parser == "none" else parser
 
     async def ending_streams(self) -> None:
         hub = self._engine.kv_events()

@@ -90,6 +90,14 @@ class WorkerSettings(ServiceSettings):
         "(<|tool_call|>[...]); auto: what the model's chat template says (none known: the router's "
         "default, hermes)",
     )
+    reasoning_parser: str = Field(
+        "auto",
+        description="how a reasoning model's replies carry its thinking, registered for the routers "
+        "(and read by the sim's --openai-http-port), as vLLM's --reasoning-parser: deepseek_r1 (the "
+        "reply starts thinking, up to </think>), qwen3 (<think>...</think> first), none; chat replies "
+        "get it apart as reasoning_content. auto: qwen3 for the openai engine on its chat endpoint (it "
+        "writes the server's reasoning_content back between <think> tags), none otherwise",
+    )
     warm_up: bool = Field(True, description="run one short request before reporting ready")
     openai_http_port: int = Field(
         0,
@@ -113,6 +121,15 @@ class WorkerSettings(ServiceSettings):
         from inferx.openai_compat.toolcalls import check_format
 
         return value if value == "auto" else check_format(value)  # ValueError names the formats
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, value: str) -> str:
+        from inferx.openai_compat.reasoning import check_reasoning_parser
+
+        if value in ("auto", "none"):
+            return value
+        return check_reasoning_parser(value) if value else "none"  # ValueError names the parsers
 
     @field_validator("model")
     @classmethod

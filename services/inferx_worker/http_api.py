@@ -48,6 +48,7 @@ from inferx.chat_template import Chat
 from inferx.errors import Unavailable
 from inferx.openai_compat import schema
 from inferx.openai_compat.errors import InvalidField, ModelNotFound
+from inferx.openai_compat.reasoning import check_reasoning_parser
 from inferx.openai_compat.render import chat_json, render_chat
 from inferx.openai_compat.toolcalls import DEFAULT_FORMAT, check_format
 from inferx.openai_http import error_reply_body, guarded, http_error
@@ -70,12 +71,18 @@ class WorkerCompletionRequest(schema.CompletionRequest):
 
 class WorkerHttpApi:
     def __init__(
-        self, engine: Engine, pool: str, worker_id: str, tool_call_format: str = DEFAULT_FORMAT
+        self,
+        engine: Engine,
+        pool: str,
+        worker_id: str,
+        tool_call_format: str = DEFAULT_FORMAT,
+        reasoning_parser: str = "",
     ) -> None:
         self._engine = engine
         self._pool = pool
         self._worker_id = worker_id
         self.tool_call_format = check_format(tool_call_format)  # what replies' tool calls are read in
+        self.reasoning_parser = check_reasoning_parser(reasoning_parser)  # "": replies have no thinking apart
         self._created = int(time.time())
         self.serving = False  # /health: set once the engine is up, cleared on drain
 
@@ -165,7 +172,7 @@ class WorkerHttpApi:
         assert final is not None  # _generate always ends with the finished chunk
         usage = _usage(final)
         if chat:
-            reader = schema.reply_reader(body, self.tool_call_format)
+            reader = schema.reply_reader(body, self.tool_call_format, self.reasoning_parser)
             reader.feed("".join(text))
             reader.finish()  # ToolChoiceNotFollowed: a 500, as on the router
             reply = schema.chat_reply(call_id, created, body.model, reader, final.finish_reason, usage)
@@ -187,7 +194,10 @@ class WorkerHttpApi:
         model = body.model
         object_ = "chat.completion.chunk" if chat else "text_completion"
         chat_chunks = schema.ChatChunks(
-            call_id, created, model, reader=schema.reply_reader(body, self.tool_call_format)
+            call_id,
+            created,
+            model,
+            reader=schema.reply_reader(body, self.tool_call_format, self.reasoning_parser),
         )
 
         async def payloads() -> AsyncGenerator[dict[str, Any], None]:
@@ -240,7 +250,7 @@ class WorkerHttpApi:
             events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
 
-    async def _generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+    async def _generate(self, request: EngineRequest) -> AsyncGenerator[EngineChunk, None]:
         """The engine's chunks, with the gRPC path's metrics and error statuses."""
         started = time.perf_counter()
         metrics.REQUESTS_RUNNING.inc()

@@ -80,6 +80,8 @@ async def cmd_call(args: argparse.Namespace) -> int:
             elif kind == "text":
                 sys.stdout.write(event.text)
                 sys.stdout.flush()
+            elif kind == "reasoning":  # a reasoning model's thinking: on stderr, dimmed
+                err.print(event.reasoning, style="dim", end="", markup=False)
             elif kind == "tool_call":  # as soon as it was read, before the reply ends
                 call = event.tool_call
                 sys.stdout.write(

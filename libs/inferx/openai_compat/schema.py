@@ -10,6 +10,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from inferx.openai_compat.errors import InvalidField, ToolChoiceNotFollowed
+from inferx.openai_compat.reasoning import Reasoning, ReasoningSplitter
 from inferx.openai_compat.toolcalls import (
     DEFAULT_FORMAT,
     Content,
@@ -19,6 +20,9 @@ from inferx.openai_compat.toolcalls import (
     parser_for,
 )
 from inferx.tokens import DEFAULT_MAX_TOKENS
+
+# What a ReplyReader gives: the answer's content and tool calls, and the thinking.
+ReplyEvent = Event | Reasoning
 
 # Fields OpenAI defines that InferX accepts and ignores (documented in the README):
 # stop, top_p, seed, presence_penalty, frequency_penalty, logit_bias, user, metadata,
@@ -268,13 +272,18 @@ class ReplyReader:
         tool_format: str = DEFAULT_FORMAT,
         tool_choice: str | dict[str, Any] | None = None,
         new_id: Callable[[], str] = new_call_id,
+        reasoning_parser: str = "",
     ) -> None:
         self._parser = parser_for(tool_format, new_id) if parse_tool_calls else None
+        # A reasoning model's thinking comes first, apart: tool calls are read from the
+        # answer only (inferx.openai_compat.reasoning).
+        self._splitter = ReasoningSplitter(reasoning_parser) if reasoning_parser else None
         self.tool_choice = tool_choice
         self._hold = parse_tool_calls and (tool_choice == "required" or forced_tool(tool_choice) is not None)
-        self._held: list[Event] = []
+        self._held: list[ReplyEvent] = []
         self._text: list[str] = []  # the whole reply, for ToolChoiceNotFollowed's message
         self._content: list[str] = []
+        self._reasoning: list[str] = []
 
     @property
     def calls(self) -> list[ToolCall]:
@@ -293,38 +302,58 @@ class ReplyReader:
         text = "".join(self._content)
         return None if self.calls and not text.strip() else text
 
-    def feed(self, piece: str) -> list[Event]:
+    @property
+    def reasoning(self) -> str | None:
+        """The model's thinking read so far; None when there is none (or no parser)."""
+        return "".join(self._reasoning) or None
+
+    def feed(self, piece: str) -> list[ReplyEvent]:
         self._text.append(piece)
-        if self._parser is None:
-            return self._out([Content(piece)] if piece else [])
-        events = self._parser.feed(piece)
+        return self._answer(self._splitter.feed(piece) if self._splitter else [piece], final=False)
+
+    def finish(self) -> list[ReplyEvent]:
+        """The rest, once the reply has ended (ToolChoiceNotFollowed: see the class)."""
+        return self._answer(self._splitter.finish() if self._splitter else [], final=True)
+
+    def _answer(self, pieces: list[Reasoning | str], *, final: bool) -> list[ReplyEvent]:
+        events: list[ReplyEvent] = []
+        for piece in pieces:
+            if isinstance(piece, Reasoning):
+                events.append(piece)
+            elif self._parser is None:
+                events += [Content(piece)] if piece else []
+            else:
+                events += self._parser.feed(piece)
+        if final and self._parser is not None:
+            events += self._parser.finish()
         if self._hold:
             self._held += events
-            return []
-        return self._out(events)
-
-    def finish(self) -> list[Event]:
-        """The rest, once the reply has ended (ToolChoiceNotFollowed: see the class)."""
-        if self._parser is None:
-            return []
-        events, self._held = self._held + self._parser.finish(), []
-        if self._hold:
+            if not final:
+                return []
+            events, self._held = self._held, []
+            assert self._parser is not None  # only a reply read for tool calls is held
             check_tool_choice(self.tool_choice, self._parser.calls, "".join(self._text))
-        return self._out(events)
-
-    def _out(self, events: list[Event]) -> list[Event]:
         self._content += [event.text for event in events if isinstance(event, Content)]
+        self._reasoning += [event.text for event in events if isinstance(event, Reasoning)]
         return events
 
 
-def reply_reader(body: CallRequest, tool_format: str = DEFAULT_FORMAT) -> ReplyReader:
+def reply_reader(
+    body: CallRequest, tool_format: str = DEFAULT_FORMAT, reasoning_parser: str = ""
+) -> ReplyReader:
     """How a call's reply is read, the same on every front (the router's HTTP and
     `CallModel`, the sim worker's HTTP): a chat call that offers tools gets its tool
-    calls read in `tool_format` and its tool_choice checked; other replies are content
-    as they come."""
-    if isinstance(body, ChatCompletionRequest) and body.parses_tool_calls:
-        return ReplyReader(parse_tool_calls=True, tool_format=tool_format, tool_choice=body.tool_choice)
-    return ReplyReader()
+    calls read in `tool_format` and its tool_choice checked; a chat call to a reasoning
+    model (`reasoning_parser`) gets its thinking apart; other replies are content as
+    they come (text completions are the model's text, as vLLM's)."""
+    if not isinstance(body, ChatCompletionRequest):
+        return ReplyReader()
+    return ReplyReader(
+        parse_tool_calls=body.parses_tool_calls,
+        tool_format=tool_format,
+        tool_choice=body.tool_choice if body.parses_tool_calls else None,
+        reasoning_parser=reasoning_parser,
+    )
 
 
 def chat_completion(
@@ -357,6 +386,8 @@ def chat_reply(
 ) -> dict[str, Any]:
     """A chat completion of a reply `reader` has read to its end."""
     message: dict[str, Any] = {"role": "assistant", "content": reader.content}
+    if reader.reasoning is not None:
+        message["reasoning_content"] = reader.reasoning
     if reader.calls:
         message["tool_calls"] = [call.as_openai() for call in reader.calls]
     return {
@@ -444,12 +475,13 @@ class ChatChunks:
         """The chunk with the finish reason, once the reader has finished."""
         return [self._chunk({}, engine_reason)]
 
-    def events(self, events: list[Event]) -> list[dict[str, Any]]:
+    def events(self, events: list[ReplyEvent]) -> list[dict[str, Any]]:
         chunks: list[dict[str, Any]] = []
         for event in events:
-            if isinstance(event, Content):
+            if isinstance(event, Content | Reasoning):
                 if event.text:
-                    chunks.append(self._chunk({"content": event.text}))
+                    key = "content" if isinstance(event, Content) else "reasoning_content"
+                    chunks.append(self._chunk({key: event.text}))
                 continue
             named = {"index": event.index, "id": event.id, "type": "function"}
             named["function"] = {"name": event.name, "arguments": ""}

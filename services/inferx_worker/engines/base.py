@@ -4,7 +4,7 @@ the default), `sim` (a documented latency model for benchmarks and fast tests)."
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from inferx.chat_template import Chat
@@ -83,7 +83,7 @@ class Engine(abc.ABC):
         """Load the model; return when the engine can serve."""
 
     @abc.abstractmethod
-    def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+    def generate(self, request: EngineRequest) -> AsyncGenerator[EngineChunk, None]:
         """Stream the completion. Cancelling the iteration aborts the request."""
 
     def render_chat(self, chat: Chat) -> str | None:
@@ -110,6 +110,12 @@ class Engine(abc.ABC):
         and hands them apart (the `openai` engine on /v1/chat/completions) writes them
         back in a format it chooses; the routers must read that one, so the worker
         registers it (a model mapping that says another is refused, not misread)."""
+        return None
+
+    def writes_reasoning_parser(self) -> str | None:
+        """The reasoning parser that reads this engine's own writing of a model's thinking
+        (the `openai` engine writes a server's reasoning_content between <think> tags),
+        None when the thinking is the model's own text."""
         return None
 
     def count_tokens(self, prompt: str) -> int:

@@ -22,12 +22,13 @@ if TYPE_CHECKING:
 
 import contextlib
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import httpx
 
 from inferx.chat_template import Chat
+from inferx.openai_compat.reasoning import DEEPSEEK_R1, END_THINK, QWEN3, THINK, check_reasoning_parser
 from inferx.openai_compat.toolcalls import DEFAULT_FORMAT, ToolCallWriter, check_format
 from inferx_worker.engines.base import (
     Engine,
@@ -99,8 +100,17 @@ class ChatDeltas:
     worker's `--tool-call-format` (auto: hermes, what the routers read when a worker
     names none); `ToolCallWriter` says what each format can carry. Pure: no I/O."""
 
-    def __init__(self, tool_format: str = DEFAULT_FORMAT) -> None:
+    def __init__(self, tool_format: str = DEFAULT_FORMAT, *, reasoning_parser: str = "") -> None:
         self._writer = ToolCallWriter(tool_format)
+        # With a `reasoning_parser` (the one the routers read this worker's replies
+        # with), the server's reasoning_content (or vLLM's newer `reasoning`) is written
+        # back as a reasoning model writes it: <think>, the thinking, </think>, then the
+        # answer, which both parsers read apart. A reply without thinking is the answer
+        # alone -- except for deepseek_r1, which reads a reply without </think> as all
+        # thinking: it gets an empty <think></think> first. Without a parser the
+        # reasoning is dropped: it is not the reply's.
+        self._reasoning_parser = reasoning_parser
+        self._thinking: bool | None = None if reasoning_parser else False  # None: not begun
         self._calls: dict[int, tuple[str, str]] = {}  # index -> (name, arguments) so far, not written yet
         self._written = 0  # calls written so far
         self._ids: dict[int, str] = {}  # index -> the server's id of the call at it
@@ -120,8 +130,15 @@ class ChatDeltas:
         text: list[str] = []
         for choice in event.get("choices") or ():
             delta = choice.get("delta") or {}
+            thought = delta.get("reasoning_content") or delta.get("reasoning")
+            if thought and self._thinking is not False:
+                # (reasoning after the answer has begun has no place in the text: dropped)
+                text += [THINK if self._thinking is None else "", thought]
+                self._thinking = True
             content = delta.get("content")
-            if content:  # (a reasoning parser's reasoning_content is not the reply's)
+            if content or delta.get("tool_calls"):
+                text.append(self._end_thinking())
+            if content:
                 if not content.strip() and self._in_calls:
                     self._space += content  # between calls, or trailing: see __init__
                 else:
@@ -153,8 +170,17 @@ class ChatDeltas:
 
     def finish(self) -> str:
         """The calls not written yet, and the end of their section, once the stream has ended."""
-        text, self._space = self._flush() + self._writer.close() + self._space, ""
+        text, self._space = self._end_thinking() + self._flush() + self._writer.close() + self._space, ""
         return text
+
+    def _end_thinking(self) -> str:
+        """What ends the thinking before the first answer (see __init__)."""
+        if self._thinking is False:
+            return ""
+        begun, self._thinking = self._thinking, False
+        if begun:
+            return END_THINK
+        return THINK + END_THINK if self._reasoning_parser == DEEPSEEK_R1 else ""
 
     def _flush(self, below: int | None = None) -> str:
         text = []
@@ -180,6 +206,7 @@ class OpenAIEngine(Engine):
         send_priority: bool = True,
         chat_endpoint: bool = True,
         tool_call_format: str = DEFAULT_FORMAT,
+        reasoning_parser: str = QWEN3,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model_path = model
@@ -188,11 +215,18 @@ class OpenAIEngine(Engine):
         self._send_priority = send_priority
         self._chat_endpoint = chat_endpoint
         self.tool_call_format = check_format(tool_call_format)  # how server-parsed calls are written
+        # The routers' parser for this worker's replies: the server's reasoning is written
+        # back for it (ChatDeltas); "": dropped.
+        self.reasoning_parser = check_reasoning_parser(reasoning_parser)
         self._client: httpx.AsyncClient | None = None
         self._running = 0
 
     def writes_tool_call_format(self) -> str | None:
         return self.tool_call_format if self._chat_endpoint else None
+
+    def writes_reasoning_parser(self) -> str | None:
+        # The server's reasoning comes apart and is written back between explicit tags.
+        return (self.reasoning_parser or None) if self._chat_endpoint else None
 
     async def start(self) -> None:
         self._client = httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=None)
@@ -250,13 +284,17 @@ class OpenAIEngine(Engine):
             body["tool_choice"] = chat.tool_choice
         return body
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineChunk, None]:
         if self._client is None:
             raise EngineError("the openai engine is not started")
         chat = request.chat if self._chat_endpoint else None
         path = COMPLETIONS_PATH if chat is None else CHAT_PATH
         body = self._body(request) if chat is None else self._chat_body(request, chat)
-        reader = CompletionText() if chat is None else ChatDeltas(self.tool_call_format)
+        reader = (
+            CompletionText()
+            if chat is None
+            else ChatDeltas(self.tool_call_format, reasoning_parser=self.reasoning_parser)
+        )
         self._running += 1
         try:
             # aclosing: a hop given up closes the HTTP stream at once, and the server aborts.
@@ -371,4 +409,8 @@ def from_settings(settings: WorkerSettings) -> OpenAIEngine:
         # The format server-parsed calls are written back in, which the worker registers
         # for the routers (auto: hermes, the routers' default).
         tool_call_format=DEFAULT_FORMAT if settings.tool_call_format == "auto" else settings.tool_call_format,
+        # auto: qwen3, which reads the tags ChatDeltas writes; none: no thinking is written.
+        reasoning_parser={"auto": QWEN3, "none": ""}.get(
+            settings.reasoning_parser, settings.reasoning_parser
+        ),
     )

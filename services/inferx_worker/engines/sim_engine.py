@@ -50,7 +50,7 @@ import contextlib
 import hashlib
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from prometheus_client import Counter
@@ -293,7 +293,7 @@ class SimEngine(Engine):
 
     # ----- requests ---------------------------------------------------------------------
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineChunk, None]:
         assert self._kick is not None, "start() first"
         p = self.params
         block = p.profile.block_size

@@ -50,7 +50,7 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from inferx.chat_template import Chat, ChatTemplateError
@@ -258,7 +258,7 @@ class VllmEngine(Engine):
             raise EngineError("the vllm engine is not started (call start() first)")
         return self._engine
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineChunk, None]:
         engine = self._require_engine()
         params_kw: dict[str, Any] = dict(
             max_tokens=request.max_tokens,
