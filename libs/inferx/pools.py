@@ -33,15 +33,16 @@ from inferx.v1 import common_pb2
 
 def model_entry(spec: Any) -> dict[str, str]:
     """A model mapping's value, checked: {"pool": NAME} with an optional known
-    "tool_call_format" and "reasoning_parser" ("none": the model does not reason, stored
-    as ""). ValueError naming what is wrong."""
+    "tool_call_format" and "reasoning_parser" ("none": the model does not reason).
+    ValueError naming what is wrong."""
     if not isinstance(spec, Mapping) or not isinstance(spec.get("pool"), str) or not spec["pool"]:
         raise ValueError("expected {pool: NAME} (and optionally tool_call_format, reasoning_parser)")
     entry = {"pool": str(spec["pool"])}
     if spec.get("tool_call_format") is not None:
         entry["tool_call_format"] = check_format(spec["tool_call_format"])
     if spec.get("reasoning_parser") is not None:
-        entry["reasoning_parser"] = mapped_reasoning_parser(spec["reasoning_parser"])
+        mapped_reasoning_parser(spec["reasoning_parser"])  # checked; stored as written ("none" too)
+        entry["reasoning_parser"] = spec["reasoning_parser"]
     return entry
 
 

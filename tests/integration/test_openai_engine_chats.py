@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -36,7 +37,14 @@ GENERIC_POOL = "generic-openai"  # an openai worker with --openai-chat-endpoint 
 SERVER_POOL = "sim-server"  # the server's own pool (its HTTP API serves it by this name)
 ASK = "Track TRK-42 for me."
 CALL = '<tool_call>\n{"name": "track", "arguments": {"id": "TRK-42"}}\n</tool_call>'
-SCRIPT = [{"when": f"<|im_start|>user\n{ASK}", "reply": "On it.\n" + CALL}]
+THINK_ASK = "Think first, then track TRK-42."
+THOUGHT = "The user wants TRK-42; the track tool does that."
+SCRIPT = [
+    {"when": f"<|im_start|>user\n{ASK}", "reply": "On it.\n" + CALL},
+    # A reasoning model's reply: the server (--reasoning-parser qwen3) sends the thinking
+    # apart as reasoning_content, and the tool call apart.
+    {"when": f"<|im_start|>user\n{THINK_ASK}", "reply": f"<think>{THOUGHT}</think>On it.\n" + CALL},
+]
 TOOL: Any = {"type": "function", "function": {"name": "track", "parameters": {"type": "object"}}}
 SERVER_KV_TOKENS = 4000  # the server's context limit (the sim's KV pool)
 
@@ -59,6 +67,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
                 *("--openai-http-port", str(port), "--model-path", str(model_dir)),
                 *("--sim-script", str(script), "--sim-speed", "20"),
                 *("--sim-kv-capacity-tokens", str(SERVER_KV_TOKENS)),
+                *("--reasoning-parser", "qwen3"),
             ],
         )
         wait_serving(server, 60)
@@ -88,11 +97,11 @@ async def chat_renders(stack: LocalStack, pool: str) -> dict[str, float]:
     }
 
 
-async def call(stack: LocalStack, model: str, **kw) -> list[router_pb2.ProgramCallEvent]:
+async def call(stack: LocalStack, model: str, ask: str = ASK, **kw) -> list[router_pb2.ProgramCallEvent]:
     program = f"p-{uuid.uuid4().hex[:8]}"
     messages = [
         {"role": "system", "content": f"[{program}] You track parcels."},
-        {"role": "user", "content": ASK},
+        {"role": "user", "content": ask},
     ]
     async with stack.client(timeout_s=30) as client:
         return [e async for e in client.call_model(model, messages=messages, tools=[TOOL], **kw)]
@@ -119,6 +128,39 @@ async def test_a_chat_reaches_the_servers_chat_endpoint_and_its_tool_call_stream
     # Rendered once, by the server with the model's template; the front worker sent it whole.
     assert (await chat_renders(stack, SERVER_POOL)).get("model", 0.0) == before + 1
     assert (await chat_renders(stack, "tiny-llama")).get("server", 0.0) == before_front + 1
+
+
+async def test_a_servers_reasoning_comes_back_apart_and_its_tool_call_is_still_read(
+    stack: LocalStack,
+) -> None:
+    """The server splits the thinking out (reasoning_content deltas); the `openai` worker
+    writes it back between <think> tags and registers qwen3 (auto), so the router gives
+    it as `reasoning` events before the answer -- not as content, not read for calls."""
+    events = await call(stack, MODEL, ask=THINK_ASK, max_tokens=64)
+    kinds = [e.WhichOneof("event") for e in events]
+    assert kinds[0] == "reasoning" and kinds[-2:] == ["tool_call", "finished"]
+    assert "".join(e.reasoning for e in events if e.WhichOneof("event") == "reasoning") == THOUGHT
+    assert "".join(e.text for e in events if e.WhichOneof("event") == "text") == "On it."
+    assert events[-2].tool_call.name == "track" and events[-1].finished.finish_reason == "tool_calls"
+    # A reply without thinking gets no reasoning event (the worker writes no tags for it).
+    plain = await call(stack, MODEL, max_tokens=64)
+    assert "reasoning" not in [e.WhichOneof("event") for e in plain]
+    # The router's OpenAI front, with the official SDK: reasoning_content, whole and streamed.
+    sdk = openai.OpenAI(base_url=stack.router_http_url, api_key="unused", max_retries=0)
+    messages: Any = [{"role": "user", "content": THINK_ASK}]
+    reply = sdk.chat.completions.create(model=MODEL, messages=messages, tools=[TOOL], max_tokens=64)
+    message = reply.choices[0].message
+    assert getattr(message, "reasoning_content", None) == THOUGHT and message.content == "On it."
+    assert [c.function.name for c in message.tool_calls or []] == ["track"]
+    stream = sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, stream=True)
+    deltas = [chunk.choices[0].delta for chunk in stream if chunk.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == THOUGHT
+    assert "<think>" not in "".join(d.content or "" for d in deltas)
+    async with stack.client() as client:
+        status = await client.status()
+    registered = {w.pool: w.reasoning_parser for w in status.workers}
+    assert registered["tiny-llama"] == "qwen3" and registered[SERVER_POOL] == "qwen3"
+    assert registered[GENERIC_POOL] == ""  # on /v1/completions the model's own text is all there is
 
 
 async def test_with_the_chat_endpoint_off_the_generic_rendering_goes_to_completions(
