@@ -151,7 +151,7 @@ async def test_a_servers_reasoning_comes_back_apart_and_its_tool_call_is_still_r
     reply = sdk.chat.completions.create(model=MODEL, messages=messages, tools=[TOOL], max_tokens=64)
     message = reply.choices[0].message
     assert getattr(message, "reasoning_content", None) == THOUGHT and message.content == "On it."
-    assert [c.function.name for c in message.tool_calls or []] == ["track"]
+    assert [c.model_dump()["function"]["name"] for c in message.tool_calls or []] == ["track"]
     stream = sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, stream=True)
     deltas = [chunk.choices[0].delta for chunk in stream if chunk.choices]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == THOUGHT
