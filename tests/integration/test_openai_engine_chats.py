@@ -15,9 +15,12 @@ longer than the server's) comes back as INVALID_ARGUMENT naming the server's ans
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -46,6 +49,7 @@ SCRIPT = [
     {"when": f"<|im_start|>user\n{THINK_ASK}", "reply": f"<think>{THOUGHT}</think>On it.\n" + CALL},
 ]
 TOOL: Any = {"type": "function", "function": {"name": "track", "parameters": {"type": "object"}}}
+INFERX = str(Path(sys.executable).with_name("inferx"))
 SERVER_KV_TOKENS = 4000  # the server's context limit (the sim's KV pool)
 
 
@@ -156,6 +160,24 @@ async def test_a_servers_reasoning_comes_back_apart_and_its_tool_call_is_still_r
     deltas = [chunk.choices[0].delta for chunk in stream if chunk.choices]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == THOUGHT
     assert "<think>" not in "".join(d.content or "" for d in deltas)
+    # `inferx call` prints the thinking on stderr, the answer on stdout.
+    called = subprocess.run(
+        [
+            INFERX,
+            "call",
+            MODEL,
+            THINK_ASK,
+            "--system",
+            "You track parcels.",
+            "--router",
+            stack.router_address,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert called.returncode == 0, called.stderr
+    assert called.stdout.startswith("On it.") and THOUGHT not in called.stdout and THOUGHT in called.stderr
     async with stack.client() as client:
         status = await client.status()
     registered = {w.pool: w.reasoning_parser for w in status.workers}
