@@ -154,6 +154,9 @@ class InferxClient:
         tool_choice: str | Mapping[str, Any] | None = None,
         max_tokens: int = 0,
         temperature: float | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
         program_id: str = "",
         program_name: str = "",
         tier: common_pb2.Tier = common_pb2.TIER_UNSPECIFIED,
@@ -173,7 +176,8 @@ class InferxClient:
         or OpenAI-shaped chat `messages` (role, content, name, tool_call_id, tool_calls)
         with optional `tools` / `tool_choice`. Calls with the same `program_id` are hops
         of one program (`inferx trace`); `kv_retention_s`: how long to keep the
-        program's KV after this call (0 = let it go at once)."""
+        program's KV after this call (0 = let it go at once). `stop`: the reply ends
+        before the first of these the model writes (OpenAI's `stop`)."""
         request = router_pb2.ProgramCallRequest(
             model=model,
             prompt=prompt,
@@ -194,9 +198,14 @@ class InferxClient:
             program_end=program_end,
             parent_program_id=parent_program_id,
             priority=priority,
+            stop=list(stop),
         )
         if temperature is not None:
             request.temperature = temperature
+        if top_p is not None:
+            request.top_p = top_p
+        if seed is not None:
+            request.seed = seed
         if kv_retention_s is not None:
             request.kv_retention_s = kv_retention_s
         try:

@@ -55,6 +55,9 @@ def hop_request(hop: ModelHop, last_worker: Callable[[str], str] | None = None) 
         sampling=common_pb2.SamplingOptions(
             max_tokens=hop.max_tokens,
             temperature=hop.temperature,
+            top_p=hop.top_p,
+            seed=hop.seed,
+            stop=hop.stop,
             max_context_tokens=hop.max_context_tokens,
             truncate_context=hop.truncate_context,
         ),

@@ -39,6 +39,9 @@ class ModelHop:
     prompt: str
     max_tokens: int
     temperature: float
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()  # stop sequences (the OpenAI front's calls)
     max_context_tokens: int = 0
     truncate_context: bool = False
     chat_json: str = ""  # a chat for the worker's chat template (the OpenAI front's calls); "" = none

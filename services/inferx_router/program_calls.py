@@ -135,6 +135,9 @@ class ProgramCalls:
             prompt=prompt,
             max_tokens=tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            seed=body.seed,
+            stop=tuple(body.stop_sequences),
             chat_json=chat,  # `prompt` is its generic rendering (token estimates, template-less models)
         )
 
@@ -376,6 +379,12 @@ def request_body(request: router_pb2.ProgramCallRequest) -> schema.CallRequest:
         data["max_tokens"] = request.max_tokens
     if request.HasField("temperature"):
         data["temperature"] = round(request.temperature, 6)  # float32 on the wire
+    if request.HasField("top_p"):
+        data["top_p"] = round(request.top_p, 6)
+    if request.HasField("seed"):
+        data["seed"] = request.seed
+    if request.stop:
+        data["stop"] = list(request.stop)
     if request.messages and request.prompt:
         raise InvalidField("prompt", "give a prompt or messages, not both")
     if not request.messages:

@@ -61,6 +61,9 @@ class Call:
     max_tokens: int
     temperature: float
     chat_json: str = ""  # a chat call's messages and tools (inferx.openai_compat.render.chat_json)
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
 
 
 @dataclass
@@ -333,6 +336,9 @@ def program_hop(
         prompt=call.prompt,
         max_tokens=call.max_tokens,
         temperature=call.temperature,
+        top_p=call.top_p,
+        seed=call.seed,
+        stop=call.stop,
         chat_json=call.chat_json,
         kv_retention_s=identity.kv_retention_s,
     )

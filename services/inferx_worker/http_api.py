@@ -158,6 +158,9 @@ class WorkerHttpApi:
             prompt=prompt,
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            seed=body.seed,
+            stop=tuple(body.stop_sequences),
             priority=priority,
         )
         created = int(time.time())

@@ -59,6 +59,7 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServicer):
             temperature=request.sampling.temperature,
             top_p=request.sampling.top_p or 1.0,
             seed=request.sampling.seed if request.sampling.HasField("seed") else None,
+            stop=tuple(request.sampling.stop),
             priority=request.context.priority,
             templated=templated,
             chat=chat,

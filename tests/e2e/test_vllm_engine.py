@@ -163,3 +163,18 @@ async def test_kv_events_report_the_blocks_a_request_cached(engine: VllmEngine):
         what="vLLM's BlockStored events for the request's blocks",
     )
     await stream.aclose()
+
+
+async def test_a_stop_sequence_ends_the_text_before_it(engine: VllmEngine):
+    """The request's stop sequences reach vLLM's SamplingParams: greedy decoding writes
+    the same text again, which now ends before the first occurrence of a piece of it."""
+    first = await collect(engine, EngineRequest("stop-1", LOOP_PROMPT, max_tokens=24))
+    text = "".join(c.text for c in first)
+    stop = next(
+        (text[i : i + 3] for i in range(len(text) // 2, len(text) - 3) if text[i : i + 3].strip()),
+        None,
+    )
+    assert stop is not None, f"no stop sequence to take from {text!r}"
+    again = await collect(engine, EngineRequest("stop-2", LOOP_PROMPT, max_tokens=24, stop=(stop,)))
+    assert "".join(c.text for c in again) == text[: text.find(stop)]
+    assert again[-1].finish_reason == "stop" and again[-1].completion_tokens < first[-1].completion_tokens

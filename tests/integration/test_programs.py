@@ -36,6 +36,7 @@ pytestmark = pytest.mark.integration
 MODEL = "qwen-7b"
 CALL_TRACK, NO_TOOLS = "Track parcel TRK-42 with the tool.", "Answer in words only."
 CALL_TWO = "Track TRK-42 and look up order 7."
+REACT = "Answer as Thought / Action / Observation."  # a ReAct agent: it stops before Observation
 SCRIPT = [
     {
         "when": CALL_TWO,
@@ -47,6 +48,7 @@ SCRIPT = [
         "reply": 'Checking.\n<tool_call>\n{"name": "track", "arguments": {"id": "TRK-42"}}\n</tool_call>',
     },
     {"when": NO_TOOLS, "reply": "It is on its way."},
+    {"when": REACT, "reply": "Thought: find the parcel\nAction: track[TRK-42]\nObservation: (made up)"},
 ]
 IDLE_S = 3.0
 INFERX = str(Path(sys.executable).with_name("inferx"))
@@ -424,6 +426,43 @@ async def test_call_model_reads_tool_calls_as_the_http_front_does(stack: LocalSt
     # The call streamed on its own as soon as it was read: after the content, before finished.
     assert event_kinds(events) == ["text", "tool_call", "finished"]
     assert [e.tool_call for e in events if e.WhichOneof("event") == "tool_call"] == [call]
+
+
+async def test_a_react_agents_stop_sequence_ends_the_reply_before_it_on_both_fronts(
+    stack: LocalStack,
+) -> None:
+    """OpenAI's `stop` reaches the engine: a ReAct agent's reply ends before the
+    observation it must not invent (finish reason stop), whole, streamed and on CallModel."""
+    messages: Any = [{"role": "user", "content": REACT}]
+    expected = "Thought: find the parcel\nAction: track[TRK-42]"
+    client = sdk(stack)
+    whole = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=64, stop=["\nObservation:"]
+    )
+    assert whole.choices[0].message.content == expected and whole.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=64, stop="\nObservation:", stream=True, seed=1, top_p=0.9
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
+    unstopped = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64)
+    assert (unstopped.choices[0].message.content or "").endswith("Observation: (made up)")
+    async with stack.client(timeout_s=30) as grpc_client:
+        events = [
+            e
+            async for e in grpc_client.call_model(
+                MODEL, messages=messages, max_tokens=64, stop=["\nObservation:"]
+            )
+        ]
+    assert "".join(e.text for e in events if e.WhichOneof("event") == "text") == expected
+    assert events[-1].finished.finish_reason == "stop"
+    called = subprocess.run(
+        [INFERX, "call", MODEL, REACT, "--stop", "\nObservation:", "--router", stack.router_address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert called.returncode == 0, called.stderr
+    assert called.stdout.strip() == expected and called.stderr.startswith("stop")
 
 
 def event_kinds(events: list[router_pb2.ProgramCallEvent]) -> list[str]:

@@ -23,6 +23,7 @@ from inferx.openai_compat.identity import ProgramIdentity, parse_identity
 from inferx.openai_compat.render import GENERATION_MARK, render_chat
 from inferx.scheduling.views import Tier
 from inferx.tokens import DEFAULT_MAX_TOKENS
+from inferx.v1 import router_pb2
 from inferx_router.hops import ModelHop
 from inferx_router.programs import Call, ProgramBook, program_hop
 from inferx_router.records import RunStore
@@ -276,3 +277,58 @@ def test_a_programs_unknown_remaining_hops_stay_unset_on_the_wire() -> None:
     last = hop_request(ending).context
     assert last.HasField("remaining_hops") and last.remaining_hops == 0
     assert last.run_id == "acme/p" and last.session_id == "" and last.hop_index == 1
+
+
+def test_sampling_fields_reach_the_hop_request_as_sent() -> None:
+    """top_p, seed and stop: from the body (or CallModel's fields) to the worker's
+    SamplingOptions; unset ones stay unset (1.0, no seed, no stop)."""
+    from dataclasses import replace
+
+    from inferx_router.executors import hop_request
+    from inferx_router.program_calls import request_body
+
+    body = schema.validate_body(
+        schema.ChatCompletionRequest,
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "top_p": 0.5,
+            "seed": 7,
+            "stop": "\nObs",
+        },
+    )
+    assert (body.top_p, body.seed, body.stop_sequences) == (0.5, 7, ["\nObs"])
+    call = replace(CALL, top_p=body.top_p or 1.0, seed=body.seed, stop=tuple(body.stop_sequences))
+    hop, _ = program_hop(
+        call,
+        ProgramBook(RunStore()).begin(ProgramIdentity(""), tenant="acme"),
+        ProgramIdentity(""),
+        now_unix_ms=1000,
+        default_timeout_ms=60_000,
+    )
+    sampling = hop_request(hop).sampling
+    assert (round(sampling.top_p, 6), sampling.seed, list(sampling.stop)) == (0.5, 7, ["\nObs"])
+    plain = hop_request(hop_of(ProgramBook(RunStore()), ProgramIdentity(""))[0]).sampling
+    assert (plain.top_p, plain.HasField("seed"), list(plain.stop)) == (1.0, False, [])
+    grpc_body = request_body(
+        router_pb2.ProgramCallRequest(model="m", prompt="p", top_p=0.25, seed=3, stop=["END", "\n\n"])
+    )
+    assert (grpc_body.top_p, grpc_body.seed, grpc_body.stop_sequences) == (0.25, 3, ["END", "\n\n"])
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"stop": ""}, "stop", "a stop sequence is empty"),
+        ({"stop": ["a", ""]}, "stop", "a stop sequence is empty"),
+        ({"stop": [str(i) for i in range(17)]}, "stop", "at most 16 stop sequences, got 17"),
+        ({"stop": 3}, "stop", ""),
+        ({"top_p": 0}, "top_p", "greater than 0"),
+        ({"top_p": 1.5}, "top_p", "less than or equal to 1"),
+        ({"seed": -1}, "seed", "greater than or equal to 0"),
+    ],
+)
+def test_bad_sampling_fields_are_named(fields: dict, param: str, words: str) -> None:
+    with pytest.raises(InvalidField) as caught:
+        schema.validate_body(schema.CompletionRequest, {"model": "m", "prompt": "p", **fields})
+    assert caught.value.param == param and words in caught.value.message

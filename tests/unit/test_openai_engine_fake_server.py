@@ -156,6 +156,16 @@ async def test_a_chat_goes_to_the_chat_endpoint_with_its_tools_and_tool_choice(s
     assert (final.prompt_tokens, final.completion_tokens, final.cached_prompt_tokens) == (40, 6, 32)
 
 
+async def test_stop_sequences_top_p_and_seed_go_to_the_server(server: FakeServer) -> None:
+    server.events = [chat_chunk({"content": "Thought: x"}), chat_chunk(reason="stop")]
+    chat = Chat(MESSAGES, TOOLS)
+    await run(await engine_for(server), chat_request(chat, seed=7, top_p=0.5, stop=("\nObservation:",)))
+    await run(await engine_for(server, chat_endpoint=False), EngineRequest("r2", "p", stop=("END",)))
+    (_, chat_body), (_, text_body) = server.received
+    assert (chat_body["stop"], chat_body["top_p"], chat_body["seed"]) == (["\nObservation:"], 0.5, 7)
+    assert text_body["stop"] == ["END"] and "seed" not in text_body
+
+
 async def test_a_chat_without_tools_sends_neither_tools_nor_tool_choice(server: FakeServer) -> None:
     server.events = [chat_chunk({"content": "hi"}), chat_chunk(reason="length")]
     chunks = await run(await engine_for(server), chat_request(Chat(MESSAGES[:1])))

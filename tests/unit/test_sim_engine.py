@@ -11,7 +11,7 @@ import pytest
 from inferx.sim.engine import EngineModel, SimRequest
 from inferx.sim.profile import EngineProfile
 from inferx_worker.engines.base import EngineRequest
-from inferx_worker.engines.sim_engine import SimEngine, SimParams, block_segments, split_tokens
+from inferx_worker.engines.sim_engine import SimEngine, SimParams, block_segments, split_tokens, stop_at
 
 
 async def _run(engine: SimEngine, prompt: str, max_tokens: int = 4, rid: str = "r"):
@@ -158,3 +158,29 @@ async def test_without_prefix_caching_nothing_is_reused() -> None:
     finally:
         await engine.stop()
     assert second.cached_prompt_tokens == 0 and second.prompt_tokens > 100
+
+
+def test_stop_at_ends_at_the_token_completing_the_first_stop_written() -> None:
+    out = ["Thou", "ght:", " a\nO", "bser", "vati", "on: ", "x"]
+    assert stop_at(out, ("\nObservation:",)) == (6, len("Thought: a"))  # tokens through "on: "
+    assert stop_at(out, ("Observation", "ght")) == (2, len("Thou"))  # the one completed first wins
+    assert stop_at(out, ("nowhere",)) is None and stop_at(out, ()) is None
+
+
+async def test_a_stop_sequence_ends_a_scripted_reply_before_it() -> None:
+    from inferx.sim.script import SimScript
+
+    reply = "Thought: look it up\nAction: track[7]\nObservation: invented"
+    engine = SimEngine(_fast(), script=SimScript.from_data([{"reply": reply}]))
+    await engine.start()
+    try:
+        request = EngineRequest("r", "x" * 40, max_tokens=100, stop=("\nObservation:",))
+        chunks = [c async for c in engine.generate(request)]
+        plain = await _run(engine, "y" * 40, max_tokens=100, rid="p")
+    finally:
+        await engine.stop()
+    assert "".join(c.text for c in chunks) == "Thought: look it up\nAction: track[7]"
+    final = chunks[-1]
+    assert final.finish_reason == "stop"
+    assert final.completion_tokens == -(-len("Thought: look it up\nAction: track[7]\nObservation:") // 4)
+    assert "".join(c.text for c in plain) == reply and plain[-1].finish_reason == "stop"

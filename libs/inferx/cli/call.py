@@ -65,6 +65,7 @@ async def cmd_call(args: argparse.Namespace) -> int:
             tool_choice=tool_choice(args.tool_choice),
             max_tokens=args.max_tokens,
             temperature=args.temperature,
+            stop=args.stop,
             program_id=args.program or "",
             program_name=args.name or "",
             tier=TIERS.get(args.tier or "", 0),  # type: ignore[arg-type]
@@ -141,4 +142,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     call.add_argument("--max-tokens", type=int, default=0, metavar="N")
     call.add_argument("--temperature", type=float)
+    call.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="S",
+        help="end the reply before the model writes S (repeatable; OpenAI's stop)",
+    )
     call.set_defaults(handler=cmd_call)

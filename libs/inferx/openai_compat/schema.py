@@ -25,11 +25,12 @@ from inferx.tokens import DEFAULT_MAX_TOKENS
 ReplyEvent = Event | Reasoning
 
 # Fields OpenAI defines that InferX accepts and ignores (documented in the README):
-# stop, top_p, seed, presence_penalty, frequency_penalty, logit_bias, user, metadata,
-# response_format, parallel_tool_calls, store, ... Unknown keys are ignored as well.
+# presence_penalty, frequency_penalty, logit_bias, user, metadata, response_format,
+# parallel_tool_calls, store, ... Unknown keys are ignored as well.
 _LENIENT = ConfigDict(extra="ignore")
 
 TOOL_CHOICES = ("auto", "none", "required")
+MAX_STOP_SEQUENCES = 16  # OpenAI takes 4; vLLM sets no limit
 
 
 def _tool_name(tool: dict[str, Any]) -> Any:
@@ -82,6 +83,23 @@ class CallRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="one choice per call (n > 1 is not supported)")
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    stop: str | list[str] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_sequences(cls, value: Any) -> Any:
+        sequences = [value] if isinstance(value, str) else value or []
+        if len(sequences) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(sequences)}")
+        if any(not sequence for sequence in sequences):
+            raise ValueError("a stop sequence is empty")
+        return value
+
+    @property
+    def stop_sequences(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def output_tokens(self) -> int:
         """Tokens the call may generate; unbounded here: the router checks its limit

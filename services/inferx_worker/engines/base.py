@@ -20,6 +20,9 @@ class EngineRequest:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    # Stop sequences: the completion ends before the first one the model writes, which is
+    # left out of the text (finish reason "stop"), as vLLM's `stop`.
+    stop: tuple[str, ...] = ()
     priority: int = 0  # lower runs first (vLLM's convention)
     # The prompt is a chat template's rendering (Engine.render_chat): it holds the special
     # tokens the template wrote (a BOS, say), and engines add none when tokenizing it.

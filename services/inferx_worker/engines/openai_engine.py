@@ -269,6 +269,8 @@ class OpenAIEngine(Engine):
         }
         if request.seed is not None:
             body["seed"] = request.seed
+        if request.stop:
+            body["stop"] = list(request.stop)
         if self._send_priority:
             body["priority"] = request.priority  # vLLM's priority scheduling; others ignore it
         return body

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import logging
 import math
 from collections.abc import AsyncGenerator
@@ -134,6 +135,25 @@ def output_tokens(start: int, count: int, chars_per_token: int) -> list[str]:
     doubled = _TEXT * (2 + (count * width) // len(_TEXT))
     text = doubled[base : base + count * width]
     return [text[i : i + width] for i in range(0, count * width, width)]
+
+
+def stop_at(out: list[str], stops: tuple[str, ...]) -> tuple[int, int] | None:
+    """Where output tokens `out` stop at the first of `stops` they write: (tokens
+    generated, through the one completing it; characters shown, before it); None when
+    they write none."""
+    if not stops:
+        return None
+    text = "".join(out)
+    found = [(text.find(stop), stop) for stop in stops if stop and stop in text]
+    if not found:
+        return None
+    start, stop = min(found, key=lambda hit: (hit[0] + len(hit[1]), hit[0]))
+    end, tokens = start + len(stop), 0
+    for size in itertools.accumulate(len(token) for token in out):
+        tokens += 1
+        if size >= end:
+            break
+    return tokens, start
 
 
 def block_segments(tokens: list[str], block_size: int, first: int = 0) -> list[Segment]:
@@ -310,6 +330,14 @@ class SimEngine(Engine):
             if eos is not None:
                 wanted = min(wanted, eos)
             out = output_tokens(len(tokens), wanted, p.chars_per_token)
+        # Stop sequences: the "model" stops at the token that completes the first one it
+        # writes; the text shown ends before it (as vLLM's detokenizer cuts it).
+        full = "".join(out)
+        shown = len(full)
+        if (stopped := stop_at(out, request.stop)) is not None:
+            wanted, shown = stopped
+            out, reason = out[:wanted], "stop"
+        ends = [0, *itertools.accumulate(len(token) for token in out)]  # token i ends at ends[i + 1]
         if p.prefix_caching:
             prompt_segments = block_segments(tokens, block)
             # Blocks completed by the output (from the prompt's partial block on) stay cached.
@@ -328,11 +356,13 @@ class SimEngine(Engine):
         self.model.add(sim)
         self._kick.set()
         produced, done = 0, False
+        written = 0  # characters of the output sent so far (at most `shown`)
         try:
             while True:
                 count, done = await stream.get()
-                text = "".join(out[produced : produced + count])
                 produced += count
+                upto = min(shown, ends[min(produced, len(out))])
+                text, written = full[written:upto], upto
                 if done:
                     break
                 yield EngineChunk(text=text)

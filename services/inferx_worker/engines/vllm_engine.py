@@ -266,6 +266,8 @@ class VllmEngine(Engine):
             top_p=request.top_p,
             seed=request.seed,
         )
+        if request.stop:
+            params_kw["stop"] = list(request.stop)
         if self._delta_kind is not None:
             params_kw["output_kind"] = self._delta_kind
         try:
