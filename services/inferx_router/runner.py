@@ -385,6 +385,7 @@ class ChainRun:
             prompt=prompt,
             max_tokens=node.max_tokens,
             temperature=node.temperature,
+            stop=tuple(node.stop),
             max_context_tokens=node.max_context_tokens or 0,
             truncate_context=node.context_overflow == "truncate",
         )

@@ -284,6 +284,8 @@ def test_bad_timeouts_name_node_and_field(timeout: Any) -> None:
         ({"id": "-bad id"}, "node '-bad id': id: '-bad id' is not a valid identifier"),
         ({"id": 7}, "nodes[0]: id: must be a valid string, got 7"),
         ({"depends_on": "x"}, "node 'a': depends_on: must be a valid list, got 'x'"),
+        ({"stop": [""]}, "node 'a': stop[0]: "),
+        ({"stop": ["x"] * 17}, "node 'a': stop: "),
     ],
 )
 def test_bad_field_values_name_node_and_field(fields: dict[str, Any], expected: str) -> None:
@@ -580,3 +582,9 @@ def test_non_string_keys_are_reported_where_they_are() -> None:
     doc = "agent_chain:\n  name: x\n  slo: {end_to_end_latency_p99: 1s}\n  nodes:\n"
     doc += "    - {id: a, type: tool_call, tool: t, 1: 2}\n"
     assert problems_of(doc) == ["node 'a': keys must be strings, got 1"]
+
+
+def test_a_model_node_takes_stop_sequences() -> None:
+    config = load(chain_with(model("a", stop=["\nObservation:", "END"]))).config
+    assert config.nodes[0].stop == ["\nObservation:", "END"]
+    assert load(chain_with(model("b"))).config.nodes[0].stop == []

@@ -138,7 +138,7 @@ def drain(run: ChainRun) -> list:
 
 
 LINEAR = (
-    m("a", "m1", timeout="1s", max_tokens=10, temperature=0.5),
+    m("a", "m1", timeout="1s", max_tokens=10, temperature=0.5, stop=["\nObservation:"]),
     tool("t", "search", depends_on=["a"], timeout="2s", arguments={"query": "{{ nodes.a.output }}"}),
     m(
         "b",
@@ -190,6 +190,7 @@ async def test_model_hop_fields() -> None:
     assert (a.prompt, b.prompt) == ("q: hi\nTask (a):", "Q=hi T=found")
     assert (a.max_tokens, a.temperature, a.max_context_tokens, a.truncate_context) == (10, 0.5, 0, False)
     assert (b.max_tokens, b.max_context_tokens, b.truncate_context) == (20, 500, True)
+    assert (a.stop, b.stop) == (("\nObservation:",), ())
     identity = {(h.run_id, h.session_id, h.chain_name, h.chain_version) for h in executor.hops}
     assert identity == {(run.run_id, "s1", "c", 7)}
     assert {h.deadline_unix_ms for h in executor.hops} == {a.deadline_unix_ms}

@@ -30,6 +30,7 @@ MODEL_INFERENCE = NodeKind(
         "prompt",
         "max_tokens",
         "temperature",
+        "stop",
         "max_context_tokens",
         "context_overflow",
     ),

@@ -185,6 +185,8 @@ class NodeSpec(BaseModel):
     arguments: dict[str, str] = Field(default_factory=dict)
     max_tokens: int = Field(DEFAULT_MAX_TOKENS, gt=0, le=MAX_UINT32)
     temperature: float = Field(0.0, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
+    # The model's output ends before the first of these it writes (vLLM's stop strings).
+    stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=16)
     fallback_model: str | None = None
     critical: bool = True
     retries: int = Field(0, ge=0, le=10)
