@@ -193,8 +193,9 @@ def test_chain_aware_does_not_pull_new_chains_to_a_shared_system_prompt() -> Non
 def test_chain_aware_counts_only_the_chain_own_context_past_a_named_prefix() -> None:
     """The chain ran on w0; w0 then evicted its own context but kept the shared system
     prompt, which w1 holds too. With the prefix named (prefix_id, prefix_tokens) the
-    shared blocks tie the chain to neither worker and save it no prefill estimate;
-    unnamed, what a worker holds of the prompt counts (the test above)."""
+    shared blocks tie the chain to neither worker (placement, home), while its prefill
+    estimate counts all a worker holds (the engine's real work); unnamed, what a worker
+    holds of the prompt counts for both (the test above)."""
     blocks = (("sys", 2000), ("ctx", 3000), ("new", 500))
     index = PrefixIndex()
     index.apply("w0", KvEvent(STORED, (("sys", 2000), ("ctx", 3000))))
@@ -237,14 +238,14 @@ def test_chain_aware_counts_only_the_chain_own_context_past_a_named_prefix() -> 
     policy = ChainAwarePolicy(ChainAwareConfig(exact_prefix=True, realtime_guard=False))
     policy.use_prefix_index(index)
     second = second_hop(policy)
-    assert policy._prefill_estimate(second.view, "w0") == 2500  # its own 3000 still there
+    assert policy._prefill_estimate(second.view, "w0") == 500  # the system prompt and its own 3000
     assert policy.choose_worker(second, workers, 2.0) == "w0"  # stays with its context
     index.apply("w0", KvEvent(REMOVED, (("ctx", 0),)))
     policy = ChainAwarePolicy(ChainAwareConfig(exact_prefix=True, realtime_guard=False))
     policy.use_prefix_index(index)
     second = second_hop(policy)
-    assert policy._prefill_estimate(second.view, "w0") == 5500
-    assert policy._prefill_estimate(second.view, "w1") == 5500
+    assert policy._prefill_estimate(second.view, "w0") == 3500
+    assert policy._prefill_estimate(second.view, "w1") == 3500
     assert policy.choose_worker(second, workers, 2.0) == "w1"  # nothing of its own left: by room
 
 

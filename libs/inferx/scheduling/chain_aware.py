@@ -301,27 +301,28 @@ class ChainAwarePolicy:
         """Exact prefix locations may answer for this hop (`exact_prefix`, an index, keys)."""
         return self.config.exact_prefix and self._prefix_index is not None and bool(hop.prompt_blocks)
 
-    def _exact_cached(self, hop: HopView, worker_id: str | None) -> int | None:
-        """Tokens of the chain's *own* context cached on the worker, from the KV-event
-        index; None when that is off or does not know (no events from the worker, no
-        prompt keys).
+    def _exact_cached(self, hop: HopView, worker_id: str | None, *, own: bool = True) -> int | None:
+        """Tokens of a chain under way's prompt cached on the worker, from the KV-event
+        index: with `own`, only its own context (what the worker holds past the shared
+        prefix, `prefix_tokens`, when the router names one); without, everything (what
+        the hop would really prefill there). None when that is off or does not know (no
+        events from the worker, no prompt keys) -- and for a chain not under way, which
+        has no context of its own anywhere and is placed and estimated as without the
+        index.
 
-        Only the chain's own context counts: for a chain under way, what the worker holds
-        past the shared prefix (`prefix_tokens`, when the router names one); a new chain
-        has no context of its own anywhere, so it counts nothing. Counting the shared
-        system prompt herds: every new chain of a program is pulled to the workers that
-        already hold that prompt (placement bonus), and its small exact prefill estimate
-        lets the realtime guard start it there -- measured on the simulator's mix at 0.43x
-        the capacity of the estimate (docs/benchmarks.md, "Own context only")."""
+        Why: counting the shared system prompt where the chain is placed, or a new
+        chain's small exact prefill estimate where it is held, herds every new chain of a
+        program onto the workers that already hold that prompt -- measured on the
+        simulator's mix at 0.43x the capacity of the estimate (docs/benchmarks.md, "Own
+        context only"). Only the prefill estimate of a chain under way takes the whole
+        match (own=False): that is the work the engine will do."""
         index = self._prefix_index
         if not self.config.exact_prefix or index is None or worker_id is None or not hop.prompt_blocks:
             return None
-        if not index.knows(worker_id):
+        if not index.knows(worker_id) or not self._under_way(hop):
             return None
-        if not self._under_way(hop):
-            return 0
         matched = min(index.match(worker_id, hop.prompt_blocks), hop.prompt_tokens)
-        shared = hop.prefix_tokens if hop.prefix_id else 0
+        shared = hop.prefix_tokens if hop.prefix_id and own else 0
         return max(matched - shared, 0)
 
     # ----- chain state ------------------------------------------------------------------
@@ -488,7 +489,7 @@ class ChainAwarePolicy:
         the worker (`worker_id`, or wherever the chain's context is)."""
         state = self._chains.get(self._key(hop))
         where = worker_id if worker_id is not None else (state.worker_id if state is not None else None)
-        exact = self._exact_cached(hop, where)
+        exact = self._exact_cached(hop, where, own=False)
         if exact is not None:
             return hop.prompt_tokens - exact
         cached = 0
