@@ -58,6 +58,7 @@ def hop_request(hop: ModelHop, last_worker: Callable[[str], str] | None = None) 
             top_p=hop.top_p,
             seed=hop.seed,
             stop=hop.stop,
+            response_format_json=hop.response_format_json,
             max_context_tokens=hop.max_context_tokens,
             truncate_context=hop.truncate_context,
         ),

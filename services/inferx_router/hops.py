@@ -42,6 +42,7 @@ class ModelHop:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()  # stop sequences (the OpenAI front's calls)
+    response_format_json: str = ""  # structured output (OpenAI's response_format); "" = free text
     max_context_tokens: int = 0
     truncate_context: bool = False
     chat_json: str = ""  # a chat for the worker's chat template (the OpenAI front's calls); "" = none

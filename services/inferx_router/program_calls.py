@@ -138,6 +138,7 @@ class ProgramCalls:
             top_p=1.0 if body.top_p is None else body.top_p,
             seed=body.seed,
             stop=tuple(body.stop_sequences),
+            response_format_json=body.response_format_json,
             chat_json=chat,  # `prompt` is its generic rendering (token estimates, template-less models)
         )
 
@@ -385,6 +386,8 @@ def request_body(request: router_pb2.ProgramCallRequest) -> schema.CallRequest:
         data["seed"] = request.seed
     if request.stop:
         data["stop"] = list(request.stop)
+    if request.response_format_json:
+        data["response_format"] = _json_field("response_format_json", request.response_format_json, dict)
     if request.messages and request.prompt:
         raise InvalidField("prompt", "give a prompt or messages, not both")
     if not request.messages:

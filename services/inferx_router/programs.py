@@ -64,6 +64,7 @@ class Call:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    response_format_json: str = ""  # OpenAI's response_format, as JSON; "" = free text
 
 
 @dataclass
@@ -339,6 +340,7 @@ def program_hop(
         top_p=call.top_p,
         seed=call.seed,
         stop=call.stop,
+        response_format_json=call.response_format_json,
         chat_json=call.chat_json,
         kv_retention_s=identity.kv_retention_s,
     )

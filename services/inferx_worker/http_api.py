@@ -30,6 +30,7 @@ its tool_choice too) gets its HTTP status.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 import uuid
@@ -161,6 +162,7 @@ class WorkerHttpApi:
             top_p=1.0 if body.top_p is None else body.top_p,
             seed=body.seed,
             stop=tuple(body.stop_sequences),
+            response_format=json.loads(body.response_format_json) if body.response_format_json else None,
             priority=priority,
         )
         created = int(time.time())

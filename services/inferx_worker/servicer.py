@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import time
 
 import grpc
@@ -60,6 +61,7 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServicer):
             top_p=request.sampling.top_p or 1.0,
             seed=request.sampling.seed if request.sampling.HasField("seed") else None,
             stop=tuple(request.sampling.stop),
+            response_format=response_format(request.sampling.response_format_json),
             priority=request.context.priority,
             templated=templated,
             chat=chat,
@@ -194,3 +196,17 @@ def _event_pb(event: KvEvent) -> worker_pb2.KvEvent:
     return worker_pb2.KvEvent(
         kind=_KIND[event.kind], blocks=[worker_pb2.KvBlock(key=k, tokens=t) for k, t in event.blocks]
     )
+
+
+def response_format(text: str) -> dict | None:
+    """SamplingOptions.response_format_json as the engine takes it; INVALID_ARGUMENT for
+    one that is not a JSON object with a type (the router checks it; a direct caller may not)."""
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        raise InvalidArgument("sampling.response_format_json: not valid JSON") from None
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise InvalidArgument("sampling.response_format_json: expected OpenAI's response_format object")
+    return None if value["type"] == "text" else value

@@ -8,6 +8,7 @@ only rely on structure: streaming, token counts, prefix-cache hits, capacity and
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections.abc import AsyncGenerator
 
@@ -178,3 +179,22 @@ async def test_a_stop_sequence_ends_the_text_before_it(engine: VllmEngine):
     again = await collect(engine, EngineRequest("stop-2", LOOP_PROMPT, max_tokens=24, stop=(stop,)))
     assert "".join(c.text for c in again) == text[: text.find(stop)]
     assert again[-1].finish_reason == "stop" and again[-1].completion_tokens < first[-1].completion_tokens
+
+
+async def test_a_json_schema_response_format_constrains_the_output(engine: VllmEngine):
+    """vLLM's structured outputs on the random-weight model: without the schema its text
+    is gibberish; with it, a JSON object with the one boolean field (the grammar allows
+    only whitespace after the value, so a reply cut at max_tokens is that object but its
+    closing brace)."""
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema}}
+    chunks = await collect(engine, EngineRequest("json-1", LOOP_PROMPT, max_tokens=48, response_format=fmt))
+    text = "".join(c.text for c in chunks)
+    whole = text if chunks[-1].finish_reason == "stop" else text.rstrip() + "}"
+    value = json.loads(whole)
+    assert list(value) == ["ok"] and isinstance(value["ok"], bool), text

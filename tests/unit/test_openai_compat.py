@@ -332,3 +332,64 @@ def test_bad_sampling_fields_are_named(fields: dict, param: str, words: str) -> 
     with pytest.raises(InvalidField) as caught:
         schema.validate_body(schema.CompletionRequest, {"model": "m", "prompt": "p", **fields})
     assert caught.value.param == param and words in caught.value.message
+
+
+def test_response_format_reaches_the_hop_request_as_json() -> None:
+    schema_ = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema_}}
+    body = schema.validate_body(
+        schema.ChatCompletionRequest,
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "response_format": fmt},
+    )
+    assert json.loads(body.response_format_json) == fmt
+    text = schema.validate_body(
+        schema.CompletionRequest, {"model": "m", "prompt": "p", "response_format": {"type": "text"}}
+    )
+    assert text.response_format_json == ""  # free text: nothing for the engine
+    from dataclasses import replace
+
+    from inferx_router.executors import hop_request
+    from inferx_router.program_calls import request_body
+
+    call = replace(CALL, response_format_json=body.response_format_json)
+    identity = ProgramIdentity("")
+    hop, _ = program_hop(
+        call,
+        ProgramBook(RunStore()).begin(identity, tenant="acme"),
+        identity,
+        now_unix_ms=1000,
+        default_timeout_ms=60_000,
+    )
+    assert json.loads(hop_request(hop).sampling.response_format_json) == fmt
+    grpc_body = request_body(
+        router_pb2.ProgramCallRequest(model="m", prompt="p", response_format_json='{"type": "json_object"}')
+    )
+    assert grpc_body.response_format == {"type": "json_object"}
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        ({"type": "xml"}, "type: expected one of text, json_object, json_schema, got 'xml'"),
+        ({"type": "json_schema"}, "json_schema: expected"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}}, "json_schema: expected"),
+        ("json", "valid dictionary"),
+    ],
+)
+def test_bad_response_formats_are_named(value: object, words: str) -> None:
+    with pytest.raises(InvalidField) as caught:
+        schema.validate_body(
+            schema.CompletionRequest, {"model": "m", "prompt": "p", "response_format": value}
+        )
+    assert caught.value.param.startswith("response_format") and words in caught.value.message
+
+
+def test_the_worker_reads_response_format_json_or_refuses_it() -> None:
+    from inferx.errors import InvalidArgument
+    from inferx_worker.servicer import response_format
+
+    assert response_format("") is None and response_format('{"type": "text"}') is None
+    assert response_format('{"type": "json_object"}') == {"type": "json_object"}
+    for bad in ("{", "[]", '{"type": "yaml"}'):
+        with pytest.raises(InvalidArgument, match="response_format_json"):
+            response_format(bad)

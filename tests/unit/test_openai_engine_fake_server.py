@@ -164,6 +164,10 @@ async def test_stop_sequences_top_p_and_seed_go_to_the_server(server: FakeServer
     (_, chat_body), (_, text_body) = server.received
     assert (chat_body["stop"], chat_body["top_p"], chat_body["seed"]) == (["\nObservation:"], 0.5, 7)
     assert text_body["stop"] == ["END"] and "seed" not in text_body
+    assert "response_format" not in chat_body
+    fmt = {"type": "json_schema", "json_schema": {"name": "v", "schema": {"type": "object"}}}
+    await run(await engine_for(server), chat_request(chat, response_format=fmt))
+    assert server.received[-1][1]["response_format"] == fmt  # the server constrains its output
 
 
 async def test_a_chat_without_tools_sends_neither_tools_nor_tool_choice(server: FakeServer) -> None:

@@ -25,12 +25,13 @@ from inferx.tokens import DEFAULT_MAX_TOKENS
 ReplyEvent = Event | Reasoning
 
 # Fields OpenAI defines that InferX accepts and ignores (documented in the README):
-# presence_penalty, frequency_penalty, logit_bias, user, metadata, response_format,
-# parallel_tool_calls, store, ... Unknown keys are ignored as well.
+# presence_penalty, frequency_penalty, logit_bias, user, metadata, parallel_tool_calls,
+# store, ... Unknown keys are ignored as well.
 _LENIENT = ConfigDict(extra="ignore")
 
 TOOL_CHOICES = ("auto", "none", "required")
 MAX_STOP_SEQUENCES = 16  # OpenAI takes 4; vLLM sets no limit
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
 def _tool_name(tool: dict[str, Any]) -> Any:
@@ -86,6 +87,30 @@ class CallRequest(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=0, lt=2**64)
     stop: str | list[str] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _known_format(cls, value: Any) -> Any:
+        """OpenAI's three: text, json_object, json_schema (its `json_schema.schema` an
+        object); the engine constrains the output to it (vLLM's structured outputs)."""
+        if value is None:
+            return value
+        kind = value.get("type")
+        if kind not in RESPONSE_FORMATS:
+            raise ValueError(f"type: expected one of {', '.join(RESPONSE_FORMATS)}, got {kind!r}")
+        if kind == "json_schema":
+            spec = value.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise ValueError('json_schema: expected {"name": ..., "schema": {a JSON schema object}}')
+        return value
+
+    @property
+    def response_format_json(self) -> str:
+        """The response_format for the engine as JSON; "" for free text."""
+        if self.response_format is None or self.response_format.get("type") == "text":
+            return ""
+        return json.dumps(self.response_format, separators=(",", ":"))
 
     @field_validator("stop")
     @classmethod

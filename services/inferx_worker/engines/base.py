@@ -6,6 +6,7 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from typing import Any
 
 from inferx.chat_template import Chat
 from inferx.tokens import DEFAULT_MAX_TOKENS, estimate_tokens
@@ -23,6 +24,10 @@ class EngineRequest:
     # Stop sequences: the completion ends before the first one the model writes, which is
     # left out of the text (finish reason "stop"), as vLLM's `stop`.
     stop: tuple[str, ...] = ()
+    # Structured output: OpenAI's response_format ({"type": "json_object"} or
+    # {"type": "json_schema", "json_schema": {"schema": ...}}); None = free text. The
+    # SIMULATED engine's text is synthetic and does not follow it.
+    response_format: dict[str, Any] | None = None
     priority: int = 0  # lower runs first (vLLM's convention)
     # The prompt is a chat template's rendering (Engine.render_chat): it holds the special
     # tokens the template wrote (a BOS, say), and engines add none when tokenizing it.

@@ -271,6 +271,8 @@ class OpenAIEngine(Engine):
             body["seed"] = request.seed
         if request.stop:
             body["stop"] = list(request.stop)
+        if request.response_format is not None:
+            body["response_format"] = request.response_format
         if self._send_priority:
             body["priority"] = request.priority  # vLLM's priority scheduling; others ignore it
         return body

@@ -268,6 +268,8 @@ class VllmEngine(Engine):
         )
         if request.stop:
             params_kw["stop"] = list(request.stop)
+        if request.response_format is not None:
+            params_kw["structured_outputs"] = structured_outputs(request.response_format)
         if self._delta_kind is not None:
             params_kw["output_kind"] = self._delta_kind
         try:
@@ -532,3 +534,17 @@ def from_settings(settings: WorkerSettings) -> VllmEngine:
         kv_offload_gbps=settings.kv_offload_gbps,
         kv_cache_tokens=settings.kv_cache_tokens,
     )
+
+
+def structured_outputs(response_format: dict[str, Any]) -> Any:
+    """OpenAI's response_format as vLLM's StructuredOutputsParams (json_object: any JSON
+    object; json_schema: its schema), as vLLM's own OpenAI server maps it."""
+    try:
+        from vllm.sampling_params import StructuredOutputsParams
+    except ImportError:  # vLLM before 0.11 named it GuidedDecodingParams
+        raise EngineError(
+            "this vLLM has no structured outputs (StructuredOutputsParams): upgrade vLLM"
+        ) from None
+    if response_format.get("type") == "json_schema":
+        return StructuredOutputsParams(json=response_format["json_schema"]["schema"])
+    return StructuredOutputsParams(json_object=True)
