@@ -88,7 +88,11 @@ class PoolDirectory:
         if model in self.model_problems:
             raise FailedPrecondition(self.model_problems[model])
         workers = self.workers_for(model).values()
-        chosen = self.model_tool_formats.get(model) or self._registered_format(model, workers)
+        chosen = (
+            self.model_tool_formats.get(model)
+            or _registered(model, workers, "tool_call_format", FORMATS)
+            or DEFAULT_FORMAT
+        )
         for worker in workers:
             # A mapping may override what a template was read as; but an `openai` engine
             # writes the calls its server read out back in the format it registers, by
@@ -109,28 +113,9 @@ class PoolDirectory:
             raise FailedPrecondition(self.model_reasoning_problems[model])
         if model in self.model_reasoning_parsers:
             return self.model_reasoning_parsers[model]
-        named = Counter(w.reasoning_parser for w in self.workers_for(model).values() if w.reasoning_parser)
-        for name in named:
-            if name not in REASONING_PARSERS:
-                raise FailedPrecondition(
-                    f"a worker of model '{model}' registers reasoning parser {name!r}, which this "
-                    f"router does not know ({', '.join(REASONING_PARSERS)}); set the model mapping's "
-                    "reasoning_parser"
-                )
-        return min(named, key=lambda name: (-named[name], name)) if named else ""
-
-    @staticmethod
-    def _registered_format(model: str, workers: Iterable[common_pb2.WorkerInfo]) -> str:
-        named = Counter(w.tool_call_format for w in workers if w.tool_call_format)
-        for name in named:
-            if name not in FORMATS:
-                raise FailedPrecondition(
-                    f"a worker of model '{model}' registers tool-call format {name!r}, which this router "
-                    f"does not know ({', '.join(FORMATS)}); set the model mapping's tool_call_format"
-                )
-        if not named:
-            return DEFAULT_FORMAT
-        return min(named, key=lambda name: (-named[name], name))
+        return (
+            _registered(model, self.workers_for(model).values(), "reasoning_parser", REASONING_PARSERS) or ""
+        )
 
     def update_models(self, items: dict[str, bytes]) -> None:
         mapping: dict[str, str] = {}
@@ -178,6 +163,23 @@ class PoolDirectory:
                 continue
             by_pool.setdefault(info.pool, {})[info.worker_id] = info
         self.workers_by_pool = by_pool
+
+
+def _registered(
+    model: str, workers: Iterable[common_pb2.WorkerInfo], field_name: str, known: tuple[str, ...]
+) -> str | None:
+    """What the most of `model`'s workers register in `field_name` (tool_call_format,
+    reasoning_parser; ties by name), None when none does. FailedPrecondition naming one
+    this router does not know (a newer worker's), never a silent default."""
+    named = Counter(value for w in workers if (value := getattr(w, field_name)))
+    for name in named:
+        if name not in known:
+            what = field_name.replace("_", " ").replace("tool call", "tool-call")
+            raise FailedPrecondition(
+                f"a worker of model '{model}' registers {what} {name!r}, which this router does not "
+                f"know ({', '.join(known)}); set the model mapping's {field_name}"
+            )
+    return min(named, key=lambda name: (-named[name], name)) if named else None
 
 
 def no_worker_message(model: str, pool: str) -> str:

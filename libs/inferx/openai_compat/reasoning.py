@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from inferx.openai_compat.toolcalls import partial_end
+
 DEEPSEEK_R1, QWEN3 = "deepseek_r1", "qwen3"
 REASONING_PARSERS = (DEEPSEEK_R1, QWEN3)
 THINK, END_THINK = "<think>", "</think>"
@@ -39,14 +41,6 @@ class Reasoning:
     """A piece of the model's thinking (OpenAI-compatible servers' `reasoning_content`)."""
 
     text: str
-
-
-def _partial(text: str, token: str) -> int:
-    """How many characters at the end of `text` are the start of `token`."""
-    for size in range(min(len(text), len(token) - 1), 0, -1):
-        if token.startswith(text[-size:]):
-            return size
-    return 0
 
 
 class ReasoningSplitter:
@@ -82,7 +76,7 @@ class ReasoningSplitter:
         if self._state == "thinking":
             end = self._buffer.find(END_THINK)
             if end < 0:
-                keep = 0 if final else _partial(self._buffer, END_THINK)
+                keep = 0 if final else partial_end(self._buffer, END_THINK)
                 thought = self._buffer[: len(self._buffer) - keep]
                 self._buffer = self._buffer[len(self._buffer) - keep :]
                 if thought:

@@ -206,7 +206,7 @@ def _decode(text: str, start: int) -> tuple[Any, int] | None:
         return None
 
 
-def _partial(text: str, marker: str) -> int:
+def partial_end(text: str, marker: str) -> int:
     """Length of the longest end of `text` that begins `marker` (and may finish it)."""
     for size in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-size:]):
@@ -295,7 +295,7 @@ class HermesParser(ToolCallParser):
                 self._buffer = self._buffer[start + len(OPEN) :]
                 self._in_block = True
                 continue
-            keep = 0 if final else _partial(self._buffer, OPEN)
+            keep = 0 if final else partial_end(self._buffer, OPEN)
             self._text(self._buffer[: len(self._buffer) - keep], out)
             self._buffer = self._buffer[len(self._buffer) - keep :]
             return
@@ -422,7 +422,7 @@ class MistralParser(ToolCallParser):
         if not self._in_calls:
             start = self._buffer.find(TOOL_CALLS)
             if start < 0:
-                keep = 0 if final else _partial(self._buffer, TOOL_CALLS)
+                keep = 0 if final else partial_end(self._buffer, TOOL_CALLS)
                 self._text(self._buffer[: len(self._buffer) - keep], out)
                 self._buffer = self._buffer[len(self._buffer) - keep :]
                 return
@@ -655,7 +655,7 @@ class DeepSeekV3Parser(ToolCallParser):
             if not self._in_calls:
                 start = self._buffer.find(DS_CALLS_BEGIN)
                 if start < 0:
-                    keep = 0 if final else _partial(self._buffer, DS_CALLS_BEGIN)
+                    keep = 0 if final else partial_end(self._buffer, DS_CALLS_BEGIN)
                     self._text(self._buffer[: len(self._buffer) - keep], out)
                     self._buffer = self._buffer[len(self._buffer) - keep :]
                     return
@@ -721,7 +721,7 @@ class GraniteParser(ToolCallParser):
             if self._state == "content":
                 found = [(self._buffer.find(m), m) for m in GRANITE_MARKERS if m in self._buffer]
                 if not found:
-                    keep = 0 if final else max(_partial(self._buffer, m) for m in GRANITE_MARKERS)
+                    keep = 0 if final else max(partial_end(self._buffer, m) for m in GRANITE_MARKERS)
                     self._text(self._buffer[: len(self._buffer) - keep], out)
                     self._buffer = self._buffer[len(self._buffer) - keep :]
                     return
