@@ -23,6 +23,7 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,7 @@ from inferx.chain.plan import TIMEOUTS, ChainPlan, LatencyEstimate, LearnedLaten
 from inferx.chain.schema import ChainConfig, NodeSpec
 from inferx.chain.template import MissingReferenceError, render
 from inferx.errors import InferxError, InvalidArgument, NotFound
+from inferx.openai_compat.reasoning import split_reasoning
 from inferx.resilience import Degradation, NodeFallbacks, RetryBudget, backoff_s, degradation_ladder
 from inferx.scheduling.views import Tier
 from inferx.tokens import estimate_tokens
@@ -98,6 +100,7 @@ class ChainRun:
         latency: LearnedLatency | None = None,
         rng: random.Random | None = None,
         node_events: bool = True,
+        reasoning_parser: Callable[[str], str] | None = None,
     ) -> None:
         self.chain = chain
         self.plan: ChainPlan = chain.plan
@@ -107,6 +110,8 @@ class ChainRun:
         self.run_id = uuid.uuid4().hex[:16]
         self.tier = Tier(tier) if tier else Tier.parse(self.config.tier)
         self._executor = executor
+        # model -> its pool's reasoning parser ("" = none; PoolDirectory.reasoning_parser)
+        self._reasoning_parser = reasoning_parser
         self._tools = tools
         self._load = load
         # Expected node times (learned from finished nodes): the remaining critical
@@ -395,8 +400,14 @@ class ChainRun:
 
         # The deadline the caller set (node timeout or chain budget) travels downstream.
         timeout = self._time_left(node)
+        # Asked before the hop runs: a mapping naming an unknown parser fails the node first.
+        parser = self._reasoning_parser(model) if self._reasoning_parser is not None else ""
         done = await self._executor.run_hop(hop, timeout, dispatched)
-        result.output = done.text
+        if parser:  # the thinking apart: `{{ nodes.X.output }}` is the answer
+            thought, result.output = split_reasoning(done.text, parser)
+            result.reasoning = thought or ""
+        else:
+            result.output = done.text
         result.usage.prompt_tokens = done.prompt_tokens
         result.usage.completion_tokens = done.completion_tokens
         result.usage.cached_prompt_tokens = done.cached_prompt_tokens

@@ -132,6 +132,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             load=self._load,
             latency=self._latency,
             node_events=not request.final_only,
+            reasoning_parser=self._directory.reasoning_parser,
         )
         limits = self._limits(tenant)
         try:

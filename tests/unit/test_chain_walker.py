@@ -398,3 +398,33 @@ async def test_sink_outputs_are_joined_and_the_turn_remembered() -> None:
     finished = await finish(make_run(stored, FakeExecutor(), tools, session_id="s9"))
     assert finished.output == '{"k": 1}\nw@mw'
     assert tools.remembered == [("s9", {"inputs": {"q": "hi"}, "output": '{"k": 1}\nw@mw'})]
+
+
+async def test_a_reasoning_models_thinking_stays_out_of_later_prompts() -> None:
+    """With its pool's reasoning parser, a node's output is the answer: the next node's
+    template sees it alone, and the thinking is kept apart on the node (`reasoning`)."""
+    executor = FakeExecutor()
+    executor.script["a"] = [HopDone(text="weigh the options</think>Pick B.", worker_id="w-1")]
+    nodes = (m("a", "m1"), m("b", "m2", depends_on=["a"], prompt="Do {{ nodes.a.output }}"))
+    parsers = {"m1": "deepseek_r1", "m2": ""}
+    finished = await finish(make_run(chain(*nodes), executor, reasoning_parser=parsers.__getitem__))
+    assert finished.status == "ok"
+    assert executor.hops[1].prompt == "Do Pick B."
+    a = hop_of(finished, "a")
+    assert (a.output, a.reasoning) == ("Pick B.", "weigh the options")
+    plain = FakeExecutor()
+    plain.script["a"] = [HopDone(text="weigh the options</think>Pick B.", worker_id="w-1")]
+    assert (await finish(make_run(chain(*nodes), plain))).status == "ok"
+    assert plain.hops[1].prompt == "Do weigh the options</think>Pick B."  # no parser: the text as written
+
+
+async def test_an_unknown_reasoning_parser_fails_the_node_before_its_hop_runs() -> None:
+    from inferx.errors import FailedPrecondition
+
+    def broken(model: str) -> str:
+        raise FailedPrecondition("the model mapping at /inferx/v1/models/m1: unknown reasoning parser 'r1'")
+
+    executor = FakeExecutor()
+    finished = await finish(make_run(chain(m("a", "m1")), executor, reasoning_parser=broken))
+    assert finished.status != "ok" and executor.hops == []
+    assert "unknown reasoning parser 'r1'" in hop_of(finished, "a").error
