@@ -474,5 +474,6 @@ def finished_event(result: CallDone) -> router_pb2.ProgramCallEvent:
             queue_ms=done.queue_ms,
             latency_ms=result.latency_ms,
             tool_calls=[tool_call_message(call) for call in result.reply.calls],
+            reasoning=result.reply.reasoning or "",
         )
     )

@@ -146,6 +146,7 @@ async def test_a_servers_reasoning_comes_back_apart_and_its_tool_call_is_still_r
     assert "".join(e.reasoning for e in events if e.WhichOneof("event") == "reasoning") == THOUGHT
     assert "".join(e.text for e in events if e.WhichOneof("event") == "text") == "On it."
     assert events[-2].tool_call.name == "track" and events[-1].finished.finish_reason == "tool_calls"
+    assert events[-1].finished.reasoning == THOUGHT
     # A reply without thinking gets no reasoning event (the worker writes no tags for it).
     plain = await call(stack, MODEL, max_tokens=64)
     assert "reasoning" not in [e.WhichOneof("event") for e in plain]
