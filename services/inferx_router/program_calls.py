@@ -286,6 +286,7 @@ class ProgramCalls:
             if not streamed:
                 reader.feed(done.text)
             rest = reader.finish()
+            result.reasoning = reader.reasoning or ""  # the record keeps the thinking apart
         except ToolChoiceNotFollowed as exc:  # the model ran; its reply fails the call
             result.status, result.error = "error", f"{exc.code_name}: {exc.message}"
             _fill(result, done)

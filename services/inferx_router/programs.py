@@ -217,6 +217,7 @@ class ProgramBook:
         kept.node_type = kept.node_type or CALL_NODE_TYPE
         kept.latency_ms = (now - ticket.begun) * 1000
         kept.output = records.shorten(kept.output)
+        kept.reasoning = records.shorten(kept.reasoning)
         program.in_flight -= 1
         program.last_active = now
         program.last_finished = ticket.node_id

@@ -344,7 +344,7 @@ def record_run(
     kept.CopyFrom(finished)
     kept.output = shorten(kept.output)
     for hop in kept.hops:
-        hop.output = shorten(hop.output)
+        hop.output, hop.reasoning = shorten(hop.output), shorten(hop.reasoning)
     record = RunRecord(
         chain=config.name,
         tier=tier,

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -30,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from inferx.devstack import LocalStack, free_port, read_models_file, wait_serving
 from inferx.errors import InvalidArgument
 from inferx.tinymodel import make_tiny_model
-from inferx.v1 import router_pb2
+from inferx.v1 import router_pb2, router_pb2_grpc
 from tests.conftest import EXAMPLES, make_stack, started
 
 pytestmark = pytest.mark.integration
@@ -147,6 +148,10 @@ async def test_a_servers_reasoning_comes_back_apart_and_its_tool_call_is_still_r
     assert "".join(e.text for e in events if e.WhichOneof("event") == "text") == "On it."
     assert events[-2].tool_call.name == "track" and events[-1].finished.finish_reason == "tool_calls"
     assert events[-1].finished.reasoning == THOUGHT
+    async with grpc.aio.insecure_channel(stack.router_address) as channel:  # the record keeps it apart
+        request = router_pb2.GetRunRequest(run_id=events[-1].finished.run_id)
+        record = await router_pb2_grpc.RouterStub(channel).GetRun(request, timeout=10)
+    assert [hop.reasoning for hop in record.finished.hops] == [THOUGHT]
     # A reply without thinking gets no reasoning event (the worker writes no tags for it).
     plain = await call(stack, MODEL, max_tokens=64)
     assert "reasoning" not in [e.WhichOneof("event") for e in plain]

@@ -63,7 +63,9 @@ def book_with(clock: Clock, store: RunStore | None = None, **kw) -> tuple[Progra
 def result(
     prompt: int = 100, cached: int = 0, status: str = "ok", worker: str = "w-0"
 ) -> router_pb2.NodeFinished:
-    node = router_pb2.NodeFinished(status=status, model="m", worker_id=worker, queue_ms=1.5, output="x" * 500)
+    node = router_pb2.NodeFinished(
+        status=status, model="m", worker_id=worker, queue_ms=1.5, output="x" * 500, reasoning="r" * 500
+    )
     node.usage.prompt_tokens, node.usage.cached_prompt_tokens, node.usage.completion_tokens = (
         prompt,
         cached,
@@ -108,6 +110,7 @@ def test_each_call_is_a_hop_of_one_record_with_its_real_start_and_the_program_en
     assert [h.usage.cached_prompt_tokens for h in finished.hops] == [0, 100, 150]
     assert {h.node_type for h in finished.hops} == {"model_inference"}
     assert len(finished.hops[0].output) == 200  # outputs shortened, as for chain runs
+    assert len(finished.hops[0].reasoning) == 200  # a reasoning model's thinking too
     trace = run_trace_message(record)
     assert trace.program_id == "ticket-7" and trace.parent_program_id == "root"
     starts = [(t.node_id, round(t.start_ms), round(t.end_ms), t.critical) for t in trace.timings]

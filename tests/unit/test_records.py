@@ -167,7 +167,10 @@ def test_record_run_keeps_dependencies_and_shortens_outputs() -> None:
         }
     )
     finished = router_pb2.ChainFinished(
-        run_id="r1", latency_ms=10, output="x" * 5000, hops=[hop("a", 5, output="y" * 5000), hop("c", 5)]
+        run_id="r1",
+        latency_ms=10,
+        output="x" * 5000,
+        hops=[hop("a", 5, output="y" * 5000, reasoning="z" * 5000), hop("c", 5)],
     )
     store = RunStore()
     record = records.record_run(config, finished, tier="batch", trace_id="ab" * 16, store=store)
@@ -175,6 +178,7 @@ def test_record_run_keeps_dependencies_and_shortens_outputs() -> None:
     assert record.depends_on == {"a": (), "c": ("a",)}
     assert len(record.finished.output) == records.KEEP_OUTPUT_CHARS
     assert len(record.finished.hops[0].output) == records.KEEP_OUTPUT_CHARS
+    assert len(record.finished.hops[0].reasoning) == records.KEEP_OUTPUT_CHARS
     assert len(finished.output) == 5000  # the caller's message is not touched
     trace = records.run_trace_message(record)
     assert [(t.node_id, t.start_ms, t.end_ms, t.critical) for t in trace.timings] == [
