@@ -30,7 +30,6 @@ its tool_choice too) gets its HTTP status.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -162,7 +161,7 @@ class WorkerHttpApi:
             top_p=1.0 if body.top_p is None else body.top_p,
             seed=body.seed,
             stop=tuple(body.stop_sequences),
-            response_format=json.loads(body.response_format_json) if body.response_format_json else None,
+            response_format=body.structured_output,
             priority=priority,
         )
         created = int(time.time())

@@ -12,6 +12,7 @@ from inferx import hopstream
 from inferx.chat_template import Chat
 from inferx.context_guard import ContextTooLong, check_or_truncate
 from inferx.errors import InferxError, Internal, InvalidArgument, Unavailable, Unimplemented
+from inferx.openai_compat import schema
 from inferx.scheduling.prefix_index import KvEvent
 from inferx.tokens import DEFAULT_MAX_TOKENS
 from inferx.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -207,6 +208,6 @@ def response_format(text: str) -> dict | None:
         value = json.loads(text)
     except (ValueError, RecursionError):
         raise InvalidArgument("sampling.response_format_json: not valid JSON") from None
-    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+    if not isinstance(value, dict) or value.get("type") not in schema.RESPONSE_FORMATS:
         raise InvalidArgument("sampling.response_format_json: expected OpenAI's response_format object")
     return None if value["type"] == "text" else value

@@ -50,8 +50,8 @@ class ReasoningSplitter:
         self.parser = check_reasoning_parser(parser)
         if not parser:
             raise ValueError("a reasoning splitter needs a parser")
-        # start: nothing decided; open: a leading <think> may still come (deepseek_r1
-        # has started reasoning already); thinking: until </think>; answer: the rest.
+        # start: whether a <think> opens the reply is not decided yet; thinking: until
+        # </think>; answer: the rest.
         self._state = "start"
         self._buffer = ""
 

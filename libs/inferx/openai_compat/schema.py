@@ -106,11 +106,17 @@ class CallRequest(BaseModel):
         return value
 
     @property
-    def response_format_json(self) -> str:
-        """The response_format for the engine as JSON; "" for free text."""
+    def structured_output(self) -> dict[str, Any] | None:
+        """The response_format the engine must follow; None for free text."""
         if self.response_format is None or self.response_format.get("type") == "text":
-            return ""
-        return json.dumps(self.response_format, separators=(",", ":"))
+            return None
+        return self.response_format
+
+    @property
+    def response_format_json(self) -> str:
+        """`structured_output` as JSON for the wire; "" for free text."""
+        fmt = self.structured_output
+        return "" if fmt is None else json.dumps(fmt, separators=(",", ":"))
 
     @field_validator("stop")
     @classmethod

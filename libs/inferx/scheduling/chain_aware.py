@@ -52,13 +52,13 @@ worker already wait. Realtime work is never held back or shed by the policy.
 Exact prefix location (`exact_prefix`, off by default): with an index fed by the
 workers' KV events (`inferx.scheduling.prefix_index`, as llm-d's precise prefix-cache
 scorer), what a worker holds of a hop's prompt is read, not guessed from where the
-chain last ran: the prefill estimate (buckets, the realtime guard, the affinity
-patience) counts the blocks of the chain's own context really cached there, a home
-whose copy was evicted holds the chain no longer, and placement favours the worker
-holding most of that context (up to `rebalance_margin` of room). A shared system
-prompt does not count (a new chain is placed as without the index): counting it herds
-a program's new chains onto the workers that hold it. A worker the index has no events
-from falls back to the estimate.
+chain last ran, for a chain under way: its prefill estimate (buckets, the realtime
+guard) counts the blocks really cached there; its affinity patience, whether a home
+whose copy was evicted still holds it, and placement (favouring the worker holding most
+of its context, up to `rebalance_margin` of room) count only its own context, past a
+shared system prompt. A new chain is estimated and placed as without the index:
+counting the shared prompt herds a program's new chains onto the workers that hold it.
+A worker the index has no events from falls back to the estimate.
 Overload control (`overload_control`, off by default; `inferx.scheduling.overload`):
 past capacity, while realtime (standard) hops finish stretched, new standard and batch
 (batch) chains wait to start within an AIMD window of chains under way, and are shed
