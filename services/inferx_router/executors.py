@@ -49,6 +49,8 @@ def hop_request(hop: ModelHop, last_worker: Callable[[str], str] | None = None) 
                 for nxt in hop.next_hops
             ],
             last_worker_id=last_worker(hop.model),
+            prefix_id=hop.prefix_id,
+            prefix_tokens=hop.prefix_tokens,
         ),
         model=hop.model,
         prompt=hop.prompt,

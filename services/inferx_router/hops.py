@@ -49,6 +49,10 @@ class ModelHop:
     # The client's KV retention hint for its program after this hop (HopContext.kv_retention_s);
     # None = none given.
     kv_retention_s: float | None = None
+    # The shared head the prompt starts with (HopContext.prefix_id / prefix_tokens,
+    # inferx.tokens.shared_prefix); "" / 0 = none named.
+    prefix_id: str = ""
+    prefix_tokens: int = 0
 
 
 @dataclass(frozen=True)

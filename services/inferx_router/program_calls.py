@@ -30,10 +30,11 @@ from inferx.openai_compat import schema
 from inferx.openai_compat.errors import InvalidField, ModelNotFound, ToolChoiceNotFollowed
 from inferx.openai_compat.identity import MAX_DEADLINE_MS, ProgramIdentity, identity_of_fields
 from inferx.openai_compat.reasoning import Reasoning
-from inferx.openai_compat.render import chat_json, render_chat
+from inferx.openai_compat.render import chat_json, render_chat, shared_head
 from inferx.openai_compat.schema import ReplyEvent, ReplyReader
 from inferx.openai_compat.toolcalls import DEFAULT_FORMAT, Content, ToolCall
 from inferx.pools import PoolDirectory
+from inferx.tokens import shared_prefix
 from inferx.v1 import common_pb2, router_pb2
 from inferx_router import metrics
 from inferx_router.access import AccessControl
@@ -117,10 +118,12 @@ class ProgramCalls:
         if body.model not in self.model_names():
             raise ModelNotFound(body.model)
         chat = ""  # a chat call's messages and tools, for the worker's chat template
+        head = ""  # what other programs of the same agent send first too
         if isinstance(body, schema.ChatCompletionRequest):
             prompt, prefix = render_chat(body.messages, body.tools, body.tool_choice), "chatcmpl"
             chat = chat_json(body.messages, body.tools, body.tool_choice)
-        elif isinstance(body, schema.CompletionRequest):
+            head = shared_head(body.messages, body.tools)
+        elif isinstance(body, schema.CompletionRequest):  # a bare prompt: no structure to name a head by
             prompt, prefix = body.prompt_text, "cmpl"
         else:  # pragma: no cover - the two request kinds are all there is
             raise TypeError(type(body).__name__)
@@ -129,6 +132,7 @@ class ProgramCalls:
         tokens, param = body.output_tokens(), body.output_tokens_param()
         if problem := self._request_limits.output_tokens_problem(param, tokens):  # --max-output-tokens
             raise InvalidField(param, problem.removeprefix(f"{param}: "))
+        prefix_id, prefix_tokens = shared_prefix(head)
         return Call(
             call_id=f"{prefix}-{uuid.uuid4().hex}",
             model=body.model,
@@ -140,6 +144,8 @@ class ProgramCalls:
             stop=tuple(body.stop_sequences),
             response_format_json=body.response_format_json,
             chat_json=chat,  # `prompt` is its generic rendering (token estimates, template-less models)
+            prefix_id=prefix_id,
+            prefix_tokens=prefix_tokens,
         )
 
     def _limits(self, tenant: str) -> TenantLimits:

@@ -65,6 +65,9 @@ class Call:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     response_format_json: str = ""  # OpenAI's response_format, as JSON; "" = free text
+    # The shared head its prompt starts with (inferx.tokens.shared_prefix); "" / 0 = none.
+    prefix_id: str = ""
+    prefix_tokens: int = 0
 
 
 @dataclass
@@ -344,5 +347,7 @@ def program_hop(
         response_format_json=call.response_format_json,
         chat_json=call.chat_json,
         kv_retention_s=identity.kv_retention_s,
+        prefix_id=call.prefix_id,
+        prefix_tokens=call.prefix_tokens,
     )
     return hop, timeout_ms / 1000

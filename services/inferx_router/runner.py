@@ -18,6 +18,7 @@ What happens when a node fails (seed 2.3, 4.1, 4.3):
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import random
@@ -30,12 +31,12 @@ from typing import Any
 from inferx import telemetry
 from inferx.chain.plan import TIMEOUTS, ChainPlan, LatencyEstimate, LearnedLatency
 from inferx.chain.schema import ChainConfig, NodeSpec
-from inferx.chain.template import MissingReferenceError, render
+from inferx.chain.template import MissingReferenceError, render, static_head
 from inferx.errors import InferxError, InvalidArgument, NotFound
 from inferx.openai_compat.reasoning import split_reasoning
 from inferx.resilience import Degradation, NodeFallbacks, RetryBudget, backoff_s, degradation_ladder
 from inferx.scheduling.views import Tier
-from inferx.tokens import estimate_tokens
+from inferx.tokens import estimate_tokens, shared_prefix
 from inferx.v1 import router_pb2
 from inferx_router import metrics, records
 from inferx_router.chain_store import StoredVersion
@@ -70,6 +71,13 @@ def default_prompt(node: NodeSpec, inputs: dict[str, str], outputs: dict[str, st
     lines += [f"[{dep}] {outputs.get(dep, '')}" for dep in node.depends_on]
     lines.append(f"Task ({node.id}):")
     return "\n".join(lines)
+
+
+@functools.lru_cache(maxsize=4096)  # a stored config's few templates, on every run
+def template_prefix(template: str) -> tuple[str, int]:
+    """The shared prefix a node's prompt template names: its static head, the same in
+    every run (inferx.tokens.shared_prefix)."""
+    return shared_prefix(static_head(template))
 
 
 def tool_output_text(value: Any) -> str:
@@ -369,9 +377,11 @@ class ChainRun:
 
     async def _model_hop(self, node: NodeSpec, result: router_pb2.NodeFinished, model: str) -> None:
         result.model = model
+        prefix_id, prefix_tokens = "", 0
         if node.prompt:
             prompt = render(node.prompt, self.inputs, self._outputs)
-        else:
+            prefix_id, prefix_tokens = template_prefix(node.prompt)
+        else:  # starts with the run's inputs: nothing other runs share
             prompt = default_prompt(node, self.inputs, self._outputs)
         hop = ModelHop(
             run_id=self.run_id,
@@ -393,6 +403,8 @@ class ChainRun:
             stop=tuple(node.stop),
             max_context_tokens=node.max_context_tokens or 0,
             truncate_context=node.context_overflow == "truncate",
+            prefix_id=prefix_id,
+            prefix_tokens=prefix_tokens,
         )
 
         def dispatched(worker_id: str) -> None:

@@ -47,6 +47,8 @@ def hop_view(pool: str, request: scheduler_pb2.HopRequest) -> HopView:
         program=f"{ctx.chain_name}/{TIER_NAMES.get(tier, 'standard')}" if ctx.chain_name else "",
         last_worker_id=ctx.last_worker_id,
         kv_retention_s=_retention_s(ctx),
+        prefix_id=ctx.prefix_id,
+        prefix_tokens=ctx.prefix_tokens if ctx.prefix_id else 0,
     )
 
 

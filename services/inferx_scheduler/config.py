@@ -6,6 +6,20 @@ from pydantic import Field, field_validator
 
 from inferx.settings import ServiceSettings
 
+# The policy options a flag of the same name (dashes for underscores) sets.
+POLICY_OPTIONS = (
+    "reuse_window_hops",
+    "kv_retention",
+    "max_hold_s",
+    "client_retention",
+    "strict_holds",
+    "offload_retention",
+    "kv_warm_s",
+    "overload_control",
+    "exact_prefix",
+    "worker_hints",
+)
+
 
 class SchedulerSettings(ServiceSettings):
     max_queued_per_pool: int = Field(1024, gt=0, description="bound of each pool's hop queue")
@@ -148,18 +162,7 @@ class SchedulerSettings(ServiceSettings):
 
     def policy_options(self) -> dict[str, Any]:
         """The policy's options set by flags (a policy ignores those it does not take)."""
-        return {
-            "reuse_window_hops": self.reuse_window_hops,
-            "kv_retention": self.kv_retention,
-            "max_hold_s": self.max_hold_s,
-            "client_retention": self.client_retention,
-            "strict_holds": self.strict_holds,
-            "offload_retention": self.offload_retention,
-            "kv_warm_s": self.kv_warm_s,
-            "overload_control": self.overload_control,
-            "exact_prefix": self.exact_prefix,
-            "worker_hints": self.worker_hints,
-        }
+        return {name: getattr(self, name) for name in POLICY_OPTIONS}
 
     @field_validator("policy")
     @classmethod

@@ -83,6 +83,15 @@ def test_sim_json_on_stdout_and_the_same_figures_in_the_file(
             ["bench", "--scenario", "seed-agent", "--engine", "sim", "--chains", "0"],
             "--chains must be positive",
         ),
+        (
+            ["bench", "--engine", "sim", "--compare", "chain-aware", "--option", "realtime_guard=false"],
+            "the live scheduler has no flag for it",
+        ),
+        (
+            ["bench", "--peer", "vllm-router", "--option", "exact_prefix=true"],
+            "this benchmark starts no such",
+        ),
+        (["bench", "--overhead", "--option", "exact_prefix=true"], "this benchmark starts no such policy"),
     ],
 )
 def test_bad_input_is_one_clear_line(argv, message, capsys) -> None:
@@ -185,3 +194,16 @@ def test_long_runs_show_their_rate_and_time_left() -> None:
     column = ChainRateColumn()
     assert column.render(SimpleNamespace(speed=None)).plain == "-- chains/s"  # type: ignore[arg-type]
     assert column.render(SimpleNamespace(speed=2.5)).plain == "2.50 chains/s"  # type: ignore[arg-type]
+
+
+def test_live_policy_options_become_the_schedulers_flags() -> None:
+    """What `--option` gives the live stack's scheduler: the flag of the same name, a
+    bool as the flag or its --no- form; each flag is one the scheduler parses."""
+    from inferx.bench.live import scheduler_flags
+    from inferx.settings import load_settings
+    from inferx_scheduler.config import SchedulerSettings
+
+    flags = scheduler_flags({"exact_prefix": True, "worker_hints": False, "max_hold_s": 90.0})
+    assert flags == ("--exact-prefix", "--no-worker-hints", "--max-hold-s", "90.0")
+    parsed = load_settings(SchedulerSettings, "inferx-scheduler", list(flags))
+    assert (parsed.exact_prefix, parsed.worker_hints, parsed.max_hold_s) == (True, False, 90.0)

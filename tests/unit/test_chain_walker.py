@@ -428,3 +428,22 @@ async def test_an_unknown_reasoning_parser_fails_the_node_before_its_hop_runs() 
     finished = await finish(make_run(chain(m("a", "m1")), executor, reasoning_parser=broken))
     assert finished.status != "ok" and executor.hops == []
     assert "unknown reasoning parser 'r1'" in hop_of(finished, "a").error
+
+
+async def test_a_template_names_its_static_head_as_the_shared_prefix() -> None:
+    """Every run renders a template's text before its first expression the same: the
+    hop names it (equal text, equal id across nodes and chains); a head shorter than a
+    KV block, or a node without a template, names none."""
+    system = "You are a research assistant. Cite every source you use and keep each answer short. "
+    stored = chain(
+        m("a", "m1", prompt=system + "{{ inputs.q }}"),
+        m("b", "m1", depends_on=["a"], prompt=system + "{{ nodes.a.output }} Improve it."),
+        m("c", "m1", depends_on=["b"], prompt="Q={{ inputs.q }}"),
+        m("d", "m1", depends_on=["c"]),
+    )
+    executor = FakeExecutor()
+    assert (await finish(make_run(stored, executor))).status == "ok"
+    a, b, c, d = executor.hops
+    assert a.prefix_id == b.prefix_id != "" and a.prefix_tokens == b.prefix_tokens == estimate_tokens(system)
+    assert (c.prefix_id, c.prefix_tokens) == (d.prefix_id, d.prefix_tokens) == ("", 0)
+    assert runner.template_prefix(system + "{{ inputs.other }}") == (a.prefix_id, a.prefix_tokens)

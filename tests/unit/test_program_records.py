@@ -18,9 +18,11 @@ from inferx.limits import RequestLimits
 from inferx.openai_compat import schema
 from inferx.openai_compat.errors import InvalidField, ModelNotFound, ToolChoiceNotFollowed
 from inferx.openai_compat.identity import ProgramIdentity
+from inferx.openai_compat.render import render_chat
 from inferx.openai_compat.toolcalls import Content, ToolCall
 from inferx.pools import PoolDirectory
 from inferx.scheduling.views import Tier
+from inferx.tokens import estimate_tokens
 from inferx.v1 import common_pb2, router_pb2
 from inferx_router import programs
 from inferx_router.access import AccessControl
@@ -712,3 +714,38 @@ def test_a_chat_calls_tool_choice_travels_in_its_chat_for_the_worker() -> None:
     chat_with = json.loads(calls.prepare(chat(tools=TOOLS, tool_choice="required")).chat_json)
     assert chat_with["tools"] == TOOLS and chat_with["tool_choice"] == "required"
     assert "tool_choice" not in json.loads(calls.prepare(chat(tools=TOOLS)).chat_json)
+
+
+SYSTEM = "You are a support agent for the order desk. Answer in one short paragraph and cite the order id."
+LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+
+
+async def test_a_chat_names_its_tool_specs_and_system_messages_as_the_shared_prefix() -> None:
+    """Two programs with the same instructions name one prefix, whatever their
+    conversations; other instructions another; none without any (or on a bare prompt)."""
+    executor = FakeExecutor()
+    calls = calls_with(executor, RunStore())
+
+    def agent(system: str, user: str, **fields) -> schema.ChatCompletionRequest:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        return chat(messages=messages, tools=[LOOKUP], **fields)
+
+    for program, body in [
+        ("p1", agent(SYSTEM, "Where is order 17?")),
+        ("p2", agent(SYSTEM, "Cancel order 99, please.")),
+        ("p3", agent(SYSTEM.upper(), "Where is order 17?")),
+        ("p4", chat()),  # no instructions: nothing shared
+    ]:
+        await calls.call(WHO, ProgramIdentity(program), calls.prepare(body))
+    completion = schema.validate_body(schema.CompletionRequest, {"model": "m", "prompt": SYSTEM * 3})
+    await calls.call(WHO, ProgramIdentity("p5"), calls.prepare(completion))
+    first, same, other, bare, raw = ((hop.prefix_id, hop.prefix_tokens) for hop in executor.hops)
+    head = render_chat([schema.ChatMessage(role="system", content=SYSTEM)], [LOOKUP]).removesuffix(
+        "<|assistant|>\n"
+    )
+    assert first == same == (first[0], estimate_tokens(head)) and first[0]
+    assert executor.hops[0].prompt.startswith(head) and executor.hops[1].prompt.startswith(head)
+    assert other[0] and other[0] != first[0]
+    assert bare == raw == ("", 0)
+    sent = hop_request(executor.hops[0]).context
+    assert (sent.prefix_id, sent.prefix_tokens) == first

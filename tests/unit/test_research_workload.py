@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from inferx.bench.live import CHARS_PER_TOKEN, TraceReplayer, build_prompt
+from inferx.bench.live import CHARS_PER_TOKEN, TraceReplayer, build_prompt, piece
 from inferx.errors import InvalidArgument
 from inferx.scheduling.registry import make_policy
 from inferx.scheduling.views import HopView
@@ -38,6 +38,7 @@ from inferx.sim.trace import (
     write_trace,
 )
 from inferx.tls import Transport
+from inferx.tokens import shared_prefix
 from inferx.v1 import common_pb2, scheduler_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -502,6 +503,15 @@ async def test_live_replay_of_a_sequence_is_unchanged() -> None:
             assert fake.started[k] >= fake.ended[k - 1]
     outputs = [f"<out {k}>".ljust(h.output_tokens * CHARS_PER_TOKEN, "x") for k, h in enumerate(chain.hops)]
     assert fake.requests[len(chain.hops) - 1].prompt == build_prompt(chain, len(chain.hops) - 1, outputs)
+    # Every call names the system prompt it starts with, as the router names a template's head.
+    assert chain.shared_tokens
+    head = piece(f"system {chain.shared_prefix}", chain.shared_tokens)
+    named = {
+        (fake.requests[k].context.prefix_id, fake.requests[k].context.prefix_tokens) for k in fake.requests
+    }
+    assert named == {shared_prefix(head)} and all(
+        fake.requests[k].prompt.startswith(head) for k in fake.requests
+    )
 
 
 def test_a_chain_learns_its_remaining_path_from_chains_of_its_own_tier_only() -> None:

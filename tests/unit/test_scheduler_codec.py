@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from inferx.scheduling.chain_aware import ChainAwarePolicy
 from inferx.scheduling.views import HopView, Tier
 from inferx.tokens import DEFAULT_MAX_TOKENS, estimate_tokens
 from inferx.v1 import common_pb2, scheduler_pb2
@@ -46,6 +47,8 @@ def test_hop_view_maps_every_context_field(clocks) -> None:
         remaining_hops=3,
         remaining_critical_path_ms=2_500.0,
         last_worker_id="w7",
+        prefix_id="3f2a",
+        prefix_tokens=40,
     )
     assert hop_view("pool-a", req) == HopView(
         pool="pool-a",
@@ -61,7 +64,15 @@ def test_hop_view_maps_every_context_field(clocks) -> None:
         remaining_critical_path_s=2.5,
         remaining_hops=3,
         last_worker_id="w7",
+        prefix_id="3f2a",
+        prefix_tokens=40,
     )
+
+
+def test_a_prefix_length_without_its_id_is_none() -> None:
+    """Tokens of a prefix nobody named mean nothing to a policy: dropped, not trusted."""
+    view = hop_view("p", request(prefix_tokens=40))
+    assert (view.prefix_id, view.prefix_tokens) == ("", 0)
 
 
 @pytest.mark.parametrize(
@@ -184,3 +195,15 @@ def test_program_kind_is_the_chain_name_and_tier() -> None:
     assert view.program == "support/realtime"
     assert hop_view("p", request(chain_name="support")).program == "support/standard"
     assert hop_view("p", request()).program == ""
+
+
+def test_gaps_are_learned_per_program_before_the_prefix_it_shares() -> None:
+    """Two chain configs may start with one system prompt yet wait on tools of their own:
+    the program names what gaps are learned per, the shared prefix only when there is none."""
+    kind = ChainAwarePolicy._program_kind
+    assert (
+        kind(hop_view("p", request(chain_name="support", prefix_id="ab12", prefix_tokens=40)))
+        == "support/standard"
+    )
+    assert kind(hop_view("p", request(prefix_id="ab12", prefix_tokens=40))) == "ab12"
+    assert kind(hop_view("p", request())) == "p"

@@ -13,6 +13,7 @@ from inferx.chain.template import (
     check_template,
     references,
     render,
+    static_head,
 )
 
 
@@ -151,3 +152,17 @@ def test_only_rendering_keeps_parsed_templates_not_validating_anyones_config() -
     for _ in range(3):
         assert render("{{inputs.q}}!", {"q": "hi"}, {}) == "hi!"
     assert module._scan_once.cache_info().currsize == 1
+
+
+@pytest.mark.parametrize(
+    ("template", "head"),
+    [
+        ("System text. {{ inputs.q }} tail", "System text. "),
+        ("{{ inputs.q }} then text", ""),
+        ("no expressions at all", "no expressions at all"),
+        ('JSON {"a": 1}} stays {{ nodes.x.output }}', 'JSON {"a": 1}} stays '),
+    ],
+)
+def test_static_head_is_the_text_before_the_first_expression(template: str, head: str) -> None:
+    assert static_head(template) == head
+    assert render(template, {"q": "Q"}, {"x": "X"}).startswith(head)

@@ -39,12 +39,14 @@ import grpc
 
 from inferx.bench.replay import replay_chains
 from inferx.devstack import LocalStack, StackPorts, wait_serving
+from inferx.errors import InvalidArgument
 from inferx.scheduling.views import TIER_BY_NAME
 from inferx.sim.estimates import RemainingPath
 from inferx.sim.profile import EngineProfile
 from inferx.sim.records import ChainRecord, ReplayResult
 from inferx.sim.trace import ChainProgress, Trace, TraceChain
 from inferx.tls import Transport
+from inferx.tokens import shared_prefix
 from inferx.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from inferx.wire import tier_to_proto
 
@@ -68,10 +70,15 @@ def piece(tag: str, tokens: int) -> str:
     return body[:width]
 
 
+def shared_head(chain: TraceChain) -> str:
+    """The system prompt every chain of its kind starts with ("" when none)."""
+    return piece(f"system {chain.shared_prefix}", chain.shared_tokens) if chain.shared_tokens else ""
+
+
 def build_prompt(chain: TraceChain, k: int, outputs: Sequence[str] | Mapping[int, str]) -> str:
     """Call k's prompt: shared prefix, the inputs and completions (`outputs[j]`) of the
     calls it depends on, transitively and in index order, then its new input."""
-    parts = [piece(f"system {chain.shared_prefix}", chain.shared_tokens)] if chain.shared_tokens else []
+    parts = [shared_head(chain)] if chain.shared_tokens else []
     for j in chain.ancestors(k):
         parts.append(piece(f"{chain.chain_id} call {j}", chain.hops[j].new_tokens))
         parts.append(outputs[j])
@@ -92,6 +99,7 @@ def hop_request(
 ) -> scheduler_pb2.HopRequest:
     """`hop_index` (calls finished before this one) and `remaining_hops` (calls not yet
     issued after it) default to a sequence's: k and the calls after k."""
+    prefix_id, prefix_tokens = shared_prefix(shared_head(chain))
     return scheduler_pb2.HopRequest(
         context=common_pb2.HopContext(
             run_id=chain.chain_id,
@@ -102,6 +110,9 @@ def hop_request(
             hop_index=k if hop_index is None else hop_index,
             remaining_hops=len(chain.hops) - 1 - k if remaining_hops is None else remaining_hops,
             remaining_critical_path_ms=remaining_s / speed * 1000,
+            # The prompt's shared head named as the router names a template's static head.
+            prefix_id=prefix_id,
+            prefix_tokens=prefix_tokens,
         ),
         model=model,
         prompt=prompt,
@@ -119,6 +130,7 @@ class LiveOptions:
     speed: float = 4.0
     timeout_s: float = 900.0
     state_dir: Path | None = None  # default: a temporary directory per run
+    scheduler_flags: tuple[str, ...] = ()  # policy options as the scheduler's flags (scheduler_flags)
 
 
 class TraceReplayer:
@@ -228,13 +240,31 @@ class TraceReplayer:
         record.finish("ok", (loop.time() - start) * speed)
 
 
+def scheduler_flags(options: Mapping[str, object]) -> tuple[str, ...]:
+    """`--option KEY=VALUE` policy options as the live scheduler's flags; InvalidArgument
+    for one it has no flag for (the simulator takes more: never dropped in silence)."""
+    from inferx_scheduler.config import POLICY_OPTIONS  # the service's own flags
+
+    flags: list[str] = []
+    for key, value in options.items():
+        if key not in POLICY_OPTIONS:
+            takes = ", ".join(POLICY_OPTIONS)
+            raise InvalidArgument(f"--option {key}: the live scheduler has no flag for it (takes: {takes})")
+        flag = key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            flags += [f"--{flag}", str(value)]
+    return tuple(flags)
+
+
 def start_sim_stack(state_dir: Path, policy: str, profile: EngineProfile, options: LiveOptions) -> LocalStack:
     """etcd, memory-pool, scheduler(--policy), N sim workers; returns once all serve
     and the scheduler sees every worker."""
     stack = LocalStack(state_dir, StackPorts.free(), lease_ttl_s=10, fresh_etcd=True)
     try:
         stack.start_etcd()
-        scheduler = ["--policy", policy, "--time-scale", str(options.speed)]
+        scheduler = ["--policy", policy, "--time-scale", str(options.speed), *options.scheduler_flags]
         for kind, extra in (("memory-pool", []), ("scheduler", scheduler)):
             wait_serving(stack.start_service(kind, extra), 60)
         stack.load_models({POOL: POOL})

@@ -29,6 +29,7 @@ __all__ = [
     "check_template",
     "references",
     "render",
+    "static_head",
 ]
 
 INPUT_NAME_RE = r"[A-Za-z_][A-Za-z0-9_]*"
@@ -170,3 +171,10 @@ def _lookup(reference: Reference, inputs: Mapping[str, str], outputs: Mapping[st
             f"'{reference.name}' ({given}: {available})",
         )
     return str(source[reference.name])
+
+
+def static_head(template: str) -> str:
+    """The text before the template's first expression (all of it when it has none):
+    what every rendering of it starts with, whatever the inputs and outputs."""
+    match = _TAG.search(template)
+    return template if match is None else template[: match.start()]

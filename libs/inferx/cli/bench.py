@@ -217,11 +217,12 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
 
 async def cmd_live(args: argparse.Namespace) -> int:
-    from inferx.bench.live import LiveOptions, run_live_sim
+    from inferx.bench.live import LiveOptions, run_live_sim, scheduler_flags
 
     if args.speed <= 0:
         raise InvalidArgument("--speed must be positive")
     policies = _policies(args)
+    flags = scheduler_flags(runner.policy_options(args.option, policies))
     profile, trace, choice = _prepare(args)
     progress = _progress_factory(not args.json)
     options = LiveOptions(
@@ -229,6 +230,7 @@ async def cmd_live(args: argparse.Namespace) -> int:
         speed=args.speed,
         timeout_s=args.timeout,
         state_dir=Path(args.state_dir) if args.state_dir else None,
+        scheduler_flags=flags,
     )
     note = (lambda s: None) if args.json else (lambda s: err.print(s, style="dim"))
     where = f"live stack, {args.workers} SIMULATED sim workers ({profile.name}), x{args.speed:g} time"
@@ -283,6 +285,11 @@ async def cmd_router(args: argparse.Namespace) -> int:
 
 
 async def cmd_bench(args: argparse.Namespace) -> int:
+    if args.option and (args.peer or args.overhead or args.scenario or args.router):
+        raise InvalidArgument(
+            "--option sets the compared policies' options in the simulator (--simulate) or the live "
+            "stack it starts (--engine sim); this benchmark starts no such policy"
+        )
     if args.peer:
         from inferx.cli.peer import check_args as check_peer_args
         from inferx.cli.peer import cmd_peer

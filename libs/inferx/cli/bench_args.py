@@ -80,8 +80,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "--option",
         action="append",
         metavar="KEY=VALUE",
-        help="simulator: a policy option (e.g. realtime_guard=false for an ablation); "
-        "given to the compared policies that take it",
+        help="a policy option (e.g. realtime_guard=false for an ablation), given to the compared "
+        "policies that take it: in the simulator any option, live (--engine sim) those the "
+        "scheduler has a flag for (exact_prefix=true: --exact-prefix)",
     )
     parser.add_argument(
         "--programs",

@@ -40,6 +40,7 @@ from typing import Any
 from inferx.openai_compat.schema import ChatMessage
 
 GENERATION_MARK = "<|assistant|>\n"
+SYSTEM_ROLES = ("system", "developer")  # the instructions an agent sends every program first
 
 
 def _json(value: Any) -> str:
@@ -108,6 +109,25 @@ def render_chat(
     tool_choice: str | dict[str, Any] | None = None,
 ) -> str:
     """The prompt for `messages`, ending with the generation mark."""
+    lines = _rendered(messages, tools)
+    if tool_choice is not None:
+        lines.append("<|tool_choice|>")
+        lines.append(tool_choice if isinstance(tool_choice, str) else _json(tool_choice))
+    return "\n".join(lines) + "\n" + GENERATION_MARK
+
+
+def shared_head(messages: Sequence[ChatMessage], tools: Sequence[dict[str, Any]] | None = None) -> str:
+    """What the rendering starts with that other programs of the same agent send too:
+    the tool specs and the leading system (or developer) messages, not the conversation
+    after them. "" when there is neither."""
+    count = 0
+    while count < len(messages) and messages[count].role in SYSTEM_ROLES:
+        count += 1
+    lines = _rendered(messages[:count], tools)
+    return "\n".join(lines) + "\n" if lines else ""
+
+
+def _rendered(messages: Sequence[ChatMessage], tools: Sequence[dict[str, Any]] | None) -> list[str]:
     lines: list[str] = []
     if tools:
         lines.append("<|tools|>")
@@ -125,7 +145,4 @@ def render_chat(
         if message.tool_calls:
             lines.append("<|tool_calls|>")
             lines += [_json(call) for call in message.tool_calls]
-    if tool_choice is not None:
-        lines.append("<|tool_choice|>")
-        lines.append(tool_choice if isinstance(tool_choice, str) else _json(tool_choice))
-    return "\n".join(lines) + "\n" + GENERATION_MARK
+    return lines

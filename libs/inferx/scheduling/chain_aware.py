@@ -766,9 +766,9 @@ class ChainAwarePolicy:
     @staticmethod
     def _program_kind(hop: HopView) -> str:
         """What gaps are learned per: the program the chain runs, as far as the scheduler
-        can tell (the shared prefix its prompts start with, or its chain config / program
-        name and tier), else its pool."""
-        return hop.prefix_id or hop.program or hop.pool
+        can tell (its chain config / program name and tier, else the shared prefix its
+        prompts start with -- which programs of different shapes may share), else its pool."""
+        return hop.program or hop.prefix_id or hop.pool
 
     def _observe_gap(self, hop: HopView, now: float) -> None:
         state = self._chains.get(self._key(hop))
