@@ -44,6 +44,7 @@ def make_stack(
     insecure: bool = True,
     tls_server_name: str | None = None,
     embedded_scheduler: bool = False,
+    scheduler_flags: tuple[str, ...] = (),
 ) -> LocalStack:
     """A stack on free ports. Plaintext (`insecure=True`) unless asked: the tests of
     scheduling, configs and faults call services directly; tests/integration/test_secure_stack.py
@@ -59,6 +60,7 @@ def make_stack(
         insecure=insecure,
         tls_server_name=tls_server_name,
         embedded_scheduler=embedded_scheduler,
+        scheduler_flags=scheduler_flags,
     )
 
 

@@ -258,8 +258,8 @@ class LocalStack:
         scheduler_flags: Sequence[str] = (),
     ) -> None:
         """`embedded_scheduler`: each router runs the scheduler in its own process
-        (`inferx-router --embedded-scheduler`, with `scheduler_flags`); `start_core`
-        then starts no scheduler process."""
+        (`inferx-router --embedded-scheduler`); `start_core` then starts no scheduler
+        process. `scheduler_flags` go to the scheduler wherever it runs."""
         if insecure and tls_server_name:
             raise StackError("a server name for TLS peers makes no sense with insecure=True")
         self.state_dir = state_dir
@@ -542,6 +542,8 @@ class LocalStack:
         name = kind if replica == 0 else f"{kind}-{replica}"
         metrics_port = self._metrics_port()
         extra = list(extra)
+        if kind == "scheduler":
+            extra += self.scheduler_flags
         if kind == "router" and self.knowledge_base is not None:
             extra += ["--knowledge-base", str(self.knowledge_base)]
         if kind == "router" and self.embedded_scheduler:

@@ -37,10 +37,11 @@ class HopDispatcher:
             max_queued_per_pool, make_policy(policy, time_scale=time_scale, **(policy_options or {}))
         )
         # Which worker holds which prefix blocks (fed by `kv_events.KvEventSubscriber`),
-        # and the block keys of each chain's latest context (from its workers' replies).
+        # and the block keys of each chain's latest contexts (from its workers' replies),
+        # kept only for a policy that places by them (exact prefix).
         self.prefix_index = PrefixIndex()
         self.contexts = ChainContexts()
-        self.queue.policy.use_prefix_index(self.prefix_index)
+        self.reads_prompt_blocks = self.queue.policy.use_prefix_index(self.prefix_index)
         self._waiters: dict[int, asyncio.Future[str]] = {}
         self._wake: asyncio.TimerHandle | None = None
         self._usable = usable or (lambda worker_id: True)

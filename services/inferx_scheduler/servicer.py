@@ -151,11 +151,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             raise Unavailable(no_worker_message(request.model, pool))
         await self._check_owner(pool)
         view = hop_view(pool, request)  # the hop's facts, worked out once
-        # The prompt starts with the chain's latest context: its blocks, as keyed in the
-        # workers' KV events, say exactly where that context is cached.
-        blocks = self._dispatcher.contexts.get(pool, view.chain_key)
-        if blocks:
-            view = replace(view, prompt_blocks=blocks)
+        # The chain's context the prompt starts with: its blocks, as keyed in the workers'
+        # KV events, say exactly where that context is cached (for a policy that reads them).
+        if self._dispatcher.reads_prompt_blocks:
+            blocks = self._dispatcher.contexts.get(pool, view.chain_key, request.prompt)
+            if blocks:
+                view = replace(view, prompt_blocks=blocks)
         # Room a look-ahead kept for this hop: its own reservation replaces that one.
         ahead = self._lookahead.take(view) if self._lookahead is not None else None
         # A worker that dies or fails mid-hop costs a re-dispatch to another one of the
@@ -237,16 +238,25 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 sampling=request.sampling,
                 chat_json=request.chat_json,  # a chat for the worker's template, passed on as it came
             )
+            # The hop's output, kept (for a policy that reads contexts) to tell which
+            # later prompts start with this hop's context.
+            output: list[str] | None = [] if self._dispatcher.reads_prompt_blocks else None
+            blocks: tuple[tuple[str, int], ...] = ()
             try:
                 async for event in self._run_on_worker(
                     generate, view, worker.address, worker_id, queue_ms, context, ahead
                 ):
                     if isinstance(event, _ContextBlocks):
-                        self._dispatcher.contexts.put(pool, view.chain_key, event.blocks)
+                        blocks = event.blocks
                         continue
+                    if output is not None:
+                        output.append(event.text)
                     if event.kind == Event.KIND_FINISHED:
                         outcome.context_tokens = event.usage.prompt_tokens + event.usage.completion_tokens
                         outcome.service_s = event.engine_ms / 1000
+                        if output is not None:
+                            text = request.prompt + "".join(output)
+                            self._dispatcher.contexts.put(pool, view.chain_key, text, blocks)
                     yield event
             except WorkerFailed:
                 self._health.hop_failed(worker_id)

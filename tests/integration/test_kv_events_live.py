@@ -30,7 +30,8 @@ agent_chain:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    stack = make_stack(tmp_path_factory.mktemp("kvevents"))
+    # Exact prefix on: the scheduler keeps the chains' contexts only for a policy that reads them.
+    stack = make_stack(tmp_path_factory.mktemp("kvevents"), scheduler_flags=("--exact-prefix",))
     try:
         stack.start_core()
         stack.load_models({"solo": "solo"})

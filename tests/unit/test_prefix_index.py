@@ -78,13 +78,46 @@ def test_engine_key_map_rekeys_vllm_style_events_by_token_ids() -> None:
 
 def test_chain_contexts_are_bounded_lru() -> None:
     contexts = ChainContexts(max_chains=2)
-    contexts.put("p", "a", [("k1", 16)])
-    contexts.put("p", "b", [("k2", 16)])
-    contexts.put("p", "c", [])  # nothing reported: nothing stored
-    assert contexts.get("p", "a") == (("k1", 16),)  # touched: "b" is now least recent
-    contexts.put("p", "d", [("k3", 16)])
-    assert contexts.get("p", "b") == () and len(contexts) == 2
-    assert contexts.get("other", "a") == ()
+    contexts.put("p", "a", "A" * 100, [("k1", 16)])
+    contexts.put("p", "b", "B" * 100, [("k2", 16)])
+    contexts.put("p", "c", "C" * 100, [])  # nothing reported: nothing stored
+    assert contexts.get("p", "a", "A" * 150) == (("k1", 16),)  # touched: "b" is now least recent
+    contexts.put("p", "d", "D" * 100, [("k3", 16)])
+    assert contexts.get("p", "b", "B" * 150) == () and len(contexts) == 2
+    assert contexts.get("other", "a", "A" * 150) == ()
+
+
+SYSTEM = "You are a research agent; cite every source. " * 4
+
+
+def test_a_prompt_is_described_by_the_longest_context_it_starts_with() -> None:
+    """An agent loop's next call extends its latest context; a DAG's parallel branch
+    extends the hop it branched from, not the sibling that finished last; a prompt that
+    starts anew (a template's) is described by none -- never by blocks it lacks."""
+    contexts = ChainContexts()
+    plan = SYSTEM + "plan the search" + " -> three queries"
+    contexts.put("p", "run", plan, [("plan", 40)])
+    branch_a = plan + " search A" + " -> found A"
+    contexts.put("p", "run", branch_a, [("plan", 40), ("a", 10)])
+    # Branch B finished after A: its prompt starts with the plan's context, not A's.
+    assert contexts.get("p", "run", plan + " search B") == (("plan", 40),)
+    # The join of A (and more) starts with A's context, the longest that fits.
+    assert contexts.get("p", "run", branch_a + " then B's results") == (("plan", 40), ("a", 10))
+    assert contexts.get("p", "run", SYSTEM + "a new prompt of the same length or longer " * 3) == ()
+    assert contexts.get("p", "run", plan[:-1]) == ()  # shorter than every context
+    # Same length, other text at the start only (the tail test alone would pass it).
+    assert contexts.get("p", "run", "X" + plan[1:] + " more") == ()
+
+
+def test_each_chain_keeps_its_latest_contexts_and_one_per_text() -> None:
+    contexts = ChainContexts(per_chain=2)
+    for i in range(3):
+        contexts.put("p", "run", f"context {i} " * 10, [(f"k{i}", 16)])
+    assert contexts.get("p", "run", "context 0 " * 10 + "next") == ()  # the oldest dropped
+    assert contexts.get("p", "run", "context 2 " * 10 + "next") == (("k2", 16),)
+    contexts.put("p", "run", "context 2 " * 10, [("k2-again", 16)])  # the same text: replaced, not doubled
+    assert contexts.get("p", "run", "context 1 " * 10 + "next") == (("k1", 16),)
+    assert contexts.get("p", "run", "context 2 " * 10 + "next") == (("k2-again", 16),)
 
 
 def test_sim_engine_cache_changes_reach_the_index() -> None:

@@ -294,8 +294,9 @@ class ChainAwarePolicy:
         # nothing happened to.
         self._pool_epoch: Counter[str] = Counter()
 
-    def use_prefix_index(self, index: PrefixIndex) -> None:
+    def use_prefix_index(self, index: PrefixIndex) -> bool:
         self._prefix_index = index
+        return self.config.exact_prefix
 
     def _exact_known(self, hop: HopView) -> bool:
         """Exact prefix locations may answer for this hop (`exact_prefix`, an index, keys)."""

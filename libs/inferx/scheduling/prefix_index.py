@@ -218,30 +218,64 @@ class WorkerFeed:
         self.index.apply(self.worker_id, KvEvent(REMOVED, ((key, 0),)))
 
 
+@dataclass(frozen=True)
+class _Context:
+    """One finished hop's context: its text's length, digest and last characters (a
+    cheap first test), and the block keys its worker reported for it."""
+
+    chars: int
+    digest: bytes
+    tail: str
+    blocks: tuple[Block, ...]
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+_TAIL_CHARS = 64
+
+
 class ChainContexts:
-    """The block keys of each chain's latest context (prompt + output of its last
-    finished hop, as its worker reported them), per pool: the live scheduler's
-    description of a chain's next prompt, which starts with that context. Least
-    recently used chains are forgotten past `max_chains`."""
+    """The block keys of each chain's latest contexts (prompt + output of its finished
+    hops, as their workers reported them), per pool: the live scheduler's description
+    of a chain's next prompt by what it starts with. A context describes a prompt only
+    when its text is the prompt's beginning -- the next call of an agent loop extends
+    the previous one, but a parallel branch of a DAG extends the hop it branched from,
+    not its sibling, and a templated hop may start anew -- so each is kept with its
+    text's digest and the longest that begins the prompt answers. The latest
+    `per_chain` contexts are kept per chain; least recently used chains are forgotten
+    past `max_chains`."""
 
-    def __init__(self, max_chains: int = 100_000) -> None:
+    def __init__(self, max_chains: int = 100_000, per_chain: int = 8) -> None:
         self.max_chains = max_chains
-        self._blocks: OrderedDict[tuple[str, str], tuple[Block, ...]] = OrderedDict()
+        self.per_chain = per_chain
+        self._chains: OrderedDict[tuple[str, str], tuple[_Context, ...]] = OrderedDict()
 
-    def get(self, pool: str, chain_key: str) -> tuple[Block, ...]:
-        blocks = self._blocks.get((pool, chain_key))
-        if blocks is None:
+    def get(self, pool: str, chain_key: str, prompt: str) -> tuple[Block, ...]:
+        """The blocks of the chain's longest context that `prompt` starts with; () when
+        none does (or the chain is unknown)."""
+        contexts = self._chains.get((pool, chain_key))
+        if contexts is None:
             return ()
-        self._blocks.move_to_end((pool, chain_key))
-        return blocks
+        self._chains.move_to_end((pool, chain_key))
+        for context in sorted(contexts, key=lambda c: c.chars, reverse=True):
+            n = context.chars
+            if n <= len(prompt) and prompt[max(n - _TAIL_CHARS, 0) : n] == context.tail:
+                if _digest(prompt[:n]) == context.digest:
+                    return context.blocks
+        return ()
 
-    def put(self, pool: str, chain_key: str, blocks: Sequence[Block]) -> None:
-        if not blocks:
+    def put(self, pool: str, chain_key: str, text: str, blocks: Sequence[Block]) -> None:
+        """`text`: the hop's prompt and output, as the next prompts would start with them."""
+        if not blocks or not text:
             return
-        self._blocks[(pool, chain_key)] = tuple(blocks)
-        self._blocks.move_to_end((pool, chain_key))
-        while len(self._blocks) > self.max_chains:
-            self._blocks.popitem(last=False)
+        context = _Context(len(text), _digest(text), text[-_TAIL_CHARS:], tuple(blocks))
+        kept = tuple(c for c in self._chains.get((pool, chain_key), ()) if c.digest != context.digest)
+        self._chains[(pool, chain_key)] = (context, *kept)[: self.per_chain]
+        self._chains.move_to_end((pool, chain_key))
+        while len(self._chains) > self.max_chains:
+            self._chains.popitem(last=False)
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._chains)

@@ -62,7 +62,8 @@ class Policy(Protocol):
         """The chain will send no more hops (when the caller knows it)."""
         ...
 
-    def use_prefix_index(self, index: PrefixIndex) -> None:
+    def use_prefix_index(self, index: PrefixIndex) -> bool:
         """Where the workers' prefix blocks are, kept current from their KV events; a
-        policy that can use it (and is told to) places by it, else ignores it."""
+        policy that can use it (and is told to) places by it, else ignores it. True when
+        it will read it (then hops should carry their `prompt_blocks`)."""
         ...

@@ -71,5 +71,5 @@ class FcfsPeer:
     def on_chain_end(self, chain_key: str, now: float) -> None:
         return None
 
-    def use_prefix_index(self, index: PrefixIndex) -> None:
-        return None
+    def use_prefix_index(self, index: PrefixIndex) -> bool:
+        return False

@@ -112,8 +112,9 @@ class PrefixAwarePolicy(FcfsPeer):
         self.miss_route = miss_route
         self._trees: dict[tuple[str, str], ApproxTree] = {}  # (pool, worker) -> tree
 
-    def use_prefix_index(self, index: PrefixIndex) -> None:
+    def use_prefix_index(self, index: PrefixIndex) -> bool:
         self._index = index
+        return self.exact_prefix
 
     def match(self, hop: HopView, worker: WorkerView) -> int:
         """Tokens of the hop's prompt the worker holds: exact from the KV-event index
