@@ -120,6 +120,20 @@ def test_each_chain_keeps_its_latest_contexts_and_one_per_text() -> None:
     assert contexts.get("p", "run", "context 2 " * 10 + "next") == (("k2-again", 16),)
 
 
+def test_nested_contexts_share_their_common_blocks() -> None:
+    """A loop's contexts nest: the later one holds the earlier one's block objects (a
+    pointer each), also past a last block that was partial then and is full now."""
+    contexts = ChainContexts()
+    first = [("k0", 16), ("k1", 16), ("k2-partial", 5)]
+    contexts.put("p", "run", "first call", [(k, t) for k, t in first])
+    earlier = contexts.get("p", "run", "first call, then")
+    contexts.put("p", "run", "first call, then more", [("k0", 16), ("k1", 16), ("k2", 16), ("k3", 4)])
+    later = contexts.get("p", "run", "first call, then more and more")
+    assert later == (("k0", 16), ("k1", 16), ("k2", 16), ("k3", 4))
+    assert later[0] is earlier[0] and later[1] is earlier[1]
+    assert contexts.get("p", "run", "first call, then") == tuple(first)  # the earlier one kept whole
+
+
 def test_sim_engine_cache_changes_reach_the_index() -> None:
     """Every entry the engine model stores or evicts is reported, so the index equals
     the engine's cache at every point."""

@@ -236,6 +236,20 @@ def _digest(text: str) -> bytes:
 _TAIL_CHARS = 64
 
 
+def _sharing(blocks: tuple[Block, ...], kept: Sequence[_Context]) -> tuple[Block, ...]:
+    """`blocks`, its leading blocks the same objects as those of the longest kept
+    context it extends: a chain's contexts nest (each hop extends one before it), so
+    keeping several costs a pointer per shared block, not a copy of each."""
+    for context in sorted(kept, key=lambda c: len(c.blocks), reverse=True):
+        shared = context.blocks
+        if blocks[: len(shared)] != shared:
+            shared = shared[:-1]  # its last block partial then, full now: keyed anew
+            if not shared or blocks[: len(shared)] != shared:
+                continue
+        return shared + blocks[len(shared) :]
+    return blocks
+
+
 class ChainContexts:
     """The block keys of each chain's latest contexts (prompt + output of its finished
     hops, as their workers reported them), per pool: the live scheduler's description
@@ -270,8 +284,9 @@ class ChainContexts:
         """`text`: the hop's prompt and output, as the next prompts would start with them."""
         if not blocks or not text:
             return
-        context = _Context(len(text), _digest(text), text[-_TAIL_CHARS:], tuple(blocks))
-        kept = tuple(c for c in self._chains.get((pool, chain_key), ()) if c.digest != context.digest)
+        digest = _digest(text)
+        kept = tuple(c for c in self._chains.get((pool, chain_key), ()) if c.digest != digest)
+        context = _Context(len(text), digest, text[-_TAIL_CHARS:], _sharing(tuple(blocks), kept))
         self._chains[(pool, chain_key)] = (context, *kept)[: self.per_chain]
         self._chains.move_to_end((pool, chain_key))
         while len(self._chains) > self.max_chains:
