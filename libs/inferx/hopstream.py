@@ -262,44 +262,113 @@ class _Outbox:
         self._task.cancel()
 
 
+# A stream younger than this is not retired for its channel's state: while a new
+# stream's connection is set up the channel may still read IDLE.
+RETIRE_MIN_AGE_S = 1.0
+
+
+class _Stream:
+    """One opened multiplexed stream: its call, writer, reader, and the tags of the
+    calls on it. `retiring`: it takes no new call and half-closes once those are done."""
+
+    __slots__ = ("call", "outbox", "reader", "tags", "opened_at", "retiring", "ended")
+
+    def __init__(self, call: grpc.aio.StreamStreamCall, opened_at: float) -> None:
+        self.call = call
+        self.outbox: _Outbox | None = None
+        self.reader: asyncio.Task[None] | None = None
+        self.tags: set[int] = set()
+        self.opened_at = opened_at
+        self.retiring = False
+        self.ended = False
+
+
 class StreamClient:
-    """One multiplexed stream to one peer, opened on first use and re-opened after a break.
+    """Multiplexed streams to one peer: one open for new calls at a time, opened on first
+    use and re-opened after a break.
 
     `open_stream()` starts the bidirectional call (e.g. `SchedulerStub(ch).Hops()`) whose
-    messages `shape` describes."""
+    messages `shape` describes. `connection_aged()` says the peer asked its connection to
+    be closed: a server past its max connection age sends a GOAWAY (the channel then
+    reads IDLE), lets the calls on that connection run for its grace period and then
+    closes it. A stream is one long call, so its hops would all break then: the stream is
+    retired instead -- new calls go on a new stream (a new connection), and the old one
+    half-closes once the calls on it are done, within the grace unless a call outlasts it.
+    """
 
     def __init__(
-        self, open_stream: Callable[[], grpc.aio.StreamStreamCall], shape: StreamShape, peer: str
+        self,
+        open_stream: Callable[[], grpc.aio.StreamStreamCall],
+        shape: StreamShape,
+        peer: str,
+        connection_aged: Callable[[], bool] | None = None,
     ) -> None:
         self._open_stream = open_stream
         self._shape = shape
         self._payload_field = shape.payload_field
         self.peer = peer
+        self._connection_aged = connection_aged
         self.supported = True  # False once the peer answered UNIMPLEMENTED
-        self._call: grpc.aio.StreamStreamCall | None = None
-        self._reader: asyncio.Task[None] | None = None
-        self._outbox: _Outbox | None = None
-        self._pending: dict[int, _Inbox] = {}
+        self._current: _Stream | None = None  # the stream new calls go on
+        self._streams: set[_Stream] = set()  # every stream not ended, retiring ones too
+        self._pending: dict[int, _Inbox] = {}  # tag -> its call's replies, on any stream
         self._tags = itertools.count(1)
         self.opened = 0  # streams opened so far (tests, diagnostics)
+        self.retired = 0  # streams retired for their connection's age
+        self._closing: set[asyncio.Task[None]] = set()  # retired streams being half-closed
 
     @property
     def in_flight(self) -> int:
         return len(self._pending)
 
-    def _ensure_open(self) -> tuple[grpc.aio.StreamStreamCall, _Outbox]:
-        if self._call is None or self._outbox is None:
-            call = self._open_stream()
-            self._call = call
-            self.opened += 1
-            self._outbox = _Outbox(
-                call.write,
+    def _stream(self) -> _Stream:
+        loop = asyncio.get_running_loop()
+        stream = self._current
+        if (
+            stream is not None
+            and self._connection_aged is not None
+            and loop.time() - stream.opened_at >= RETIRE_MIN_AGE_S
+            and self._connection_aged()
+        ):
+            self._retire(stream)
+            stream = None
+        if stream is None:
+            stream = _Stream(self._open_stream(), loop.time())
+            opened = stream
+            stream.outbox = _Outbox(
+                stream.call.write,
                 self._shape.requests_cls,
                 self._shape.requests_field,
-                lambda exc: self._broken(call, exc),
+                lambda exc: self._broken(opened, exc),
             )
-            self._reader = asyncio.get_running_loop().create_task(self._read(call))
-        return self._call, self._outbox
+            stream.reader = loop.create_task(self._read(stream))
+            self._current = stream
+            self._streams.add(stream)
+            self.opened += 1
+        return stream
+
+    def _retire(self, stream: _Stream) -> None:
+        log.info("connection to %s aged out: its hop stream takes no new hops", self.peer)
+        self.retired += 1
+        stream.retiring = True
+        if self._current is stream:
+            self._current = None
+        self._half_close_when_done(stream)
+
+    def _half_close_when_done(self, stream: _Stream) -> None:
+        if stream.retiring and not stream.tags and not stream.ended:
+            task = asyncio.get_running_loop().create_task(self._half_close(stream))
+            self._closing.add(task)  # held until done: the loop keeps only a weak reference
+            task.add_done_callback(self._closing.discard)
+
+    async def _half_close(self, stream: _Stream) -> None:
+        """No more requests on `stream`: the peer ends it, and its reader then sees EOF."""
+        try:
+            if stream.outbox is not None:
+                await stream.outbox.flush()
+            await stream.call.done_writing()
+        except Exception as exc:  # already gone: the reader ends it
+            log.debug("half-closing a hop stream to %s: %s", self.peer, exc)
 
     async def call(self, payload: Any, timeout: float | None, span: Span | None = None) -> AsyncIterator[Any]:
         """Send `payload` and yield its replies; raises as the plain call would. `span`:
@@ -308,10 +377,13 @@ class StreamClient:
             raise StreamUnsupported(self.peer)
         if timeout is not None and timeout <= 0:
             raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-        call, outbox = self._ensure_open()
+        stream = self._stream()
+        outbox = stream.outbox
+        assert outbox is not None
         tag = next(self._tags)
         inbox = _Inbox()
         self._pending[tag] = inbox
+        stream.tags.add(tag)
         request = outbox.add()
         request.tag = tag
         if timeout is not None:
@@ -339,21 +411,24 @@ class StreamClient:
         finally:
             if timer is not None:
                 timer.cancel()
-            if self._pending.pop(tag, None) is not None and not ended and self._call is call:
+            if self._pending.pop(tag, None) is not None and not ended and not stream.ended:
                 # The caller left first (cancelled, deadline, stopped reading): tell the
                 # peer, as cancelling the call would, without making the caller wait.
                 cancel = outbox.add()
                 cancel.tag = tag
                 cancel.cancel = True
+            stream.tags.discard(tag)
+            self._half_close_when_done(stream)
 
     def _expire(self, tag: int) -> None:
         inbox = self._pending.get(tag)
         if inbox is not None:
             inbox.put(_End(code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0], message="Deadline Exceeded"))
 
-    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+    async def _read(self, stream: _Stream) -> None:
         reason: BaseException | None = None
         replies_field, reply_field = self._shape.replies_field, self._shape.reply_field
+        call = stream.call
         try:
             while True:
                 message = await call.read()
@@ -377,22 +452,23 @@ class StreamClient:
             log.exception("hop stream reader to %s failed", self.peer)
             reason = exc
         finally:
-            self._broken(call, reason)
+            self._broken(stream, reason)
 
-    def _broken(self, call: grpc.aio.StreamStreamCall, reason: BaseException | None) -> None:
-        """The stream `call` ended: fail what is still on it; the next call opens a new one."""
-        current = self._call
-        if current is None or current is not call:
+    def _broken(self, stream: _Stream, reason: BaseException | None) -> None:
+        """`stream` ended: fail what is still on it; the next call opens a new one."""
+        if stream.ended:
             return
-        self._call = None
-        reader, self._reader = self._reader, None
+        stream.ended = True
+        self._streams.discard(stream)
+        if self._current is stream:
+            self._current = None
+        reader, stream.reader = stream.reader, None
         if reader is not None and reader is not asyncio.current_task():
             reader.cancel()
-        outbox, self._outbox = self._outbox, None
+        outbox, stream.outbox = stream.outbox, None
         if outbox is not None:
             outbox.close()
-        current.cancel()
-        pending, self._pending = self._pending, {}
+        stream.call.cancel()
         if isinstance(reason, grpc.aio.AioRpcError) and reason.code() == grpc.StatusCode.UNIMPLEMENTED:
             self.supported = False
             end = _End(code=_UNIMPLEMENTED, message=reason.details() or "")
@@ -405,16 +481,19 @@ class StreamClient:
                 code=grpc.StatusCode.UNAVAILABLE.value[0],
                 message=f"hop stream to {self.peer} broke: {detail}",
             )
-        for inbox in pending.values():
-            inbox.put(end)
+        for tag in stream.tags:
+            inbox = self._pending.pop(tag, None)
+            if inbox is not None:
+                inbox.put(end)
 
     async def close(self) -> None:
-        call = self._call
-        if call is not None:
-            self._broken(call, None)
+        for stream in list(self._streams):
+            self._broken(stream, None)
 
 
 _UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED.value[0]
+# What a channel reads once its connection got a GOAWAY (and no new one is up yet).
+_IDLE = grpc.ChannelConnectivity.IDLE
 # A stream that ended with one of these was refused by the peer, not broken: its calls
 # get the same status. Any other end fails them UNAVAILABLE.
 _REFUSED = {
@@ -470,7 +549,10 @@ class StreamPool:
         client = self.clients.get(address)
         if client is None:
             client = StreamClient(
-                lambda: self._open_stream(self._channels.get(address)), self._shape, address
+                lambda: self._open_stream(self._channels.get(address)),
+                self._shape,
+                address,
+                lambda: self._channels.get(address).get_state(try_to_connect=False) == _IDLE,
             )
             self.clients[address] = client
         return client

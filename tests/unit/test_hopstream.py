@@ -9,7 +9,7 @@ import asyncio
 import grpc
 import pytest
 
-from inferx import hopstream, telemetry
+from inferx import hopstream, telemetry, wire
 from inferx.discovery import ChannelPool
 from inferx.errors import (
     OWNER_KEY,
@@ -32,7 +32,8 @@ Event = scheduler_pb2.HopEvent
 
 class Hops(scheduler_pb2_grpc.SchedulerServicer):
     """SubmitHop by prompt: 'echo:X' answers X; 'wait' waits until cancelled;
-    'busy' is RESOURCE_EXHAUSTED with a retry hint; 'slow:X' answers X after 0.3 s."""
+    'busy' is RESOURCE_EXHAUSTED with a retry hint; 'slow:X' answers X after 0.3 s,
+    'nap:X' after 1.2 s."""
 
     def __init__(self) -> None:
         self.started: list[str] = []
@@ -50,6 +51,8 @@ class Hops(scheduler_pb2_grpc.SchedulerServicer):
                 await asyncio.Event().wait()
             if kind == "slow":
                 await asyncio.sleep(0.3)
+            if kind == "nap":
+                await asyncio.sleep(1.2)
             if kind == "busy":
                 raise ResourceExhausted("queue full", retry_after_s=2.5)
             if kind == "boom":
@@ -80,10 +83,10 @@ class PlainOnly(Hops):
             yield event
 
 
-async def serve(servicer: Hops, port: int = 0, guard=None) -> tuple[grpc.aio.Server, int]:
+async def serve(servicer: Hops, port: int = 0, guard=None, options=None) -> tuple[grpc.aio.Server, int]:
     errors = ErrorMappingInterceptor()
     errors.guard = guard
-    server = grpc.aio.server(interceptors=[errors])
+    server = grpc.aio.server(interceptors=[errors], options=options)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
@@ -294,10 +297,10 @@ async def test_draining_finishes_the_hops_in_flight_then_ends_the_stream(channel
         assert await slow == "ab"
         client = streams.clients[address]
         for _ in range(100):
-            if client._call is None:
+            if client._current is None:
                 break
             await asyncio.sleep(0.01)
-        assert client._call is None  # the stream ended once its hop was done
+        assert client._current is None  # the stream ended once its hop was done
         assert await texts(streams, address, "echo:again") == "again"  # a new stream
         assert client.opened == 2
     finally:
@@ -428,6 +431,32 @@ async def test_a_dispatched_event_reaches_the_caller_while_its_hop_still_runs(ch
         rest = [event async for event in events]
         assert [e.kind for e in rest] == [Event.KIND_TOKENS, Event.KIND_FINISHED]
         assert "".join(e.text for e in rest) == "ab"
+    finally:
+        await streams.close()
+        await server.stop(0)
+
+
+async def test_a_stream_whose_connection_aged_out_takes_no_new_hops_and_none_breaks(channels) -> None:
+    """A server past its max connection age (1 s here) sends a GOAWAY and closes the
+    connection after its grace (3 s): the hops already on the stream finish on it, new
+    hops go on a new stream over a new connection, and the old stream then ends -- no hop
+    breaks, though hops run all the time, each longer than the age."""
+    options = wire.server_options(
+        max_connection_age_s=1.0, max_connection_age_grace_s=3.0, keepalive_time_s=60, keepalive_timeout_s=20
+    )
+    servicer = Hops()
+    server, port = await serve(servicer, options=options)
+    streams = scheduler_streams(channels, enabled=True)
+    address = f"127.0.0.1:{port}"
+    try:
+        hops = []
+        for i in range(18):  # a 1.2 s hop every 0.25 s for 4.5 s: past two connection ages
+            hops.append(asyncio.create_task(texts(streams, address, f"nap:h{i}", timeout=10)))
+            await asyncio.sleep(0.25)
+        assert await asyncio.gather(*hops) == [f"h{i}" for i in range(18)]
+        client = streams.clients[address]
+        assert client.retired >= 2 and client.opened == client.retired + 1
+        assert client.in_flight == 0
     finally:
         await streams.close()
         await server.stop(0)
