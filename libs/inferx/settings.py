@@ -116,8 +116,11 @@ class ServiceSettings(TransportSettings):
         description="close each client connection after this long (a GOAWAY: clients reconnect, "
         "through the load balancer, so new replicas get their share); 0 = never",
     )
+    # Long: a chain run, an agent's call or a model hop may take minutes, and a call still
+    # running when the grace ends is cut; the aged connection closes as soon as its calls
+    # are done, so a long grace costs nothing (hop streams move off it: inferx.hopstream).
     max_connection_age_grace_s: float = Field(
-        30.0, ge=0, description="calls in flight on a connection that aged out get this long to finish"
+        3600.0, ge=0, description="calls in flight on a connection that aged out get this long to finish"
     )
     keepalive_time_s: float = Field(
         60.0, gt=0, description="ping a client whose connection has been quiet this long"

@@ -83,7 +83,7 @@ def test_service_settings_give_the_server_its_connection_options() -> None:
         )
     )
     assert options["grpc.max_connection_age_ms"] == 300_000
-    assert options["grpc.max_connection_age_grace_ms"] == 30_000
+    assert options["grpc.max_connection_age_grace_ms"] == 3_600_000
     # The server accepts the clients' keepalive pings (else: GOAWAY too_many_pings).
     client_ping_ms = dict(wire.CHANNEL_OPTIONS)["grpc.keepalive_time_ms"]
     assert options["grpc.http2.min_recv_ping_interval_without_data_ms"] < client_ping_ms
