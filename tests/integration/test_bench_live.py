@@ -5,6 +5,10 @@ not a test). No timing is asserted: only what the replay must get exactly right.
 from __future__ import annotations
 
 import asyncio
+import signal
+import subprocess
+import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -104,3 +108,65 @@ def test_bench_replays_a_trace_against_a_running_stack(tmp_path: Path) -> None:
         refused = subprocess.run(argv, capture_output=True, text=True, timeout=60)
         assert refused.returncode != 0 and "one policy" in refused.stderr
         assert "Traceback" not in refused.stderr
+
+
+def test_a_terminated_benchmark_stops_its_stack(tmp_path: Path) -> None:
+    """SIGTERM (a supervisor, `timeout`, a CI job's end) stops `inferx bench` as Ctrl-C
+    does: it exits, and no process of the local stack it started is left running."""
+    trace_path = tmp_path / "trace.jsonl"
+    write_trace(generate(TraceConfig(seed=3, duration_s=60.0, rate_per_s=1.0, mix={"bfcl": 1.0})), trace_path)
+    state = tmp_path / "state"
+    command = [
+        sys.executable,
+        "-m",
+        "inferx.cli.main",
+        "bench",
+        "--engine",
+        "sim",
+        "--trace",
+        str(trace_path),
+    ]
+    command += [
+        "--compare",
+        "round-robin",
+        "--rate",
+        "1",
+        "--speed",
+        "1",
+        "--workers",
+        "1",
+        "--state-dir",
+        str(state),
+    ]
+    bench = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not list(state.glob("*/logs/worker-0.log")):  # the stack is up and replaying
+            assert bench.poll() is None, bench.stderr.read() if bench.stderr else ""
+            assert time.monotonic() < deadline, "the stack did not start"
+            time.sleep(0.2)
+        time.sleep(2)
+        assert _processes_of(state), "no stack process found to stop"
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=60) == 130  # interrupted, as by Ctrl-C
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    deadline = time.monotonic() + 15
+    while _processes_of(state) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_of(state) == []
+
+
+def _processes_of(state: Path) -> list[str]:
+    """Command lines of live processes that name the state directory (etcd, services)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            status = (cmdline.parent / "stat").read_text().split()[2]
+        except OSError:
+            continue
+        if str(state) in args and status != "Z":  # a zombie has exited already
+            found.append(args)
+    return found

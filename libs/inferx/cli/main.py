@@ -12,6 +12,7 @@ import argparse
 import getpass
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -554,8 +555,15 @@ def cmd_policies(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interrupt_on_terminate(signum: int, frame: object) -> None:  # noqa: ARG001
+    os.kill(os.getpid(), signal.SIGINT)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    # SIGTERM (a supervisor, `timeout`, a CI job's end) stops a command as Ctrl-C does:
+    # its clean-up runs, so a benchmark's local stacks are not left running.
+    previous = signal.signal(signal.SIGTERM, _interrupt_on_terminate)
     try:
         result = args.handler(args)
         if isinstance(result, Coroutine):
@@ -573,6 +581,8 @@ def main(argv: list[str] | None = None) -> None:
     except BrokenPipeError:  # e.g. `inferx ... | head`
         sys.stderr.close()
         code = 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     sys.exit(code)
 
 
