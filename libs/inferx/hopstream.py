@@ -262,23 +262,18 @@ class _Outbox:
         self._task.cancel()
 
 
-# A stream younger than this is not retired for its channel's state: while a new
-# stream's connection is set up the channel may still read IDLE.
-RETIRE_MIN_AGE_S = 1.0
-
-
 class _Stream:
     """One opened multiplexed stream: its call, writer, reader, and the tags of the
     calls on it. `retiring`: it takes no new call and half-closes once those are done."""
 
-    __slots__ = ("call", "outbox", "reader", "tags", "opened_at", "retiring", "ended")
+    __slots__ = ("call", "outbox", "reader", "tags", "connection", "retiring", "ended")
 
-    def __init__(self, call: grpc.aio.StreamStreamCall, opened_at: float) -> None:
+    def __init__(self, call: grpc.aio.StreamStreamCall, connection: int) -> None:
         self.call = call
         self.outbox: _Outbox | None = None
         self.reader: asyncio.Task[None] | None = None
         self.tags: set[int] = set()
-        self.opened_at = opened_at
+        self.connection = connection  # the channel's connection count when it was opened
         self.retiring = False
         self.ended = False
 
@@ -288,12 +283,13 @@ class StreamClient:
     use and re-opened after a break.
 
     `open_stream()` starts the bidirectional call (e.g. `SchedulerStub(ch).Hops()`) whose
-    messages `shape` describes. `connection_aged()` says the peer asked its connection to
-    be closed: a server past its max connection age sends a GOAWAY (the channel then
-    reads IDLE), lets the calls on that connection run for its grace period and then
-    closes it. A stream is one long call, so its hops would all break then: the stream is
-    retired instead -- new calls go on a new stream (a new connection), and the old one
-    half-closes once the calls on it are done, within the grace unless a call outlasts it.
+    messages `shape` describes, on `channel()`. A server past its max connection age
+    sends a GOAWAY, lets the calls on that connection run for its grace period and then
+    closes it; the channel moves its new calls to a new connection. A stream is one long
+    call that would stay on the old one and break with every hop on it: so each time the
+    channel leaves READY (a GOAWAY, a broken connection) the streams opened before are
+    retired -- new calls go on a new stream (a new connection), and an old one
+    half-closes once the calls on it are done.
     """
 
     def __init__(
@@ -301,20 +297,22 @@ class StreamClient:
         open_stream: Callable[[], grpc.aio.StreamStreamCall],
         shape: StreamShape,
         peer: str,
-        connection_aged: Callable[[], bool] | None = None,
+        channel: Callable[[], grpc.aio.Channel] | None = None,
     ) -> None:
         self._open_stream = open_stream
         self._shape = shape
         self._payload_field = shape.payload_field
         self.peer = peer
-        self._connection_aged = connection_aged
+        self._channel = channel
+        self._watcher: asyncio.Task[None] | None = None
+        self._connections = 0  # times the channel left READY (its connection went away)
         self.supported = True  # False once the peer answered UNIMPLEMENTED
         self._current: _Stream | None = None  # the stream new calls go on
         self._streams: set[_Stream] = set()  # every stream not ended, retiring ones too
         self._pending: dict[int, _Inbox] = {}  # tag -> its call's replies, on any stream
         self._tags = itertools.count(1)
         self.opened = 0  # streams opened so far (tests, diagnostics)
-        self.retired = 0  # streams retired for their connection's age
+        self.retired = 0  # streams retired because their connection went away
         self._closing: set[asyncio.Task[None]] = set()  # retired streams being half-closed
 
     @property
@@ -323,17 +321,14 @@ class StreamClient:
 
     def _stream(self) -> _Stream:
         loop = asyncio.get_running_loop()
+        if self._watcher is None and self._channel is not None:
+            self._watcher = loop.create_task(self._watch(self._channel()))
         stream = self._current
-        if (
-            stream is not None
-            and self._connection_aged is not None
-            and loop.time() - stream.opened_at >= RETIRE_MIN_AGE_S
-            and self._connection_aged()
-        ):
+        if stream is not None and stream.connection != self._connections:
             self._retire(stream)
             stream = None
         if stream is None:
-            stream = _Stream(self._open_stream(), loop.time())
+            stream = _Stream(self._open_stream(), self._connections)
             opened = stream
             stream.outbox = _Outbox(
                 stream.call.write,
@@ -347,8 +342,23 @@ class StreamClient:
             self.opened += 1
         return stream
 
+    async def _watch(self, channel: grpc.aio.Channel) -> None:
+        """Count the times the channel's connection goes away (READY -> anything else)."""
+        state = channel.get_state(try_to_connect=False)
+        try:
+            while True:
+                await channel.wait_for_state_change(state)
+                new = channel.get_state(try_to_connect=False)
+                if state == _READY:
+                    self._connections += 1
+                if new == _SHUTDOWN:
+                    return
+                state = new
+        except (asyncio.CancelledError, grpc.aio.UsageError, RuntimeError):
+            return  # closed: the channel, or this client
+
     def _retire(self, stream: _Stream) -> None:
-        log.info("connection to %s aged out: its hop stream takes no new hops", self.peer)
+        log.info("connection to %s went away (a GOAWAY): its hop stream takes no new hops", self.peer)
         self.retired += 1
         stream.retiring = True
         if self._current is stream:
@@ -487,13 +497,15 @@ class StreamClient:
                 inbox.put(end)
 
     async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
         for stream in list(self._streams):
             self._broken(stream, None)
 
 
 _UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED.value[0]
-# What a channel reads once its connection got a GOAWAY (and no new one is up yet).
-_IDLE = grpc.ChannelConnectivity.IDLE
+_READY, _SHUTDOWN = grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.SHUTDOWN
 # A stream that ended with one of these was refused by the peer, not broken: its calls
 # get the same status. Any other end fails them UNAVAILABLE.
 _REFUSED = {
@@ -552,7 +564,7 @@ class StreamPool:
                 lambda: self._open_stream(self._channels.get(address)),
                 self._shape,
                 address,
-                lambda: self._channels.get(address).get_state(try_to_connect=False) == _IDLE,
+                lambda: self._channels.get(address),
             )
             self.clients[address] = client
         return client

@@ -5,6 +5,7 @@ plain call and on `Scheduler.Hops`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -440,7 +441,9 @@ async def test_a_stream_whose_connection_aged_out_takes_no_new_hops_and_none_bre
     """A server past its max connection age (1 s here) sends a GOAWAY and closes the
     connection after its grace (3 s): the hops already on the stream finish on it, new
     hops go on a new stream over a new connection, and the old stream then ends -- no hop
-    breaks, though hops run all the time, each longer than the age."""
+    breaks, though hops run all the time, each longer than the age. Other calls on the
+    same channel (a scheduler's health checks) reconnect it at once after the GOAWAY:
+    the stream must move all the same."""
     options = wire.server_options(
         max_connection_age_s=1.0, max_connection_age_grace_s=3.0, keepalive_time_s=60, keepalive_timeout_s=20
     )
@@ -448,6 +451,17 @@ async def test_a_stream_whose_connection_aged_out_takes_no_new_hops_and_none_bre
     server, port = await serve(servicer, options=options)
     streams = scheduler_streams(channels, enabled=True)
     address = f"127.0.0.1:{port}"
+    channel = channels.get(address)
+
+    async def health_checks() -> None:
+        while True:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await scheduler_pb2_grpc.SchedulerStub(channel).GetSchedulerStatus(
+                    scheduler_pb2.SchedulerStatusRequest(), timeout=1
+                )
+            await asyncio.sleep(0.05)
+
+    checks = asyncio.create_task(health_checks())
     try:
         hops = []
         for i in range(18):  # a 1.2 s hop every 0.25 s for 4.5 s: past two connection ages
@@ -458,5 +472,6 @@ async def test_a_stream_whose_connection_aged_out_takes_no_new_hops_and_none_bre
         assert client.retired >= 2 and client.opened == client.retired + 1
         assert client.in_flight == 0
     finally:
+        checks.cancel()
         await streams.close()
         await server.stop(0)
