@@ -321,7 +321,8 @@ class StreamClient:
 
     def _stream(self) -> _Stream:
         loop = asyncio.get_running_loop()
-        if self._watcher is None and self._channel is not None:
+        if self._channel is not None and (self._watcher is None or self._watcher.done()):
+            # (again after its channel was closed: the pool gives a new one for the address)
             self._watcher = loop.create_task(self._watch(self._channel()))
         stream = self._current
         if stream is not None and stream.connection != self._connections:
