@@ -26,6 +26,7 @@ affinity patience, chain TTL) are compressed too: it runs with `--time-scale spe
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import tempfile
@@ -72,7 +73,17 @@ def piece(tag: str, tokens: int) -> str:
 
 def shared_head(chain: TraceChain) -> str:
     """The system prompt every chain of its kind starts with ("" when none)."""
-    return piece(f"system {chain.shared_prefix}", chain.shared_tokens) if chain.shared_tokens else ""
+    return _system_prompt(chain.shared_prefix, chain.shared_tokens)
+
+
+def _system_prompt(name: str, tokens: int) -> str:
+    return piece(f"system {name}", tokens) if tokens else ""
+
+
+@functools.lru_cache(maxsize=256)  # a trace's few kinds, named once each rather than per call
+def _named_prefix(name: str, tokens: int) -> tuple[str, int]:
+    """The shared prefix as the router names a template's static head."""
+    return shared_prefix(_system_prompt(name, tokens))
 
 
 def build_prompt(chain: TraceChain, k: int, outputs: Sequence[str] | Mapping[int, str]) -> str:
@@ -99,7 +110,7 @@ def hop_request(
 ) -> scheduler_pb2.HopRequest:
     """`hop_index` (calls finished before this one) and `remaining_hops` (calls not yet
     issued after it) default to a sequence's: k and the calls after k."""
-    prefix_id, prefix_tokens = shared_prefix(shared_head(chain))
+    prefix_id, prefix_tokens = _named_prefix(chain.shared_prefix, chain.shared_tokens)
     return scheduler_pb2.HopRequest(
         context=common_pb2.HopContext(
             run_id=chain.chain_id,
