@@ -5,15 +5,17 @@ program-scheduling configuration from the engine profile, and the CLI's checks."
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import socket
 from typing import Any
 
+import httpx
 import pytest
 
-from inferx.bench import peer
-from inferx.bench.agent_http import Conversation, check_sequences, identity
+from inferx.bench import agent_http, peer
+from inferx.bench.agent_http import Conversation, Front, HttpAgentReplay, identity
 from inferx.cli import bench_args
 from inferx.cli.peer import check_args
 from inferx.errors import InvalidArgument
@@ -28,8 +30,8 @@ def chains(kind: str = "bfcl", n: int = 3):
     return generate(TraceConfig(seed=5, duration_s=60, rate_per_s=1.0, mix={kind: 1.0})).chains[:n]
 
 
-def rendered(conversation: Conversation) -> str:
-    return render_chat([ChatMessage.model_validate(m) for m in conversation.messages])
+def rendered(messages: list[dict[str, Any]]) -> str:
+    return render_chat([ChatMessage.model_validate(m) for m in messages])
 
 
 @pytest.mark.parametrize("kind", ["bfcl", "chat", "swe"])
@@ -38,8 +40,8 @@ def test_prompts_have_the_trace_tokens_and_extend_the_previous_prompt(kind: str)
     conversation = Conversation(chain)
     previous = ""
     for k, hop in enumerate(chain.hops):
-        conversation.next_call(k)
-        prompt = rendered(conversation)
+        messages = conversation.next_call(k)
+        prompt = rendered(messages)
         assert len(prompt) % 4 == 0  # whole sim tokens: the completion starts at a token boundary
         assert (
             len(prompt) // 4 == chain.prompt_tokens(k)
@@ -47,11 +49,11 @@ def test_prompts_have_the_trace_tokens_and_extend_the_previous_prompt(kind: str)
             and len(prompt) // 4 >= chain.prompt_tokens(k)
         )
         assert prompt.startswith(previous)  # the prefix cache sees the previous prompt + completion
-        assert f"<|sim-eos {hop.output_tokens}|>" in conversation.messages[-1]["content"]
+        assert f"<|sim-eos {hop.output_tokens}|>" in messages[-1]["content"]
         completion = "abcd" * hop.output_tokens
-        conversation.completion(completion)
+        conversation.completion(k, completion)
         previous = prompt + completion
-    roles = {m["role"] for m in conversation.messages}
+    roles = {m["role"] for m in messages}
     assert ("tool" in roles) == (kind != "chat" and len(chain.hops) > 1)
 
 
@@ -87,10 +89,77 @@ def test_fronts_are_told_only_what_a_client_knows() -> None:
         assert str(chain.hops[k].output_tokens) not in json.dumps(body).replace(chain.chain_id, "")
 
 
-def test_dag_chains_are_refused() -> None:
-    trace = generate(workload("research", 1).model_copy(update={"duration_s": 30}))
-    with pytest.raises(InvalidArgument, match="DAG"):
-        check_sequences(trace)
+def research_chain():
+    trace = generate(workload("research", 1).model_copy(update={"duration_s": 60}))
+    return next(c for c in trace.chains if not c.is_sequence and len(c.roots()) == 1)
+
+
+def test_a_dag_program_extends_each_call_it_waits_for() -> None:
+    """A research program: each branch extends the plan's prompt + completion, the join
+    carries every branch it waits for, and every call has the trace's prompt tokens."""
+    chain = research_chain()
+    conversation = Conversation(chain)
+    prompts: dict[int, str] = {}
+    for k in range(len(chain.hops)):  # index order is a valid issue order
+        prompt = rendered(conversation.next_call(k))
+        assert len(prompt) % 4 == 0 and len(prompt) // 4 >= chain.prompt_tokens(k)
+        assert len(prompt) // 4 == chain.prompt_tokens(k) or k == 0
+        completion = f"<{k}>" + "abcd" * chain.hops[k].output_tokens
+        deps = chain.deps(k)
+        if deps:  # the prefix cache sees the first call it waits for, prompt + completion
+            assert prompt.startswith(prompts[deps[0]])
+        for j in deps:
+            assert f"<{j}>" in prompt  # the completions of what it waits for
+        for j in set(range(k)) - set(chain.ancestors(k)):
+            assert f"<{j}>" not in prompt  # not a sibling's
+        conversation.completion(k, completion)
+        prompts[k] = prompt + completion
+    join = len(chain.hops) - 1
+    assert len(chain.deps(join)) >= 2
+
+
+def test_a_dag_programs_branches_are_in_flight_together() -> None:
+    """The replay sends a DAG's branches at once and the join after all of them (and
+    their delays): checked against a front that answers after a short wait."""
+    chain = research_chain().model_copy(update={"arrival_s": 0.0})
+    trace = generate(workload("research", 1).model_copy(update={"duration_s": 60}))
+    trace = trace.model_copy(update={"chains": [chain]})
+    in_flight, most = 0, 0
+    sent: list[tuple[str, float]] = []
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        nonlocal in_flight, most
+        body = json.loads(request.content)
+        last = body["messages"][-1]["content"]
+        sent.append((last.split("call ", 1)[1].split("]", 1)[0], asyncio.get_running_loop().time()))
+        in_flight += 1
+        most = max(most, in_flight)
+        await asyncio.sleep(0.05)
+        in_flight -= 1
+        chunk = {"choices": [{"index": 0, "delta": {"content": "ok"}}]}
+        usage = {"choices": [], "usage": {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 4}}}
+        text = f"data: {json.dumps(chunk)}\n\ndata: {json.dumps(usage)}\n\ndata: [DONE]\n\n"
+        return httpx.Response(200, content=text.encode(), headers={"content-type": "text/event-stream"})
+
+    replay = HttpAgentReplay(
+        Front("fake", "http://fake", "inferx"), trace, EngineProfile(), speed=1000.0, model="m"
+    )
+    original = agent_http.http_client
+    agent_http.http_client = lambda timeout_s: httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    try:
+        records = asyncio.run(replay.run(30.0, lambda done: None))
+    finally:
+        agent_http.http_client = original
+    assert [r.status for r in records] == ["ok"]
+    assert len(sent) == len(chain.hops)
+    branches = [k for k in range(len(chain.hops)) if chain.deps(k) == [0]]
+    assert most >= len(branches) >= 2  # the branches were in flight together
+    order = [int(k) for k, _ in sent]
+    join = len(chain.hops) - 1
+    assert order[0] == 0 and order[-1] == join
+    assert records[0].prompt_tokens == 10 * len(chain.hops) and records[0].cached_tokens == 4 * len(
+        chain.hops
+    )
 
 
 def probe(meets: bool, index: int, rate: float) -> peer.Probe:
@@ -186,7 +255,6 @@ def parse(*argv: str) -> argparse.Namespace:
 def test_cli_checks() -> None:
     check_args(parse("--peer", "vllm-router"))
     for argv, message in (
-        (("--workload", "research"), "DAGs"),
         (("--overhead",), "drop --overhead"),
         (("--probe-chains", "0"), "--probe-chains"),
         (("--rate-step", "1"), "--rate-step"),

@@ -1,13 +1,15 @@
 """A trace's chains replayed as OpenAI-style agent programs over HTTP (`inferx bench
 --peer`): the same client loop against any OpenAI-compatible front.
 
-A chain (a sequence of calls, `inferx.sim.trace`) is one agent program: call k is a
-streamed `POST /v1/chat/completions` whose messages are the previous call's messages,
-its completion (an assistant message) and one new message -- the user's next turn for
-a chat, a tool result for an agent -- sent when call k-1 has finished and its tool
-delay (or think time) has passed. So the messages grow along the program as an agent
-framework's do, and a worker that kept the program's context prefills only the new
-message.
+A chain (`inferx.sim.trace`) is one agent program: call k is a streamed `POST
+/v1/chat/completions` whose messages are the previous call's messages, its completion
+(an assistant message) and one new message -- the user's next turn for a chat, a tool
+result for an agent -- sent when call k-1 has finished and its tool delay (or think
+time) has passed. So the messages grow along the program as an agent framework's do,
+and a worker that kept the program's context prefills only the new message. A DAG
+chain (`research`: a plan, parallel search branches, a report) is a program whose
+branches are in flight together, each extending the plan's conversation, and whose
+join carries every branch it waits for (`Conversation`).
 
 Sizes follow the trace exactly on the SIMULATED sim engine (4 characters a token): the
 system message is the chain's shared prefix, and each new message is padded so that
@@ -52,12 +54,11 @@ from typing import Any, Literal
 import httpx
 
 from inferx.bench.replay import replay_chains
-from inferx.errors import InvalidArgument
 from inferx.openai_compat.render import render_chat
 from inferx.openai_compat.schema import ChatMessage
 from inferx.sim.profile import EngineProfile
 from inferx.sim.records import ChainRecord
-from inferx.sim.trace import Trace, TraceChain
+from inferx.sim.trace import ChainProgress, Trace, TraceChain
 
 CHARS_PER_TOKEN = 4  # the sim engine's fixed-width tokens (inferx.bench.live too)
 EOS_MARK = "<|sim-eos "  # inferx_worker.engines.sim_engine.EOS_MARK (a service: not imported)
@@ -82,17 +83,6 @@ class Front:
     name: str
     base_url: str  # http://HOST:PORT (the API is under /v1)
     identity: Identity
-
-
-def check_sequences(trace: Trace) -> None:
-    """Agent programs here are sequences of calls; a DAG chain (parallel branches)
-    has no single message history."""
-    dags = [c.chain_id for c in trace.chains if not c.is_sequence]
-    if dags:
-        raise InvalidArgument(
-            f"{len(dags)} chains of the trace are DAGs (e.g. {dags[0]}): an agent program replayed "
-            "over HTTP is a sequence of calls; choose a workload of sequences (mix, coding)"
-        )
 
 
 def identity(
@@ -130,16 +120,24 @@ def piece(tag: str, chars: int) -> str:
 
 
 class Conversation:
-    """One program's messages as the client keeps them, and their rendering length."""
+    """One program's messages as the client keeps them, and their rendering length.
+
+    Call k's messages are the system message, then each call it depends on
+    (transitively, in index order: `TraceChain.ancestors`) as its new message and its
+    completion, then call k's new message. For a sequence that is the previous call's
+    messages + its completion + one new message; a DAG's branches each extend their
+    parent's conversation, and a join carries every branch it waits for (what an agent
+    framework sends after a parallel fan-out)."""
 
     def __init__(self, chain: TraceChain) -> None:
         self.chain = chain
-        self.messages: list[dict[str, Any]] = []
-        self._parsed: list[ChatMessage] = []
+        self._system: list[dict[str, Any]] = []
+        self._asked: dict[int, dict[str, Any]] = {}  # call k's new message
+        self._answered: dict[int, dict[str, Any]] = {}  # call k's completion
         if chain.shared_tokens:
             # The shared prefix (system prompt, tool specs) of the chain's kind: the same
             # text in every chain of the kind, so it is a cross-program cache hit.
-            self._add(
+            self._system.append(
                 {"role": "system", "content": piece(f"system {chain.shared_prefix}", self._sys_chars())}
             )
 
@@ -147,33 +145,41 @@ class Conversation:
         # "<|system|>\n" + content + "\n" renders the system message.
         return max(1, self.chain.shared_tokens * CHARS_PER_TOKEN - len("<|system|>\n\n"))
 
-    def _add(self, message: dict[str, Any]) -> None:
-        self.messages.append(message)
-        self._parsed.append(ChatMessage.model_construct(**message))
+    def messages(self, k: int) -> list[dict[str, Any]]:
+        """Call k's messages (its new message once `next_call(k)` made it)."""
+        out = list(self._system)
+        for j in self.chain.ancestors(k):
+            out += [self._asked[j], self._answered[j]]
+        if k in self._asked:
+            out.append(self._asked[k])
+        return out
 
-    def rendered_chars(self) -> int:
-        return len(render_chat(self._parsed))
+    @staticmethod
+    def rendered_chars(messages: list[dict[str, Any]]) -> int:
+        return len(render_chat([ChatMessage.model_construct(**m) for m in messages]))
 
-    def next_call(self, k: int) -> None:
-        """Append call k's new message: sized so the rendered prompt has the trace's
-        prompt tokens (or a little more, when the message's head alone is longer)."""
+    def next_call(self, k: int) -> list[dict[str, Any]]:
+        """Make call k's new message, sized so the rendered prompt has the trace's prompt
+        tokens (or a little more, when the message's head alone is longer); its messages."""
         chain = self.chain
         hop = chain.hops[k]
-        role = "user" if k == 0 or chain.kind == "chat" else "tool"
+        deps = chain.deps(k)
+        role = "user" if not deps or chain.kind == "chat" else "tool"
         message: dict[str, Any] = {"role": role, "content": "x"}
         if role == "tool":
-            message["tool_call_id"] = f"call_{k - 1}"
-        self._add(message)
-        base = self.rendered_chars() - 1
+            message["tool_call_id"] = f"call_{deps[-1]}"
+        self._asked[k] = message
+        messages = self.messages(k)
+        base = self.rendered_chars(messages) - 1
         target = chain.prompt_tokens(k) * CHARS_PER_TOKEN
         head = f"{EOS_MARK}{hop.output_tokens}|> "
         want = max(target - base, len(head) + 8)
         want += (-(base + want)) % CHARS_PER_TOKEN  # a whole number of tokens
         message["content"] = head + piece(f"{chain.chain_id} call {k}", want - len(head))
-        self._parsed[-1] = ChatMessage.model_construct(**message)
+        return messages
 
-    def completion(self, text: str) -> None:
-        self._add({"role": "assistant", "content": text})
+    def completion(self, k: int, text: str) -> None:
+        self._answered[k] = {"role": "assistant", "content": text}
 
 
 def http_client(timeout_s: float) -> httpx.AsyncClient:
@@ -262,7 +268,6 @@ class HttpAgentReplay:
     MAX_ATTEMPTS = 20  # per call: retries of refused (429/503) and cut (504) calls
 
     def __init__(self, front: Front, trace: Trace, profile: EngineProfile, speed: float, model: str) -> None:
-        check_sequences(trace)
         self.front, self.trace, self.profile, self.speed, self.model = front, trace, profile, speed, model
         self.stats = ReplayStats()
 
@@ -282,26 +287,52 @@ class HttpAgentReplay:
     async def _chain(
         self, client: httpx.AsyncClient, chain: TraceChain, record: ChainRecord, start: float
     ) -> None:
+        """One program: each call is a task, sent when `ChainProgress` says it is ready
+        (the calls it waits for finished, their tool delay or think time passed), so a
+        DAG's branches are in flight together; the program ends when all calls did, or
+        at the first that fails (the others are cancelled)."""
         loop = asyncio.get_running_loop()
         speed = self.speed
-        await asyncio.sleep(max(0.0, start + chain.arrival_s / speed - loop.time()))
+        arrival = start + chain.arrival_s / speed
+        await asyncio.sleep(max(0.0, arrival - loop.time()))
         deadline = loop.time() + chain.slo_s / speed
         url = f"{self.front.base_url}/v1/chat/completions"
         conversation = Conversation(chain)
-        for k, hop in enumerate(chain.hops):
-            conversation.next_call(k)
-            outcome = await self._call(client, url, chain, k, conversation, deadline)
+        progress = ChainProgress(chain)
+
+        async def call(k: int, ready_at: float) -> tuple[str, float]:
+            """Call k sent at `ready_at` (loop time): ('', when it finished) or its error."""
+            await asyncio.sleep(max(0.0, ready_at - loop.time()))
+            progress.issue(k)
+            messages = conversation.next_call(k)
+            outcome = await self._call(client, url, chain, k, messages, deadline)
             if outcome.error:
-                self.stats.count(outcome.error)
-                record.finish("shed" if outcome.error in ("http 429", "http 503") else "failed", 0.0)
-                return
+                return outcome.error, loop.time()
             if outcome.ttft_s is not None:
                 record.ttft_s.append(outcome.ttft_s * speed)
             record.prompt_tokens += outcome.prompt_tokens
             record.cached_tokens += outcome.cached_tokens
-            conversation.completion(outcome.text)
-            if k < len(chain.hops) - 1 and hop.delay_after_s:
-                await asyncio.sleep(hop.delay_after_s / speed)  # the tool runs / the user thinks
+            conversation.completion(k, outcome.text)
+            return "", loop.time()
+
+        tasks = {asyncio.create_task(call(k, arrival)): k for k in chain.roots()}
+        try:
+            while tasks:
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for task in sorted(done, key=lambda t: tasks[t]):
+                    k = tasks.pop(task)
+                    error, ended = task.result()
+                    if error:
+                        self.stats.count(error)
+                        record.finish("shed" if error in ("http 429", "http 503") else "failed", 0.0)
+                        return
+                    # the tool runs / the user thinks: `ready_at` is after the trace's delay
+                    for d, ready_at in progress.finish(k, ended, speed):
+                        tasks[asyncio.create_task(call(d, ready_at))] = d
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         record.finish("ok", (loop.time() - start) * speed)
 
     async def _call(
@@ -310,7 +341,7 @@ class HttpAgentReplay:
         url: str,
         chain: TraceChain,
         k: int,
-        conversation: Conversation,
+        messages: list[dict[str, Any]],
         deadline: float,
     ) -> CallOutcome:
         loop = asyncio.get_running_loop()
@@ -321,7 +352,7 @@ class HttpAgentReplay:
             headers, extra = identity(self.front.identity, chain, k, left)
             body = {
                 "model": self.model,
-                "messages": conversation.messages,
+                "messages": messages,
                 "max_tokens": chain.max_tokens(k),  # the cap an agent sends, not the output length
                 "temperature": 0,
                 "stream": True,

@@ -19,7 +19,7 @@ from inferx.errors import InvalidArgument
 
 # Start rates (chains/s per worker) of the capacity ladder when --rate is not given:
 # below the simulator's capacity of the peers' policies on these workloads.
-START_RATE_PER_WORKER = {"mix": 0.25, "coding": 0.005}
+START_RATE_PER_WORKER = {"mix": 0.25, "coding": 0.005, "research": 0.05}
 DEFAULT_WORKERS = 2
 
 _NOT_HERE = (
@@ -41,11 +41,6 @@ def check_args(args: argparse.Namespace) -> None:
             )
     if args.engine not in (None, "sim"):
         raise InvalidArgument("--peer runs SIMULATED sim workers: drop --engine vllm")
-    if args.workload == "research":
-        raise InvalidArgument(
-            "--peer replays agent programs as sequences of chat calls; research chains are DAGs "
-            "(parallel branches): choose --workload mix or coding"
-        )
     if args.trace and args.workload:
         raise InvalidArgument("give --trace FILE or --workload NAME, not both")
     if args.trace and args.seeds > 1:
@@ -73,7 +68,6 @@ def check_args(args: argparse.Namespace) -> None:
 
 def _traces(args: argparse.Namespace, profile):
     from inferx.bench import runner
-    from inferx.bench.agent_http import check_sequences
     from inferx.sim.trace import generate, workload
 
     if args.trace:
@@ -82,7 +76,6 @@ def _traces(args: argparse.Namespace, profile):
         name = args.workload or "mix"
         traces = [generate(workload(name, args.seed + i), profile) for i in range(args.seeds)]
     for trace in traces:
-        check_sequences(trace)
         if len(trace.chains) < args.probe_chains:
             raise InvalidArgument(
                 f"the trace has {len(trace.chains)} chains, fewer than --probe-chains {args.probe_chains}"
