@@ -30,6 +30,7 @@ def async_client(stack: LocalStack, **kw) -> openai.AsyncOpenAI:
 def test_models_lists_the_models_from_etcd(sim_stack: LocalStack) -> None:
     names = {model.id for model in sync_client(sim_stack).models.list()}
     assert {"qwen-7b", "qwen-72b"} <= names
+    assert sync_client(sim_stack).models.retrieve(MODEL).id == MODEL  # GET /v1/models/{model}
 
 
 def test_sync_chat_completion_reports_text_and_usage(sim_stack: LocalStack) -> None:
@@ -171,7 +172,9 @@ def test_malformed_bodies_and_unknown_paths_get_openai_shaped_errors(sim_stack: 
             (http.post(f"{base}/chat/completions", json={"model": MODEL, "messages": "hi"}), 400, "messages"),
             (http.post(f"{base}/completions", json={"model": MODEL, "prompt": [1, 2]}), 400, "prompt"),
             (http.get(f"{base}/nowhere"), 404, None),
+            (http.post(f"{base}/embeddings", json={"model": MODEL, "input": "hi"}), 404, None),
             (http.get(f"{base}/chat/completions"), 405, None),
+            (http.get(f"{base}/models/no-such-model"), 404, "model"),
         ]
     for reply, status, param in cases:
         assert reply.status_code == status, reply.text

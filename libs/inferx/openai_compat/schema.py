@@ -575,11 +575,13 @@ def usage_chunk(call_id: str, created: int, model: str, object_: str, usage_: di
     }
 
 
+def model_card(name: str, created: int) -> dict[str, Any]:
+    """One model as `GET /v1/models/{model}` gives it (and each entry of the list)."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "inferx"}
+
+
 def model_list(names: list[str], created: int) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [{"id": name, "object": "model", "created": created, "owned_by": "inferx"} for name in names],
-    }
+    return {"object": "list", "data": [model_card(name, created) for name in names]}
 
 
 def sse(payload: dict[str, Any]) -> str:
