@@ -26,7 +26,9 @@ ReplyEvent = Event | Reasoning
 
 # Fields OpenAI defines that InferX accepts and ignores (documented in the README):
 # presence_penalty, frequency_penalty, logit_bias, user, metadata, parallel_tool_calls,
-# store, ... Unknown keys are ignored as well.
+# store, ... Unknown keys are ignored as well. Fields whose answer InferX cannot give
+# (logprobs, echo, best_of, the legacy `functions`, audio output) are refused when they
+# ask for it (`_refuse`), never ignored.
 _LENIENT = ConfigDict(extra="ignore")
 
 TOOL_CHOICES = ("auto", "none", "required")
@@ -39,10 +41,24 @@ def _tool_name(tool: dict[str, Any]) -> Any:
     return function.get("name") if isinstance(function, dict) else None
 
 
+def _refuse(value: Any, harmless: Callable[[Any], bool], why: str) -> Any:
+    """`value` when it asks for nothing InferX cannot give (None, or `harmless`), else
+    a ValueError saying `why` (a 400 naming the field): never a silently lesser answer."""
+    if value is None or harmless(value):
+        return value
+    raise ValueError(f"not supported: {why}")
+
+
 class ContentPart(BaseModel):
     model_config = _LENIENT
     type: Literal["text"]
     text: str
+
+
+def _refusal_as_text(part: Any) -> Any:
+    if isinstance(part, dict) and part.get("type") == "refusal" and isinstance(part.get("refusal"), str):
+        return {"type": "text", "text": part["refusal"]}
+    return part
 
 
 class ChatMessage(BaseModel):
@@ -55,11 +71,13 @@ class ChatMessage(BaseModel):
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_only(cls, value: Any) -> Any:
+    def _text_only(cls, value: Any, info: ValidationInfo) -> Any:
         if value is None or isinstance(value, str):
             return value
         if not isinstance(value, list):
             raise ValueError("expected a string or a list of text parts")
+        if info.data.get("role") == "assistant":  # an earlier reply's refusal, as text (as vLLM reads it)
+            value = [_refusal_as_text(part) for part in value]
         for index, part in enumerate(value):
             if (
                 not isinstance(part, dict)
@@ -81,13 +99,18 @@ class CallRequest(BaseModel):
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
-    stream: bool = False
+    stream: bool | None = False  # null: OpenAI's default (false), as for n
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="one choice per call (n > 1 is not supported)")
+    n: int | None = Field(1, ge=1, description="one choice per call (n > 1 is refused)")
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=0, lt=2**64)
     stop: str | list[str] | None = None
     response_format: dict[str, Any] | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: Any) -> Any:
+        return _refuse(value, lambda n: n == 1, f"n={value}: one choice per call (n must be 1)")
 
     @field_validator("response_format")
     @classmethod
@@ -151,6 +174,50 @@ class ChatCompletionRequest(CallRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    functions: list[Any] | None = None  # the deprecated form of tools
+    function_call: str | dict[str, Any] | None = None  # ... and of tool_choice
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _function_tools(cls, value: Any) -> Any:
+        """OpenAI's function tools, each with a name (what templates render, tool_choice
+        names and the reply's calls are read against); "custom" tools are refused."""
+        for index, tool in enumerate(value or []):
+            if tool.get("type") != "function":
+                raise ValueError(
+                    f'tool {index}: type {tool.get("type")!r}: only "function" tools are supported'
+                )
+            name = _tool_name(tool)
+            if not isinstance(name, str) or not name:
+                raise ValueError(
+                    f'tool {index}: expected {{"type": "function", "function": {{"name": "...", ...}}}}'
+                )
+        return value
+
+    @field_validator("logprobs", "top_logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: Any) -> Any:
+        return _refuse(value, lambda v: not v, "InferX's engines return no log probabilities")
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _no_functions(cls, value: Any, info: ValidationInfo) -> Any:
+        instead = "tools" if info.field_name == "functions" else "tool_choice"
+        return _refuse(value, lambda v: v in ([], "none"), f"the deprecated form; send {instead}")
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_out(cls, value: Any) -> Any:
+        return _refuse(value, lambda v: set(v) <= {"text"}, "only text output")
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio(cls, value: Any) -> Any:
+        return _refuse(value, lambda v: False, "only text output")
 
     @field_validator("tool_choice")
     @classmethod
@@ -215,6 +282,30 @@ def check_tool_choice(tool_choice: str | dict[str, Any] | None, calls: list[Tool
 
 class CompletionRequest(CallRequest):
     prompt: str | list[str]
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool | None = None
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: Any) -> Any:
+        return _refuse(value, lambda v: False, "InferX's engines return no log probabilities")
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: Any) -> Any:
+        return _refuse(value, lambda v: not v, "the reply is the completion only (echo must be false)")
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_candidate(cls, value: Any) -> Any:
+        return _refuse(value, lambda v: v == 1, "one candidate per call (best_of must be 1)")
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: Any) -> Any:
+        return _refuse(value, lambda v: not v, "no insertion (fill-in-the-middle) completions")
 
     @field_validator("prompt", mode="before")
     @classmethod
