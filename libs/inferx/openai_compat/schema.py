@@ -25,10 +25,10 @@ from inferx.tokens import DEFAULT_MAX_TOKENS
 ReplyEvent = Event | Reasoning
 
 # Fields OpenAI defines that InferX accepts and ignores (documented in the README):
-# presence_penalty, frequency_penalty, logit_bias, user, metadata, parallel_tool_calls,
-# store, ... Unknown keys are ignored as well. Fields whose answer InferX cannot give
-# (logprobs, echo, best_of, the legacy `functions`, audio output) are refused when they
-# ask for it (`_refuse`), never ignored.
+# presence_penalty, frequency_penalty, logit_bias, user, metadata, store, ... Unknown
+# keys are ignored as well. Fields whose answer InferX cannot give (logprobs, echo,
+# best_of, the legacy `functions`, audio output) are refused when they ask for it
+# (`_refuse`), never ignored.
 _LENIENT = ConfigDict(extra="ignore")
 
 TOOL_CHOICES = ("auto", "none", "required")
@@ -174,6 +174,7 @@ class ChatCompletionRequest(CallRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # false: the reply's first tool call only
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     functions: list[Any] | None = None  # the deprecated form of tools
@@ -403,7 +404,9 @@ class ReplyReader:
     content held back only while it may be part of a call), `finish` the rest. With a
     "required" or named `tool_choice` everything is held until the reply has ended, and
     `finish` raises ToolChoiceNotFollowed when the reply does not follow it (so nothing
-    of a reply that breaks the promise is sent). Without, the text is content as it is."""
+    of a reply that breaks the promise is sent). Without, the text is content as it is.
+    With `single_call` (the call said parallel_tool_calls false) only the reply's first
+    tool call is given, the others dropped, as vLLM's server does."""
 
     def __init__(
         self,
@@ -413,8 +416,10 @@ class ReplyReader:
         tool_choice: str | dict[str, Any] | None = None,
         new_id: Callable[[], str] = new_call_id,
         reasoning_parser: str = "",
+        single_call: bool = False,
     ) -> None:
         self._parser = parser_for(tool_format, new_id) if parse_tool_calls else None
+        self._most_calls = 1 if single_call else None
         # A reasoning model's thinking comes first, apart: tool calls are read from the
         # answer only (inferx.openai_compat.reasoning).
         self._splitter = ReasoningSplitter(reasoning_parser) if reasoning_parser else None
@@ -427,7 +432,7 @@ class ReplyReader:
 
     @property
     def calls(self) -> list[ToolCall]:
-        return self._parser.calls if self._parser is not None else []
+        return self._parser.calls[: self._most_calls] if self._parser is not None else []
 
     @property
     def called(self) -> bool:
@@ -466,13 +471,15 @@ class ReplyReader:
                 events += self._parser.feed(piece)
         if final and self._parser is not None:
             events += self._parser.finish()
+        if self._most_calls is not None:  # parallel_tool_calls false: the calls past the first go
+            events = [e for e in events if not isinstance(e, ToolCall) or e.index < self._most_calls]
         if self._hold:
             self._held += events
             if not final:
                 return []
             events, self._held = self._held, []
             assert self._parser is not None  # only a reply read for tool calls is held
-            check_tool_choice(self.tool_choice, self._parser.calls, "".join(self._text))
+            check_tool_choice(self.tool_choice, self.calls, "".join(self._text))
         self._content += [event.text for event in events if isinstance(event, Content)]
         self._reasoning += [event.text for event in events if isinstance(event, Reasoning)]
         return events
@@ -493,6 +500,7 @@ def reply_reader(
         tool_format=tool_format,
         tool_choice=body.tool_choice if body.parses_tool_calls else None,
         reasoning_parser=reasoning_parser,
+        single_call=body.parallel_tool_calls is False,
     )
 
 
