@@ -121,6 +121,41 @@ def test_chat_fields_asking_for_what_inferx_cannot_give_are_refused(
 
 
 @pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"max_tokens": True}, "max_tokens", "got true"),
+        ({"max_completion_tokens": True}, "max_completion_tokens", "got true"),
+        ({"temperature": False}, "temperature", "got false"),
+        (
+            {
+                "messages": [
+                    {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": "f"}]}
+                ]
+            },
+            "messages[0].tool_calls",
+            "call 0",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "assistant", "tool_calls": [{"id": "c", "function": {"arguments": "{}"}}]}
+                ]
+            },
+            "messages[0].tool_calls",
+            "call 0",
+        ),
+    ],
+)
+def test_mistyped_fields_a_worker_or_pydantic_would_misread_are_refused(
+    fields: dict, param: str, words: str
+) -> None:
+    error = bad(
+        schema.ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], **fields}
+    )
+    assert error.param == param and words in error.message, error.message
+
+
+@pytest.mark.parametrize(
     ("fields", "param"),
     [
         ({"logprobs": 0}, "logprobs"),

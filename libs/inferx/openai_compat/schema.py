@@ -88,6 +88,28 @@ class ChatMessage(BaseModel):
                 raise ValueError(f"part {index} ({kind!r}): only text parts are supported")
         return value
 
+    @field_validator("tool_calls")
+    @classmethod
+    def _named_calls(cls, value: Any) -> Any:
+        """An earlier reply's calls as OpenAI gives them, each naming its function (what
+        chat templates render), not left for a worker's template to fail on."""
+        for index, call in enumerate(value or []):
+            name = _tool_name(call)
+            if not isinstance(name, str) or not name:
+                raise ValueError(
+                    f'call {index}: expected {{"id": ..., "type": "function", '
+                    f'"function": {{"name": "...", "arguments": "..."}}}}'
+                )
+        return value
+
+
+def _not_a_bool(value: Any) -> Any:
+    """JSON's true/false where a number goes is a mistake, not 1/0 (pydantic's lax mode
+    would read it as one; OpenAI's API refuses it)."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {json.dumps(value)}")
+    return value
+
 
 class StreamOptions(BaseModel):
     model_config = _LENIENT
@@ -106,6 +128,11 @@ class CallRequest(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**64)
     stop: str | list[str] | None = None
     response_format: dict[str, Any] | None = None
+
+    @field_validator("max_tokens", "temperature", "n", "top_p", "seed", mode="before")
+    @classmethod
+    def _numbers(cls, value: Any) -> Any:
+        return _not_a_bool(value)
 
     @field_validator("n")
     @classmethod
@@ -181,6 +208,11 @@ class ChatCompletionRequest(CallRequest):
     function_call: str | dict[str, Any] | None = None  # ... and of tool_choice
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
+
+    @field_validator("max_completion_tokens", "top_logprobs", mode="before")
+    @classmethod
+    def _chat_numbers(cls, value: Any) -> Any:
+        return _not_a_bool(value)
 
     @field_validator("tools")
     @classmethod
