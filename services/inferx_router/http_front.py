@@ -4,9 +4,9 @@ the router process's own event loop.
 `POST /v1/chat/completions` and `POST /v1/completions` (each call one model hop of its
 program, run by `program_calls.ProgramCalls` -- the path `Router.CallModel` takes too --
 through the same `SchedulerExecutor` as declared chains' hops, so the scheduler's tiers,
-affinity and deadlines apply), `GET /v1/models`. Request parsing, the chat rendering,
-program identity, response shapes and error mapping are pure code in
-`inferx.openai_compat`; this module is the I/O around them.
+affinity and deadlines apply), `GET /v1/models` and `GET /v1/models/{model}`. Request
+parsing, the chat rendering, program identity, response shapes and error mapping are
+pure code in `inferx.openai_compat`; this module is the I/O around them.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from inferx.auth.model import Principal
 from inferx.httpserve import EmbeddedHttpServer
 from inferx.limits import RequestLimits
 from inferx.openai_compat import schema
-from inferx.openai_compat.errors import BodyTooLarge
+from inferx.openai_compat.errors import BodyTooLarge, ModelNotFound
 from inferx.openai_compat.identity import ProgramIdentity, parse_identity
 from inferx.openai_compat.schema import ReplyEvent
 from inferx.openai_compat.toolcalls import Content
@@ -64,6 +64,8 @@ class OpenAIFront:
                 Route("/v1/chat/completions", guarded(self.chat_completions, SERVICE), methods=["POST"]),
                 Route("/v1/completions", guarded(self.completions, SERVICE), methods=["POST"]),
                 Route("/v1/models", guarded(self.models, SERVICE), methods=["GET"]),
+                # the SDKs' models.retrieve; a model id may hold "/" (meta-llama/...)
+                Route("/v1/models/{model:path}", guarded(self.model, SERVICE), methods=["GET"]),
             ],
             exception_handlers={HTTPException: http_error},
         )
@@ -80,6 +82,13 @@ class OpenAIFront:
     async def models(self, request: Request) -> Response:
         self._caller(request)
         return JSONResponse(schema.model_list(self.model_names(), self._created))
+
+    async def model(self, request: Request) -> Response:
+        self._caller(request)
+        name = request.path_params["model"]
+        if name not in self.model_names():
+            raise ModelNotFound(name)
+        return JSONResponse(schema.model_card(name, self._created))
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve(request, schema.ChatCompletionRequest)

@@ -30,6 +30,7 @@ def async_client(stack: LocalStack, **kw) -> openai.AsyncOpenAI:
 def test_models_lists_the_models_from_etcd(sim_stack: LocalStack) -> None:
     names = {model.id for model in sync_client(sim_stack).models.list()}
     assert {"qwen-7b", "qwen-72b"} <= names
+    assert sync_client(sim_stack).models.retrieve(MODEL).id == MODEL  # GET /v1/models/{model}
 
 
 def test_sync_chat_completion_reports_text_and_usage(sim_stack: LocalStack) -> None:
@@ -171,7 +172,9 @@ def test_malformed_bodies_and_unknown_paths_get_openai_shaped_errors(sim_stack: 
             (http.post(f"{base}/chat/completions", json={"model": MODEL, "messages": "hi"}), 400, "messages"),
             (http.post(f"{base}/completions", json={"model": MODEL, "prompt": [1, 2]}), 400, "prompt"),
             (http.get(f"{base}/nowhere"), 404, None),
+            (http.post(f"{base}/embeddings", json={"model": MODEL, "input": "hi"}), 404, None),
             (http.get(f"{base}/chat/completions"), 405, None),
+            (http.get(f"{base}/models/no-such-model"), 404, "model"),
         ]
     for reply, status, param in cases:
         assert reply.status_code == status, reply.text
@@ -179,3 +182,35 @@ def test_malformed_bodies_and_unknown_paths_get_openai_shaped_errors(sim_stack: 
         error = reply.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["message"]
         assert error["param"] == param
+
+
+def test_fields_inferx_cannot_serve_are_refused_not_ignored(sim_stack: LocalStack) -> None:
+    """n > 1, logprobs, echo, the legacy functions: a 400 naming the field, never a reply
+    that silently lacks what was asked for; OpenAI's nulls are its defaults."""
+    client = sync_client(sim_stack)
+    refused: list[tuple[str, dict[str, object], str]] = [
+        ("n", {"n": 3}, "n must be 1"),
+        ("logprobs", {"logprobs": True, "top_logprobs": 2}, "log probabilities"),
+        ("functions", {"functions": [{"name": "f", "parameters": {"type": "object"}}]}, "send tools"),
+        ("tools", {"tools": [{"type": "function"}]}, "tool 0"),
+    ]
+    for param, fields, words in refused:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, extra_body=fields
+            )
+        assert caught.value.param == param and words in caught.value.message
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=4, echo=True)
+    assert caught.value.param == "echo"
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "n": None,
+        "stream": None,
+        "logprobs": False,
+    }
+    reply = httpx.post(f"{sim_stack.router_http_url}/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    assert len(reply.json()["choices"]) == 1

@@ -69,7 +69,7 @@ def test_a_chat_body_takes_openai_fields_and_ignores_unsupported_ones() -> None:
         ),
         ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content", "string"),
         ({"model": "m", "messages": [{"role": "user"}], "max_tokens": 0}, "max_tokens", "greater"),
-        ({"model": "m", "messages": [{"role": "user"}], "n": 2}, "n", "less"),
+        ({"model": "m", "messages": [{"role": "user"}], "n": 2}, "n", "n must be 1"),
         ({"model": "m", "messages": [{"role": "user"}], "tool_choice": 5}, "tool_choice", "string"),
     ],
 )
@@ -77,6 +77,100 @@ def test_a_bad_chat_body_names_the_bad_field(body: object, param: str, words: st
     error = bad(schema.ChatCompletionRequest, body)
     assert error.param == param
     assert words in error.message and error.message.startswith(param)
+
+
+def test_an_assistant_refusal_part_is_its_text() -> None:
+    refusal = {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]}
+    body = chat(messages=[{"role": "user", "content": "x"}, refusal, {"role": "user", "content": "ok"}])
+    assert body.messages[1].content == [schema.ContentPart(type="text", text="I can't.")]
+    user_refusal = {"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}
+    assert (
+        bad(schema.ChatCompletionRequest, {"model": "m", "messages": [user_refusal]}).param
+        == "messages[0].content"
+    )
+
+
+def test_nulls_openai_accepts_are_its_defaults() -> None:
+    body = chat(n=None, stream=None, logprobs=None, top_logprobs=None, functions=None, modalities=None)
+    assert not body.stream and not body.include_usage
+    assert chat(n=1, logprobs=False, top_logprobs=0, functions=[], function_call="none", modalities=["text"])
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"n": 3}, "n", "n must be 1"),
+        ({"logprobs": True}, "logprobs", "log probabilities"),
+        ({"top_logprobs": 2}, "top_logprobs", "log probabilities"),
+        ({"functions": [{"name": "f", "parameters": {}}]}, "functions", "send tools"),
+        ({"function_call": "auto"}, "function_call", "send tool_choice"),
+        ({"modalities": ["text", "audio"]}, "modalities", "only text"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "only text"),
+        ({"tools": [{"type": "function"}]}, "tools", "tool 0"),
+        ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools", "tool 0"),
+        ({"tools": [{"type": "custom", "custom": {"name": "c"}}]}, "tools", 'only "function" tools'),
+    ],
+)
+def test_chat_fields_asking_for_what_inferx_cannot_give_are_refused(
+    fields: dict, param: str, words: str
+) -> None:
+    error = bad(
+        schema.ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], **fields}
+    )
+    assert error.param == param and words in error.message, error.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"max_tokens": True}, "max_tokens", "got true"),
+        ({"max_completion_tokens": True}, "max_completion_tokens", "got true"),
+        ({"temperature": False}, "temperature", "got false"),
+        (
+            {
+                "messages": [
+                    {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": "f"}]}
+                ]
+            },
+            "messages[0].tool_calls",
+            "call 0",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "assistant", "tool_calls": [{"id": "c", "function": {"arguments": "{}"}}]}
+                ]
+            },
+            "messages[0].tool_calls",
+            "call 0",
+        ),
+    ],
+)
+def test_mistyped_fields_a_worker_or_pydantic_would_misread_are_refused(
+    fields: dict, param: str, words: str
+) -> None:
+    error = bad(
+        schema.ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], **fields}
+    )
+    assert error.param == param and words in error.message, error.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"logprobs": 0}, "logprobs"),
+        ({"echo": True}, "echo"),
+        ({"best_of": 2}, "best_of"),
+        ({"suffix": "}"}, "suffix"),
+    ],
+)
+def test_completion_fields_asking_for_what_inferx_cannot_give_are_refused(fields: dict, param: str) -> None:
+    error = bad(schema.CompletionRequest, {"model": "m", "prompt": "x", **fields})
+    assert error.param == param and "not supported" in error.message
+    assert schema.parse_body(
+        schema.CompletionRequest,
+        b'{"model": "m", "prompt": "x", "echo": false, "best_of": 1, "logprobs": null}',
+    )
 
 
 def test_a_completion_takes_one_prompt() -> None:

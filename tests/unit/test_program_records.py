@@ -572,11 +572,12 @@ def test_unknown_models_and_empty_prompts_are_refused_before_any_hop() -> None:
 
 
 def test_a_call_model_request_is_the_openai_body_it_stands_for() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     request = router_pb2.ProgramCallRequest(
         model="m",
         messages=[
             router_pb2.ProgramMessage(role="user", content="hi"),
-            router_pb2.ProgramMessage(role="assistant", tool_calls_json='[{"id": "c1", "type": "function"}]'),
+            router_pb2.ProgramMessage(role="assistant", tool_calls_json=json.dumps([call])),
             router_pb2.ProgramMessage(role="tool", content="{}", tool_call_id="c1"),
         ],
         tools_json='[{"type": "function", "function": {"name": "f"}}]',
@@ -587,7 +588,7 @@ def test_a_call_model_request_is_the_openai_body_it_stands_for() -> None:
     body = request_body(request)
     assert isinstance(body, schema.ChatCompletionRequest)
     assert body.output_tokens() == 7 and body.temperature == 0.2 and body.tool_choice == "auto"
-    assert body.messages[1].tool_calls == [{"id": "c1", "type": "function"}]
+    assert body.messages[1].tool_calls == [call]
     assert body.messages[2].tool_call_id == "c1" and body.tools is not None
     text = request_body(router_pb2.ProgramCallRequest(model="m", prompt="Once"))
     assert isinstance(text, schema.CompletionRequest) and text.temperature is None

@@ -224,6 +224,34 @@ def test_a_streamed_reply_sends_each_tool_call_as_openai_does() -> None:
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_parallel_tool_calls_false_gives_the_first_call_only_streamed_or_not() -> None:
+    """As vLLM's server: the calls past the first are dropped (OpenAI's default, true, keeps all)."""
+    text = "On it.\n" + block("lookup_order", {"order_id": "7"}) + "\n" + block("track", {"id": "T"})
+    tools = [{"type": "function", "function": {"name": name}} for name in ("lookup_order", "track")]
+    body = schema.validate_body(
+        schema.ChatCompletionRequest,
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": tools,
+            "parallel_tool_calls": False,
+        },
+    )
+    whole = schema.reply_reader(body)
+    whole.feed(text)
+    whole.finish()
+    assert [call.name for call in whole.calls] == ["lookup_order"] and whole.called
+    streamed = schema.ChatChunks("chatcmpl-1", 0, "m", reader=schema.reply_reader(body))
+    chunks = [*streamed.text(text[:20]), *streamed.text(text[20:]), *streamed.finish("stop")]
+    calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls") or []]
+    assert {tc["index"] for tc in calls} == {0} and calls[0]["function"]["name"] == "lookup_order"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    both = schema.reply_reader(body.model_copy(update={"parallel_tool_calls": None}))
+    both.feed(text)
+    both.finish()
+    assert [call.name for call in both.calls] == ["lookup_order", "track"]
+
+
 def test_a_streamed_reply_without_tools_offered_is_plain_content() -> None:
     text = block("f", {})
     chunks = stream_chunks(text, pieces=3, parse=False)

@@ -25,8 +25,10 @@ from inferx.tokens import DEFAULT_MAX_TOKENS
 ReplyEvent = Event | Reasoning
 
 # Fields OpenAI defines that InferX accepts and ignores (documented in the README):
-# presence_penalty, frequency_penalty, logit_bias, user, metadata, parallel_tool_calls,
-# store, ... Unknown keys are ignored as well.
+# presence_penalty, frequency_penalty, logit_bias, user, metadata, store, ... Unknown
+# keys are ignored as well. Fields whose answer InferX cannot give (logprobs, echo,
+# best_of, the legacy `functions`, audio output) are refused when they ask for it
+# (`_refuse`), never ignored.
 _LENIENT = ConfigDict(extra="ignore")
 
 TOOL_CHOICES = ("auto", "none", "required")
@@ -39,10 +41,24 @@ def _tool_name(tool: dict[str, Any]) -> Any:
     return function.get("name") if isinstance(function, dict) else None
 
 
+def _refuse(value: Any, harmless: Callable[[Any], bool], why: str) -> Any:
+    """`value` when it asks for nothing InferX cannot give (None, or `harmless`), else
+    a ValueError saying `why` (a 400 naming the field): never a silently lesser answer."""
+    if value is None or harmless(value):
+        return value
+    raise ValueError(f"not supported: {why}")
+
+
 class ContentPart(BaseModel):
     model_config = _LENIENT
     type: Literal["text"]
     text: str
+
+
+def _refusal_as_text(part: Any) -> Any:
+    if isinstance(part, dict) and part.get("type") == "refusal" and isinstance(part.get("refusal"), str):
+        return {"type": "text", "text": part["refusal"]}
+    return part
 
 
 class ChatMessage(BaseModel):
@@ -55,11 +71,13 @@ class ChatMessage(BaseModel):
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_only(cls, value: Any) -> Any:
+    def _text_only(cls, value: Any, info: ValidationInfo) -> Any:
         if value is None or isinstance(value, str):
             return value
         if not isinstance(value, list):
             raise ValueError("expected a string or a list of text parts")
+        if info.data.get("role") == "assistant":  # an earlier reply's refusal, as text (as vLLM reads it)
+            value = [_refusal_as_text(part) for part in value]
         for index, part in enumerate(value):
             if (
                 not isinstance(part, dict)
@@ -69,6 +87,28 @@ class ChatMessage(BaseModel):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise ValueError(f"part {index} ({kind!r}): only text parts are supported")
         return value
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _named_calls(cls, value: Any) -> Any:
+        """An earlier reply's calls as OpenAI gives them, each naming its function (what
+        chat templates render), not left for a worker's template to fail on."""
+        for index, call in enumerate(value or []):
+            name = _tool_name(call)
+            if not isinstance(name, str) or not name:
+                raise ValueError(
+                    f'call {index}: expected {{"id": ..., "type": "function", '
+                    f'"function": {{"name": "...", "arguments": "..."}}}}'
+                )
+        return value
+
+
+def _not_a_bool(value: Any) -> Any:
+    """JSON's true/false where a number goes is a mistake, not 1/0 (pydantic's lax mode
+    would read it as one; OpenAI's API refuses it)."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {json.dumps(value)}")
+    return value
 
 
 class StreamOptions(BaseModel):
@@ -81,13 +121,23 @@ class CallRequest(BaseModel):
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
-    stream: bool = False
+    stream: bool | None = False  # null: OpenAI's default (false), as for n
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="one choice per call (n > 1 is not supported)")
+    n: int | None = Field(1, ge=1, description="one choice per call (n > 1 is refused)")
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=0, lt=2**64)
     stop: str | list[str] | None = None
     response_format: dict[str, Any] | None = None
+
+    @field_validator("max_tokens", "temperature", "n", "top_p", "seed", mode="before")
+    @classmethod
+    def _numbers(cls, value: Any) -> Any:
+        return _not_a_bool(value)
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: Any) -> Any:
+        return _refuse(value, lambda n: n == 1, f"n={value}: one choice per call (n must be 1)")
 
     @field_validator("response_format")
     @classmethod
@@ -151,6 +201,56 @@ class ChatCompletionRequest(CallRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # false: the reply's first tool call only
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    functions: list[Any] | None = None  # the deprecated form of tools
+    function_call: str | dict[str, Any] | None = None  # ... and of tool_choice
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+
+    @field_validator("max_completion_tokens", "top_logprobs", mode="before")
+    @classmethod
+    def _chat_numbers(cls, value: Any) -> Any:
+        return _not_a_bool(value)
+
+    @field_validator("tools")
+    @classmethod
+    def _function_tools(cls, value: Any) -> Any:
+        """OpenAI's function tools, each with a name (what templates render, tool_choice
+        names and the reply's calls are read against); "custom" tools are refused."""
+        for index, tool in enumerate(value or []):
+            if tool.get("type") != "function":
+                raise ValueError(
+                    f'tool {index}: type {tool.get("type")!r}: only "function" tools are supported'
+                )
+            name = _tool_name(tool)
+            if not isinstance(name, str) or not name:
+                raise ValueError(
+                    f'tool {index}: expected {{"type": "function", "function": {{"name": "...", ...}}}}'
+                )
+        return value
+
+    @field_validator("logprobs", "top_logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: Any) -> Any:
+        return _refuse(value, lambda v: not v, "InferX's engines return no log probabilities")
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _no_functions(cls, value: Any, info: ValidationInfo) -> Any:
+        instead = "tools" if info.field_name == "functions" else "tool_choice"
+        return _refuse(value, lambda v: v in ([], "none"), f"the deprecated form; send {instead}")
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_out(cls, value: Any) -> Any:
+        return _refuse(value, lambda v: set(v) <= {"text"}, "only text output")
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio(cls, value: Any) -> Any:
+        return _refuse(value, lambda v: False, "only text output")
 
     @field_validator("tool_choice")
     @classmethod
@@ -215,6 +315,30 @@ def check_tool_choice(tool_choice: str | dict[str, Any] | None, calls: list[Tool
 
 class CompletionRequest(CallRequest):
     prompt: str | list[str]
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool | None = None
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: Any) -> Any:
+        return _refuse(value, lambda v: False, "InferX's engines return no log probabilities")
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: Any) -> Any:
+        return _refuse(value, lambda v: not v, "the reply is the completion only (echo must be false)")
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_candidate(cls, value: Any) -> Any:
+        return _refuse(value, lambda v: v == 1, "one candidate per call (best_of must be 1)")
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: Any) -> Any:
+        return _refuse(value, lambda v: not v, "no insertion (fill-in-the-middle) completions")
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -312,7 +436,9 @@ class ReplyReader:
     content held back only while it may be part of a call), `finish` the rest. With a
     "required" or named `tool_choice` everything is held until the reply has ended, and
     `finish` raises ToolChoiceNotFollowed when the reply does not follow it (so nothing
-    of a reply that breaks the promise is sent). Without, the text is content as it is."""
+    of a reply that breaks the promise is sent). Without, the text is content as it is.
+    With `single_call` (the call said parallel_tool_calls false) only the reply's first
+    tool call is given, the others dropped, as vLLM's server does."""
 
     def __init__(
         self,
@@ -322,8 +448,10 @@ class ReplyReader:
         tool_choice: str | dict[str, Any] | None = None,
         new_id: Callable[[], str] = new_call_id,
         reasoning_parser: str = "",
+        single_call: bool = False,
     ) -> None:
         self._parser = parser_for(tool_format, new_id) if parse_tool_calls else None
+        self._most_calls = 1 if single_call else None
         # A reasoning model's thinking comes first, apart: tool calls are read from the
         # answer only (inferx.openai_compat.reasoning).
         self._splitter = ReasoningSplitter(reasoning_parser) if reasoning_parser else None
@@ -336,7 +464,7 @@ class ReplyReader:
 
     @property
     def calls(self) -> list[ToolCall]:
-        return self._parser.calls if self._parser is not None else []
+        return self._parser.calls[: self._most_calls] if self._parser is not None else []
 
     @property
     def called(self) -> bool:
@@ -375,13 +503,15 @@ class ReplyReader:
                 events += self._parser.feed(piece)
         if final and self._parser is not None:
             events += self._parser.finish()
+        if self._most_calls is not None:  # parallel_tool_calls false: the calls past the first go
+            events = [e for e in events if not isinstance(e, ToolCall) or e.index < self._most_calls]
         if self._hold:
             self._held += events
             if not final:
                 return []
             events, self._held = self._held, []
             assert self._parser is not None  # only a reply read for tool calls is held
-            check_tool_choice(self.tool_choice, self._parser.calls, "".join(self._text))
+            check_tool_choice(self.tool_choice, self.calls, "".join(self._text))
         self._content += [event.text for event in events if isinstance(event, Content)]
         self._reasoning += [event.text for event in events if isinstance(event, Reasoning)]
         return events
@@ -402,6 +532,7 @@ def reply_reader(
         tool_format=tool_format,
         tool_choice=body.tool_choice if body.parses_tool_calls else None,
         reasoning_parser=reasoning_parser,
+        single_call=body.parallel_tool_calls is False,
     )
 
 
@@ -575,11 +706,13 @@ def usage_chunk(call_id: str, created: int, model: str, object_: str, usage_: di
     }
 
 
+def model_card(name: str, created: int) -> dict[str, Any]:
+    """One model as `GET /v1/models/{model}` gives it (and each entry of the list)."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "inferx"}
+
+
 def model_list(names: list[str], created: int) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [{"id": name, "object": "model", "created": created, "owned_by": "inferx"} for name in names],
-    }
+    return {"object": "list", "data": [model_card(name, created) for name in names]}
 
 
 def sse(payload: dict[str, Any]) -> str:
