@@ -151,10 +151,13 @@ class ChatTemplate:
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
             )
+        # What the template said, not where it lives: this message goes back to the
+        # caller (a 400), and a server's file paths are not the client's business (the
+        # worker names its template file when it loads it).
         except jinja2.TemplateError as exc:
-            raise ChatTemplateError(f"chat template{self._where()}: {exc}") from None
+            raise ChatTemplateError(f"the model's chat template: {exc}") from None
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
-            raise ChatTemplateError(f"chat template{self._where()} failed on this chat: {exc!r}") from None
+            raise ChatTemplateError(f"the model's chat template failed on this chat: {exc!r}") from None
 
 
 @dataclass(frozen=True)

@@ -153,6 +153,11 @@ def test_a_template_that_refuses_a_chat_is_a_chat_template_error(template: ChatT
         ChatTemplate("{% if %}")
     with pytest.raises(ChatTemplateError, match="failed on this chat"):
         ChatTemplate("{{ messages[0].content + 1 }}").render([{"role": "user", "content": "x"}])
+    # a refusal goes back to the caller: it names no file of the server's
+    placed = ChatTemplate("{{ raise_exception('no') }}", origin="/srv/models/m/chat_template.jinja")
+    with pytest.raises(ChatTemplateError) as refused:
+        placed.render([{"role": "user", "content": "x"}])
+    assert "/srv/models" not in str(refused.value) and "no" in str(refused.value)
 
 
 def test_where_a_model_directory_keeps_its_template(tmp_path: Path, model_dir: Path) -> None:

@@ -126,6 +126,15 @@ def test_chat_fields_asking_for_what_inferx_cannot_give_are_refused(
         ({"max_tokens": True}, "max_tokens", "got true"),
         ({"max_completion_tokens": True}, "max_completion_tokens", "got true"),
         ({"temperature": False}, "temperature", "got false"),
+        ({"stream": "yes"}, "stream", "boolean"),
+        ({"stream": 1}, "stream", "boolean"),
+        (
+            {"stream": True, "stream_options": {"include_usage": "yes"}},
+            "stream_options.include_usage",
+            "boolean",
+        ),
+        ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),
+        ({"stream": False, "stream_options": {}}, "stream_options", "only allowed when stream is true"),
         (
             {
                 "messages": [

@@ -7,7 +7,15 @@ import json
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from inferx.openai_compat.errors import InvalidField, ToolChoiceNotFollowed
 from inferx.openai_compat.reasoning import Reasoning, ReasoningSplitter
@@ -113,7 +121,7 @@ def _not_a_bool(value: Any) -> Any:
 
 class StreamOptions(BaseModel):
     model_config = _LENIENT
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class CallRequest(BaseModel):
@@ -121,7 +129,8 @@ class CallRequest(BaseModel):
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
-    stream: bool | None = False  # null: OpenAI's default (false), as for n
+    # JSON's true/false only: pydantic's lax mode would read "yes" or 1 as true.
+    stream: StrictBool | None = False  # null: OpenAI's default (false), as for n
     stream_options: StreamOptions | None = None
     n: int | None = Field(1, ge=1, description="one choice per call (n > 1 is refused)")
     top_p: float | None = Field(None, gt=0, le=1)
@@ -133,6 +142,15 @@ class CallRequest(BaseModel):
     @classmethod
     def _numbers(cls, value: Any) -> Any:
         return _not_a_bool(value)
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_streamed(cls, value: Any, info: ValidationInfo) -> Any:
+        """As OpenAI's API (and vLLM's server): options of a stream on a call that is not
+        one ask for something (a usage chunk) it will not get."""
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("only allowed when stream is true")
+        return value
 
     @field_validator("n")
     @classmethod
