@@ -8,6 +8,8 @@ from pydantic import ValidationError
 from inferx.scheduling import registry
 from inferx.scheduling.chain_aware import ChainAwarePolicy
 from inferx.scheduling.policy import RoundRobinPolicy
+from inferx.sim.cluster import sim_policy
+from inferx.sim.profile import EngineProfile, load_profile
 from inferx_scheduler.config import SchedulerSettings
 from inferx_worker.config import WorkerSettings
 from inferx_worker.engines.registry import engine_info, engine_names
@@ -73,6 +75,35 @@ def test_scheduler_flags_reach_the_policy() -> None:
     assert config.clock_scale == 2.0  # rates workers report follow the replay's clock
     # A peer ignores the chain-aware options.
     assert registry.make_policy("session-affinity", **settings.policy_options()).name == "session-affinity"
+
+
+def test_the_engines_calibration_reaches_the_policy_live_and_in_the_simulator(tmp_path) -> None:
+    """`inferx-scheduler --engine-profile` and `inferx sim --profile` tell chain-aware
+    the same two figures of the engine (its prefill rate, a decode step's cost per
+    context token); an explicit option wins; without a profile, Llama-3-8B's."""
+    profile_file = tmp_path / "seven.yaml"
+    profile_file.write_text("name: seven\nprefill_tokens_per_s: 16000\nkv_read_ms_per_1k_tokens: 0.33\n")
+    live = registry.make_policy(
+        "chain-aware", **SchedulerSettings(engine_profile=str(profile_file)).policy_options()
+    )
+    assert isinstance(live, ChainAwarePolicy)
+    assert live.config.prefill_tokens_per_s == 16000 and live.config.kv_read_s_per_token == pytest.approx(
+        0.33e-6
+    )
+    default = registry.make_policy("chain-aware", **SchedulerSettings().policy_options())
+    assert isinstance(default, ChainAwarePolicy)
+    assert default.config.kv_read_s_per_token == EngineProfile().policy_options()["kv_read_s_per_token"]
+    assert default.config.prefill_tokens_per_s == EngineProfile().prefill_tokens_per_s
+    simulated = sim_policy("chain-aware", load_profile(profile_file))
+    assert isinstance(simulated, ChainAwarePolicy) and simulated.config == live.config
+    told = sim_policy("chain-aware", load_profile(profile_file), {"kv_read_s_per_token": 1e-7})
+    assert isinstance(told, ChainAwarePolicy) and told.config.kv_read_s_per_token == 1e-7
+    assert sim_policy("session-affinity", load_profile(profile_file)).name == "session-affinity"
+    with pytest.raises(ValidationError, match="missing.yaml"):
+        SchedulerSettings(engine_profile=str(tmp_path / "missing.yaml"))
+    (tmp_path / "bad.yaml").write_text("prefill_tokens_per_s: -1\n")
+    with pytest.raises(ValidationError, match="prefill_tokens_per_s"):
+        SchedulerSettings(engine_profile=str(tmp_path / "bad.yaml"))
 
 
 def test_engines_are_registered() -> None:

@@ -275,12 +275,20 @@ def start_sim_stack(state_dir: Path, policy: str, profile: EngineProfile, option
     stack = LocalStack(state_dir, StackPorts.free(), lease_ttl_s=10, fresh_etcd=True)
     try:
         stack.start_etcd()
-        scheduler = ["--policy", policy, "--time-scale", str(options.speed), *options.scheduler_flags]
+        profile_path = state_dir / "profile.json"  # the workers' engine, and what the scheduler knows of it
+        profile_path.write_text(json.dumps(profile.model_dump()))
+        scheduler = [
+            "--policy",
+            policy,
+            "--time-scale",
+            str(options.speed),
+            "--engine-profile",
+            str(profile_path),
+            *options.scheduler_flags,
+        ]
         for kind, extra in (("memory-pool", []), ("scheduler", scheduler)):
             wait_serving(stack.start_service(kind, extra), 60)
         stack.load_models({POOL: POOL})
-        profile_path = state_dir / "profile.json"
-        profile_path.write_text(json.dumps(profile.model_dump()))
         extra = [
             "--sim-speed",
             str(options.speed),

@@ -205,7 +205,10 @@ class EnvSpec:
 def start_environment(state_dir: Path, spec: EnvSpec) -> Environment:
     # Plaintext and no tokens (--insecure), as the vllm-router side runs: the comparison is
     # of scheduling and of each front's own cost, not of TLS.
-    scheduler_flags = ["--time-scale", str(spec.time_scale)]
+    state_dir.mkdir(parents=True, exist_ok=True)
+    profile_path = state_dir / "profile.json"  # the workers' engine, and what InferX's scheduler knows of it
+    profile_path.write_text(json.dumps(spec.profile.model_dump()))
+    scheduler_flags = ["--time-scale", str(spec.time_scale), "--engine-profile", str(profile_path)]
     stack = LocalStack(
         state_dir,
         StackPorts.free(),
@@ -232,8 +235,6 @@ def start_environment(state_dir: Path, spec: EnvSpec) -> Environment:
             for proc in stack.services.values():
                 wait_serving(proc, READY_TIMEOUT_S)
             stack.load_models({MODEL: MODEL})
-        profile_path = state_dir / "profile.json"
-        profile_path.write_text(json.dumps(spec.profile.model_dump()))
         ports = [free_port() for _ in range(spec.workers)]
         for port in ports:
             stack.start_worker(

@@ -16,7 +16,7 @@ import yaml
 from inferx.bench.metrics import Comparison, Summary, compare, summarize
 from inferx.errors import InvalidArgument
 from inferx.scheduling.registry import accepted_names, canonical_name, make_policy, policy_info, policy_names
-from inferx.sim.cluster import ClusterSim
+from inferx.sim.cluster import ClusterSim, sim_policy
 from inferx.sim.profile import EngineProfile
 from inferx.sim.records import ReplayResult
 from inferx.sim.saturation import Saturation, find_saturation
@@ -129,7 +129,7 @@ def run_simulated(
     for name in policies:
         started = time.perf_counter()
         with progress(f"simulating {name}", len(trace.chains)) as advance:
-            policy = make_policy(name, **(options or {}))
+            policy = sim_policy(name, profile, options)
             run = ClusterSim(trace, policy, profile, workers, pools=pools).run(advance)
         run.wall_s = time.perf_counter() - started
         runs.append(run)

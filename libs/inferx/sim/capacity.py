@@ -23,8 +23,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel
 
-from inferx.scheduling.registry import make_policy
-from inferx.sim.cluster import ClusterSim
+from inferx.sim.cluster import ClusterSim, sim_policy
 from inferx.sim.profile import EngineProfile
 from inferx.sim.trace import Trace
 from inferx.stats import percentile
@@ -202,7 +201,7 @@ def simulated_evaluator(
 
     def evaluate(rate: float) -> Attainment:
         sim = ClusterSim(
-            trace.at_rate(rate), make_policy(policy, **(options or {})), profile, workers, programs=programs
+            trace.at_rate(rate), sim_policy(policy, profile, options), profile, workers, programs=programs
         )
         if progress is None:
             return attainment(sim.run().chains)

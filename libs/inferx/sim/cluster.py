@@ -17,11 +17,12 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 from inferx.scheduling.policy import Policy
 from inferx.scheduling.prefix_index import PrefixIndex, WorkerFeed
 from inferx.scheduling.queue import DispatchQueue, QueuedHop, Rejected, WorkerSlots
+from inferx.scheduling.registry import make_policy
 from inferx.scheduling.views import TIER_BY_NAME, HopView
 from inferx.sim.engine import EngineModel, Plan, SimRequest
 from inferx.sim.estimates import RemainingPath
@@ -117,6 +118,14 @@ class _InFlight:
     queued: QueuedHop
     dispatched_at: float
     segments: tuple[tuple[Segment, ...], tuple[Segment, ...]]  # `hop_segments`: prompt, output
+
+
+def sim_policy(name: str, profile: EngineProfile, options: dict[str, object] | None = None) -> Policy:
+    """Policy `name` for a simulation on `profile`'s engines: told the engine's
+    calibration (`EngineProfile.policy_options`) as an operator configures the live
+    scheduler with it (`--engine-profile`); `options` win over it."""
+    told: dict[str, Any] = {**profile.policy_options(), **(options or {})}
+    return make_policy(name, **told)
 
 
 @dataclass

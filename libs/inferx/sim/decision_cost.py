@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 
 from inferx.scheduling.policy import Policy
 from inferx.scheduling.queue import DispatchQueue, QueuedHop, Rejected, WorkerSlots
-from inferx.scheduling.registry import make_policy
 from inferx.scheduling.views import TIER_BY_NAME, HopView
-from inferx.sim.cluster import ClusterSim
+from inferx.sim.cluster import ClusterSim, sim_policy
 from inferx.sim.profile import EngineProfile
 from inferx.sim.trace import Trace, TraceChain
 
@@ -149,9 +148,8 @@ def replay(
         queues.append(TimedQueue(p, indexed=indexed))
         return queues[-1]
 
-    sim = ClusterSim(
-        trace, make_policy(policy), profile or EngineProfile(), workers, pools=pools, queue_factory=factory
-    )
+    profile = profile or EngineProfile()
+    sim = ClusterSim(trace, sim_policy(policy, profile), profile, workers, pools=pools, queue_factory=factory)
     started = time.perf_counter()
     result = sim.run()
     queue = queues[0]
@@ -194,7 +192,7 @@ def steady(
     submit + assign rounds timed (hop shapes and tiers from `chains`)."""
     profile = profile or EngineProfile()
     rng = random.Random(seed)
-    queue = TimedQueue(make_policy(policy), indexed=indexed)
+    queue = TimedQueue(sim_policy(policy, profile), indexed=indexed)
     pool = "steady"
     slots = {
         pool: tuple(

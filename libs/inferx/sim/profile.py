@@ -60,6 +60,17 @@ class EngineProfile(BaseModel):
     host_kv_gbps: float = Field(25.0, gt=0, description="host <-> GPU KV transfer rate, GB/s")
     kv_bytes_per_token: int = Field(131_072, gt=0, description="KV bytes per token (all layers)")
 
+    def policy_options(self) -> dict[str, float]:
+        """What a policy that prices engine time is told of this engine (chain-aware's
+        options of the same names): its prefill rate, and what a decode step pays per
+        context token in its batch. An operator's calibration, not workload knowledge:
+        `inferx sim --profile` tells the simulated policy, `inferx-scheduler
+        --engine-profile` the live one."""
+        return {
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "kv_read_s_per_token": self.kv_read_ms_per_1k_tokens / 1e6,  # ms per 1k -> s per token
+        }
+
     @property
     def host_load_tokens_per_s(self) -> float:
         """Tokens of KV a load from the host tier brings back per second."""

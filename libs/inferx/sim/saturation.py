@@ -15,8 +15,7 @@ from collections.abc import Callable
 
 from pydantic import BaseModel
 
-from inferx.scheduling.registry import make_policy
-from inferx.sim.cluster import ClusterSim
+from inferx.sim.cluster import ClusterSim, sim_policy
 from inferx.sim.profile import EngineProfile
 from inferx.sim.records import ReplayResult
 from inferx.sim.trace import Trace
@@ -69,7 +68,7 @@ def find_saturation(
     probes: list[Probe] = []
 
     def sustainable(rate: float) -> bool:
-        run = ClusterSim(trace.at_rate(rate), make_policy(policy), profile, workers).run()
+        run = ClusterSim(trace.at_rate(rate), sim_policy(policy, profile), profile, workers).run()
         result = probe(run, rate)
         probes.append(result)
         if on_probe is not None:
