@@ -54,7 +54,11 @@ def _common(parser: argparse.ArgumentParser) -> None:
         help="fraction of round-robin's saturation rate (default 0.8)",
     )
     parser.add_argument("--duration", type=float, help="only chains arriving in the first S s")
-    parser.add_argument("--profile", help="engine calibration file (YAML/JSON)")
+    parser.add_argument(
+        "--profile",
+        help="engine calibration file (YAML/JSON): the simulated engines, and what chain-aware is told "
+        "of them (as inferx-scheduler --engine-profile tells it live)",
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument(
         "--capacity",
