@@ -194,22 +194,25 @@ def test_policy_options_are_typed_and_must_be_taken_by_a_compared_policy() -> No
 
 
 def test_an_option_reaches_the_policy_in_the_search(monkeypatch) -> None:
+    """--option, and the engine's calibration (the profile's figures, what chain-aware
+    is told of the engines), reach the policy of every run of the search."""
     import inferx.sim.capacity as capacity_module
-    from inferx.scheduling import registry
     from inferx.scheduling.chain_aware import ChainAwarePolicy
+    from inferx.sim import cluster
 
     trace = generate(TraceConfig(seed=1, duration_s=20, rate_per_s=1.0))
-    seen: list[bool] = []
+    seen: list[tuple[bool, float]] = []
 
-    def spy(name, time_scale=1.0, **options):
-        policy = registry.make_policy(name, time_scale=time_scale, **options)
+    def spy(name, profile, options=None):
+        policy = cluster.sim_policy(name, profile, options)
         assert isinstance(policy, ChainAwarePolicy)
-        seen.append(policy.config.realtime_guard)
+        seen.append((policy.config.realtime_guard, policy.config.kv_read_s_per_token))
         return policy
 
-    monkeypatch.setattr(capacity_module, "make_policy", spy)
-    simulated_evaluator(trace, "chain-aware", EngineProfile(), 2, options={"realtime_guard": False})(1.0)
-    assert seen == [False]
+    monkeypatch.setattr(capacity_module, "sim_policy", spy)
+    profile = EngineProfile(kv_read_ms_per_1k_tokens=0.33)
+    simulated_evaluator(trace, "chain-aware", profile, 2, options={"realtime_guard": False})(1.0)
+    assert seen == [(False, pytest.approx(0.33e-6))]
 
 
 def test_cli_draws_the_curves(tmp_path) -> None:
