@@ -128,6 +128,7 @@ def test_chat_fields_asking_for_what_inferx_cannot_give_are_refused(
         ({"temperature": False}, "temperature", "got false"),
         ({"stream": "yes"}, "stream", "boolean"),
         ({"stream": 1}, "stream", "boolean"),
+        ({"parallel_tool_calls": "no"}, "parallel_tool_calls", "boolean"),
         (
             {"stream": True, "stream_options": {"include_usage": "yes"}},
             "stream_options.include_usage",

@@ -219,8 +219,8 @@ class ChatCompletionRequest(CallRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # false: the reply's first tool call only
-    logprobs: bool | None = None
+    parallel_tool_calls: StrictBool | None = None  # false: the reply's first tool call only
+    logprobs: StrictBool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     functions: list[Any] | None = None  # the deprecated form of tools
     function_call: str | dict[str, Any] | None = None  # ... and of tool_choice
