@@ -53,7 +53,7 @@ from typing import Any, Literal
 
 import httpx
 
-from inferx.bench.replay import replay_chains
+from inferx.bench.replay import replay_chains, run_calls
 from inferx.openai_compat.render import render_chat
 from inferx.openai_compat.schema import ChatMessage
 from inferx.sim.profile import EngineProfile
@@ -298,42 +298,28 @@ class HttpAgentReplay:
         deadline = loop.time() + chain.slo_s / speed
         url = f"{self.front.base_url}/v1/chat/completions"
         conversation = Conversation(chain)
-        progress = ChainProgress(chain)
 
-        async def call(k: int, ready_at: float) -> tuple[str, float]:
-            """Call k sent at `ready_at` (loop time): ('', when it finished) or its error."""
+        async def call(k: int, ready_at: float) -> tuple[str | None, float]:
+            """Call k sent at `ready_at` (loop time): (None, when it finished), or the
+            chain's failure status."""
             await asyncio.sleep(max(0.0, ready_at - loop.time()))
-            progress.issue(k)
             messages = conversation.next_call(k)
             outcome = await self._call(client, url, chain, k, messages, deadline)
             if outcome.error:
-                return outcome.error, loop.time()
+                self.stats.count(outcome.error)
+                return "shed" if outcome.error in ("http 429", "http 503") else "failed", loop.time()
             if outcome.ttft_s is not None:
                 record.ttft_s.append(outcome.ttft_s * speed)
             record.prompt_tokens += outcome.prompt_tokens
             record.cached_tokens += outcome.cached_tokens
             conversation.completion(k, outcome.text)
-            return "", loop.time()
+            return None, loop.time()
 
-        tasks = {asyncio.create_task(call(k, arrival)): k for k in chain.roots()}
-        try:
-            while tasks:
-                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-                for task in sorted(done, key=lambda t: tasks[t]):
-                    k = tasks.pop(task)
-                    error, ended = task.result()
-                    if error:
-                        self.stats.count(error)
-                        record.finish("shed" if error in ("http 429", "http 503") else "failed", 0.0)
-                        return
-                    # the tool runs / the user thinks: `ready_at` is after the trace's delay
-                    for d, ready_at in progress.finish(k, ended, speed):
-                        tasks[asyncio.create_task(call(d, ready_at))] = d
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        record.finish("ok", (loop.time() - start) * speed)
+        failure, ended = await run_calls(ChainProgress(chain), arrival, speed, call)
+        if failure is not None:
+            record.finish(failure, 0.0)
+        else:
+            record.finish("ok", (ended - start) * speed)
 
     async def _call(
         self,

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from inferx.bench.replay import replay_chains
+from inferx.bench.replay import replay_chains, run_calls
 from inferx.devstack import LocalStack, StackPorts, wait_serving
 from inferx.errors import InvalidArgument
 from inferx.scheduling.views import TIER_BY_NAME
@@ -232,23 +232,8 @@ class TraceReplayer:
             self._learned.call_finished(chain.kind, k, (finished_at - ready) * speed)
             return None, finished_at
 
-        tasks = {asyncio.create_task(call(k, arrival)): k for k in chain.roots()}
-        try:
-            while tasks:
-                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-                for task in sorted(done, key=lambda t: tasks[t]):
-                    k = tasks.pop(task)
-                    status, ended = task.result()
-                    if status is not None:
-                        record.finish(status, (ended - start) * speed)
-                        return
-                    for d, ready_at in progress.finish(k, ended, speed):
-                        tasks[asyncio.create_task(call(d, ready_at))] = d
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        record.finish("ok", (loop.time() - start) * speed)
+        failure, ended = await run_calls(progress, arrival, speed, call)
+        record.finish(failure or "ok", (ended - start) * speed)
 
 
 def scheduler_flags(options: Mapping[str, object]) -> tuple[str, ...]:
