@@ -1,8 +1,10 @@
 """Options of `inferx-scheduler` (flags or INFERX_* environment variables)."""
 
+from __future__ import annotations
+
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from inferx.errors import InvalidArgument
 from inferx.settings import ServiceSettings
@@ -14,7 +16,7 @@ def _engine_profile(path: str) -> EngineProfile:
     try:
         return load_profile(path)
     except InvalidArgument as exc:
-        raise ValueError(str(exc)) from None
+        raise ValueError(f"--engine-profile {exc}") from None
 
 
 # The policy options a flag of the same name (dashes for underscores) sets.
@@ -33,6 +35,7 @@ POLICY_OPTIONS = (
 
 
 class SchedulerSettings(ServiceSettings):
+    _engine: EngineProfile | None = PrivateAttr(None)  # --engine-profile, read
     max_queued_per_pool: int = Field(1024, gt=0, description="bound of each pool's hop queue")
     reserve_kv: bool = Field(
         True, description="reserve KV capacity per hop (from the leased budget, or in the memory-pool)"
@@ -181,17 +184,14 @@ class SchedulerSettings(ServiceSettings):
     def policy_options(self) -> dict[str, Any]:
         """The policy's options set by flags (a policy ignores those it does not take),
         with the engine's calibration (--engine-profile) when given."""
-        options: dict[str, Any] = {}
-        if self.engine_profile:
-            options.update(_engine_profile(self.engine_profile).policy_options())
-        return options | {name: getattr(self, name) for name in POLICY_OPTIONS}
+        engine = self._engine.policy_options() if self._engine is not None else {}
+        return engine | {name: getattr(self, name) for name in POLICY_OPTIONS}
 
-    @field_validator("engine_profile")
-    @classmethod
-    def _readable_profile(cls, value: str) -> str:
-        if value:
-            _engine_profile(value)  # a file that is missing or not a profile fails the start, named
-        return value
+    @model_validator(mode="after")
+    def _read_profile(self) -> SchedulerSettings:
+        # Read once, at start: a file that is missing or not a profile fails the start, named.
+        self._engine = _engine_profile(self.engine_profile) if self.engine_profile else None
+        return self
 
     @field_validator("policy")
     @classmethod

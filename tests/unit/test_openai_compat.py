@@ -41,6 +41,14 @@ def bad(cls: type[schema.CallRequest], body: object) -> InvalidField:
     return caught.value
 
 
+def assert_chat_refused(fields: dict, param: str, words: str) -> None:
+    """A chat body with `fields` is a 400 naming `param`, its message saying `words`."""
+    error = bad(
+        schema.ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], **fields}
+    )
+    assert error.param == param and words in error.message, error.message
+
+
 # ----- bodies -------------------------------------------------------------------------
 
 
@@ -114,10 +122,7 @@ def test_nulls_openai_accepts_are_its_defaults() -> None:
 def test_chat_fields_asking_for_what_inferx_cannot_give_are_refused(
     fields: dict, param: str, words: str
 ) -> None:
-    error = bad(
-        schema.ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], **fields}
-    )
-    assert error.param == param and words in error.message, error.message
+    assert_chat_refused(fields, param, words)
 
 
 @pytest.mark.parametrize(
@@ -159,10 +164,7 @@ def test_chat_fields_asking_for_what_inferx_cannot_give_are_refused(
 def test_mistyped_fields_a_worker_or_pydantic_would_misread_are_refused(
     fields: dict, param: str, words: str
 ) -> None:
-    error = bad(
-        schema.ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], **fields}
-    )
-    assert error.param == param and words in error.message, error.message
+    assert_chat_refused(fields, param, words)
 
 
 @pytest.mark.parametrize(
