@@ -31,6 +31,7 @@ POLICY_OPTIONS = (
     "overload_control",
     "exact_prefix",
     "worker_hints",
+    "learn_engine",
 )
 
 
@@ -136,6 +137,12 @@ class SchedulerSettings(ServiceSettings):
         "a scheduler that died, or restarted) goes back to the worker the router says served its "
         "latest hop in the pool, while that worker is alive there (off: placed as a new chain)",
     )
+    learn_engine: bool = Field(
+        True,
+        description="chain-aware: learn each pool's engine figures (prefill rate, decode cost per "
+        "token of KV in flight) from the times its workers report for finished hops, starting from "
+        "--engine-profile's (or Llama-3-8B's); off: price with those as given",
+    )
     kv_warm_s: float = Field(
         30.0,
         gt=0,
@@ -147,7 +154,7 @@ class SchedulerSettings(ServiceSettings):
         description="chain-aware: the workers' engine calibration, a YAML or JSON file with the keys of "
         "`inferx sim --profile` (e.g. benchmarks/llama2-7b-mha-a100.yaml): its prefill rate and the "
         "decode cost per context token price moving a chain to another worker and where a realtime hop "
-        "waits least; empty: Llama-3-8B on an A100-80GB",
+        "waits least (--learn-engine starts from them); empty: Llama-3-8B on an A100-80GB",
     )
     time_scale: float = Field(
         1.0,

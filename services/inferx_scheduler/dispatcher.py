@@ -10,6 +10,7 @@ from collections.abc import Callable
 from inferx.errors import Unavailable
 from inferx.metric_children import child
 from inferx.pools import PoolDirectory
+from inferx.scheduling.engine_fit import EngineSample, LearnsEngine
 from inferx.scheduling.prefix_index import ChainContexts, PrefixIndex
 from inferx.scheduling.queue import DispatchQueue, QueuedHop, WorkerSlots
 from inferx.scheduling.registry import make_policy
@@ -43,6 +44,7 @@ class HopDispatcher:
         self.contexts = ChainContexts()
         self.reads_prompt_blocks = self.queue.policy.use_prefix_index(self.prefix_index)
         self._waiters: dict[int, asyncio.Future[str]] = {}
+        self._engine_fits: dict[str, int] = {}  # pool -> the refit its engine gauges show
         self._wake: asyncio.TimerHandle | None = None
         self._usable = usable or (lambda worker_id: True)
         # Without the memory-pool nobody guards KV capacity: run at half concurrency.
@@ -65,9 +67,28 @@ class HopDispatcher:
         if self.queue.cancel(hop):
             self._publish_depth(hop.pool)
 
-    def finished(self, hop: QueuedHop, context_tokens: int = 0, service_s: float = 0.0) -> None:
-        self.queue.finished(hop, time.monotonic(), context_tokens=context_tokens, service_s=service_s)
+    def finished(
+        self,
+        hop: QueuedHop,
+        context_tokens: int = 0,
+        service_s: float = 0.0,
+        engine: EngineSample | None = None,
+    ) -> None:
+        self.queue.finished(
+            hop, time.monotonic(), context_tokens=context_tokens, service_s=service_s, engine=engine
+        )
+        if engine is not None and isinstance(self.queue.policy, LearnsEngine):
+            self._publish_engine(self.queue.policy, hop.pool)
         self.dispatch()
+
+    def _publish_engine(self, policy: LearnsEngine, pool: str) -> None:
+        """The pool's engine figures as gauges, when the policy has refitted them."""
+        fit = policy.engine_fit(pool)
+        if fit is None or self._engine_fits.get(pool) == fit.fits:
+            return
+        self._engine_fits[pool] = fit.fits
+        child(metrics.ENGINE_PREFILL_RATE, pool).set(fit.prefill_tokens_per_s)
+        child(metrics.ENGINE_KV_READ, pool).set(fit.kv_read_s_per_token)
 
     def dispatch(self) -> None:
         registered = {pool: bool(workers) for pool, workers in self.directory.workers_by_pool.items()}

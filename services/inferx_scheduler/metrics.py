@@ -26,6 +26,19 @@ def set_queued_by_tier(pool: str, counts: dict[str, int]) -> None:
         child(QUEUED_BY_TIER, pool, tier).set(counts.get(tier, 0))
 
 
+# The engine figures the policy prices time with, per pool: as told (--engine-profile,
+# else Llama-3-8B's) until learned from finished hops (`inferx.scheduling.engine_fit`).
+ENGINE_PREFILL_RATE = Gauge(
+    "inferx_scheduler_engine_prefill_tokens_per_second",
+    "Prompt tokens per second the pool's engines prefill, as the scheduler prices it",
+    ["pool"],
+)
+ENGINE_KV_READ = Gauge(
+    "inferx_scheduler_engine_kv_read_seconds_per_token",
+    "What a decode step costs per token of KV in flight on its worker, as the scheduler prices it",
+    ["pool"],
+)
+
 KV_RETENTION_HINTS = Counter(
     "inferx_scheduler_kv_retention_hints_total",
     "Finished hops whose client gave a KV retention hint (kv_retention_ttl), by what the policy "

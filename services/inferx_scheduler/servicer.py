@@ -27,6 +27,7 @@ from inferx.errors import (
 from inferx.metric_children import child
 from inferx.partitions import PartitionElector
 from inferx.pools import no_worker_message
+from inferx.scheduling.engine_fit import EngineSample
 from inferx.scheduling.queue import QueueFull, Rejected
 from inferx.scheduling.views import HopView, Tier
 from inferx.v1 import (
@@ -66,6 +67,20 @@ class Hold:
 class _HopOutcome:
     context_tokens: int = 0  # what the hop left in its worker's prefix cache
     service_s: float = 0.0
+    engine: EngineSample | None = None  # what the worker reported of its engine's speed
+
+
+def _engine_sample(finished: scheduler_pb2.HopEvent) -> EngineSample | None:
+    """What a hop's FINISHED event says of its engine's speed (None: it reported no times)."""
+    if finished.engine_ms <= 0 or finished.ttft_ms <= 0:
+        return None
+    usage = finished.usage
+    return EngineSample(
+        prefill_tokens=max(usage.prompt_tokens - usage.cached_prompt_tokens, 0),
+        ttft_s=finished.ttft_ms / 1000,
+        output_tokens=usage.completion_tokens,
+        decode_s=max(finished.engine_ms - finished.ttft_ms, 0.0) / 1000,
+    )
 
 
 @dataclass(frozen=True)
@@ -254,6 +269,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     if event.kind == Event.KIND_FINISHED:
                         outcome.context_tokens = event.usage.prompt_tokens + event.usage.completion_tokens
                         outcome.service_s = event.engine_ms / 1000
+                        outcome.engine = _engine_sample(event)
                         if output is not None:
                             text = request.prompt + "".join(output)
                             self._dispatcher.contexts.put(pool, view.chain_key, text, blocks)
@@ -263,7 +279,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 raise
             self._health.hop_succeeded(worker_id)
         finally:
-            self._dispatcher.finished(hop, outcome.context_tokens, outcome.service_s)
+            self._dispatcher.finished(hop, outcome.context_tokens, outcome.service_s, outcome.engine)
             if view.kv_retention_s is not None:  # what the policy made of the client's hint
                 metrics.KV_RETENTION_HINTS.labels(pool, hop.retention_hint or "not_applied").inc()
 

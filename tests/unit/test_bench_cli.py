@@ -207,3 +207,8 @@ def test_live_policy_options_become_the_schedulers_flags() -> None:
     assert flags == ("--exact-prefix", "--no-worker-hints", "--max-hold-s", "90.0")
     parsed = load_settings(SchedulerSettings, "inferx-scheduler", list(flags))
     assert (parsed.exact_prefix, parsed.worker_hints, parsed.max_hold_s) == (True, False, 90.0)
+    assert parsed.policy_options()["learn_engine"] is True
+    unlearned = load_settings(
+        SchedulerSettings, "inferx-scheduler", list(scheduler_flags({"learn_engine": False}))
+    )
+    assert unlearned.policy_options()["learn_engine"] is False

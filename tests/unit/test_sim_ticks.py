@@ -7,6 +7,7 @@ wait on time (realtime guard, affinity patience, holds)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from inferx.scheduling.policy import Policy
 from inferx.scheduling.queue import DispatchQueue, QueuedHop, WorkerSlots
@@ -36,10 +37,8 @@ class CallLog(DispatchQueue):
         self._event = True  # only once admitted: a refused hop is followed by no pass
         return queued
 
-    def finished(
-        self, hop: QueuedHop, now: float | None = None, *, context_tokens: int = 0, service_s: float = 0.0
-    ) -> None:
-        super().finished(hop, now, context_tokens=context_tokens, service_s=service_s)
+    def finished(self, hop: QueuedHop, now: float | None = None, **outcome: Any) -> None:
+        super().finished(hop, now, **outcome)
         self._event = True
 
     def assign(

@@ -78,6 +78,7 @@ from typing import Literal
 
 from pydantic import TypeAdapter, ValidationError
 
+from inferx.scheduling.engine_fit import EngineFit
 from inferx.scheduling.overload import ChainWindow, Stretch
 from inferx.scheduling.prefix_index import PrefixIndex
 from inferx.scheduling.registry import register_policy
@@ -190,6 +191,9 @@ class ChainAwareConfig:
     guard_slack_share: float = 0.5
     realtime_move_margin_s: float = 0.2  # a realtime hop moves when that saves this much prefill wait
     kv_read_s_per_token: float = 0.08e-6  # a decode step's cost per context token in the batch
+    # Learn the two engine figures above per pool from what its workers report of each
+    # finished hop (`inferx.scheduling.engine_fit`); what the options say is the prior.
+    learn_engine: bool = True
 
     def time_scaled(self, factor: float) -> ChainAwareConfig:
         """The same policy on a clock running `factor` times faster."""
@@ -280,6 +284,7 @@ class ChainAwarePolicy:
         self._active: dict[ChainKey, int] = {}  # non-realtime chains under way -> tier
         self._active_count: Counter[tuple[str, int]] = Counter()  # (pool, tier) -> chains under way
         self._stretch: dict[str, Stretch] = {}  # pool -> its hops' stretch
+        self._engines: dict[str, EngineFit] = {}  # pool -> its engine's figures, as learned
         self._dispatched_prefill: dict[tuple[str, str], int] = {}  # hop key -> prefill tokens expected
         self._gaps = GapModel()  # learned tool/think gaps per program kind (priced retention)
         self._kv_capacity: dict[str, int] = {}  # worker -> KV tokens, as last seen
@@ -730,6 +735,28 @@ class ChainAwarePolicy:
             )
         return window
 
+    def _engine(self, pool: str) -> EngineFit:
+        fit = self._engines.get(pool)
+        if fit is None:
+            fit = self._engines[pool] = EngineFit(
+                self.config.prefill_tokens_per_s, self.config.kv_read_s_per_token
+            )
+        return fit
+
+    def _prefill_rate(self, pool: str) -> float:
+        """Prompt tokens per second the pool's engines prefill (told, else learned)."""
+        fit = self._engines.get(pool)
+        return fit.prefill_tokens_per_s if fit is not None else self.config.prefill_tokens_per_s
+
+    def _kv_read(self, pool: str) -> float:
+        """Seconds a decode step of the pool's engines pays per token of KV in flight."""
+        fit = self._engines.get(pool)
+        return fit.kv_read_s_per_token if fit is not None else self.config.kv_read_s_per_token
+
+    def engine_fit(self, pool: str) -> EngineFit | None:
+        """What the policy learned of the pool's engine (None: nothing, or told to not learn)."""
+        return self._engines.get(pool)
+
     def _observe_stretch(self, queued: QueuedHop, now: float, context_tokens: int, service_s: float) -> None:
         """A finished hop of a protected tier says whether its tier is still served well.
         Realtime stretched shrinks both lower tiers' windows, standard stretched the
@@ -738,7 +765,8 @@ class ChainAwarePolicy:
         prefill = self._dispatched_prefill.pop(hop.key, 0)
         meter = self._stretch.get(hop.pool)
         if meter is None:
-            meter = self._stretch[hop.pool] = Stretch(self.config.prefill_tokens_per_s)
+            meter = self._stretch[hop.pool] = Stretch(self._prefill_rate(hop.pool))
+        meter.prefill_tokens_per_s = self._prefill_rate(hop.pool)
         output = context_tokens - hop.prompt_tokens if context_tokens else 0
         waited = max(now - service_s - queued.enqueued_at, 0.0)
         stretch = meter.observe(waited, service_s, prefill, context_tokens, output)
@@ -784,7 +812,7 @@ class ChainAwarePolicy:
             self._program_kind(hop),
             kv_capacity_tokens=self._kv_capacity.get(worker_id, 0),
             # A re-prefill stalls every sequence decoding beside it, not just its own.
-            prefill_tokens_per_s=self.config.prefill_tokens_per_s / self.config.reprefill_cost_factor,
+            prefill_tokens_per_s=self._prefill_rate(hop.pool) / self.config.reprefill_cost_factor,
             max_hold_s=self.config.max_hold_s,
             reload_tokens_per_s=self._reload_rate(worker_id, tokens),
         )
@@ -845,7 +873,7 @@ class ChainAwarePolicy:
     def _patience(self, state: ChainState, hop: HopView) -> float:
         cached = self._exact_cached(hop, state.worker_id)
         tokens = state.context_tokens if cached is None else cached
-        moving_cost_s = tokens / self.config.prefill_tokens_per_s
+        moving_cost_s = tokens / self._prefill_rate(hop.pool)
         return min(self.config.max_affinity_wait_s, moving_cost_s * self.config.affinity_wait_factor)
 
     def _window_over(self, state: ChainState) -> bool:
@@ -904,14 +932,14 @@ class ChainAwarePolicy:
     def _least_stalled(self, hop: HopView, workers: Sequence[WorkerView], chosen: str, now: float) -> str:
         """A realtime hop goes where it waits least behind admitted prefills, counting
         the re-prefill of its own context on a worker that does not hold it."""
-        rate = self.config.prefill_tokens_per_s
+        rate, per_token = self._prefill_rate(hop.pool), self._kv_read(hop.pool)
 
         def cost(worker: WorkerView) -> float:
             # Seconds it would lose there: waiting behind admitted prefills, prefilling
             # what the worker lacks of its context, reading the others' KV each token.
             stall = self._prefill_wait_s(worker.worker_id, now)
             prefill = self._prefill_estimate(hop, worker.worker_id) / rate
-            kv_read = hop.max_tokens * worker.kv_in_flight * self.config.kv_read_s_per_token
+            kv_read = hop.max_tokens * worker.kv_in_flight * per_token
             return stall + prefill + kv_read
 
         here = self._find(workers, chosen)
@@ -955,8 +983,8 @@ class ChainAwarePolicy:
         home = pool.get(home_id) if home_id else None
         if home is not None:
             consider(home)  # its cost counts only what it lacks of the context
-        prefill = max(hop.prompt_tokens, 0) / self.config.prefill_tokens_per_s
-        per_token = self.config.kv_read_s_per_token
+        prefill = max(hop.prompt_tokens, 0) / self._prefill_rate(hop.pool)
+        per_token = self._kv_read(hop.pool)
         by_kv = self._index(pool).by_kv
         found_at: int | None = None  # KV in flight of the best found in this visit, if exact
         i = 0
@@ -1109,7 +1137,7 @@ class ChainAwarePolicy:
         if self.config.overload_control:
             self._dispatched_prefill[queued.view.key] = prefill
         start = max(self._prefill_until.get(worker_id, 0.0), now)
-        self._prefill_until[worker_id] = start + prefill / self.config.prefill_tokens_per_s
+        self._prefill_until[worker_id] = start + prefill / self._prefill_rate(queued.pool)
         if queued.view.tier_rank == TIER_REALTIME:
             self._realtime_running[worker_id] = self._realtime_running.get(worker_id, 0) + 1
         state = self._touch(key, now)
@@ -1133,6 +1161,8 @@ class ChainAwarePolicy:
         self._pool_epoch[hop.pool] += 1  # its chain's state, the pool's windows
         if queued.worker_id is not None:
             self._load_changed(queued.worker_id)  # the queue no longer counts the hop there
+        if self.config.learn_engine and queued.engine_sample is not None:
+            self._engine(hop.pool).observe(queued.engine_sample)
         if self.config.overload_control and queued.worker_id is not None:
             self._observe_stretch(queued, now, context_tokens, service_s)
         if hop.tier_rank == TIER_REALTIME and queued.worker_id is not None:

@@ -17,6 +17,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol, cast, runtime_checkable
 
+from inferx.scheduling.engine_fit import EngineSample
 from inferx.scheduling.policy import BaselinePolicy, Policy
 from inferx.scheduling.views import TIER_NAMES, HopView, PoolWorkers, QueuedHop, WorkerSlots, WorkerView
 
@@ -324,6 +325,7 @@ class DispatchQueue:
         hop.worker_id = worker_id
         self._in_flight[worker_id] = self._in_flight.get(worker_id, 0) + 1
         self._kv_in_flight[worker_id] = self._kv_in_flight.get(worker_id, 0) + hop.view.kv_tokens
+        hop.kv_at_dispatch = self._kv_in_flight[worker_id]
         self._dispatched[worker_id] = self._dispatched.get(worker_id, 0) + 1
         self._load_changed(worker_id)
         state.running += 1
@@ -336,8 +338,11 @@ class DispatchQueue:
         *,
         context_tokens: int = 0,
         service_s: float = 0.0,
+        engine: EngineSample | None = None,
     ) -> None:
-        """The hop left its worker (done, failed or cancelled); free its slot."""
+        """The hop left its worker (done, failed or cancelled); free its slot.
+        `engine`: what the worker reported of its engine's speed, if anything; the
+        policy gets it with the KV that ran beside the hop (`QueuedHop.engine_sample`)."""
         if hop.worker_id is None:
             return
         now = self._now if now is None else max(self._now, now)
@@ -345,6 +350,8 @@ class DispatchQueue:
         count = self._in_flight.get(hop.worker_id, 0)
         self._in_flight[hop.worker_id] = max(0, count - 1)
         kv = self._kv_in_flight.get(hop.worker_id, 0)
+        if engine is not None:  # the KV beside it, as it started and as it ends
+            hop.engine_sample = replace(engine, kv_in_flight=(hop.kv_at_dispatch + kv) // 2)
         self._kv_in_flight[hop.worker_id] = max(0, kv - hop.view.kv_tokens)
         self._load_changed(hop.worker_id)
         state = self._pools.get(hop.pool)

@@ -11,6 +11,7 @@ from enum import IntEnum
 from functools import cached_property
 from typing import overload
 
+from inferx.scheduling.engine_fit import EngineSample
 from inferx.tokens import DEFAULT_MAX_TOKENS
 
 
@@ -122,6 +123,10 @@ class QueuedHop:
     # What the policy made of the client's KV retention hint when the hop finished
     # (`inferx.scheduling.retention.client_hold`); "" = no hint, or a policy without holds.
     retention_hint: str = ""
+    kv_at_dispatch: int = 0  # its worker's KV in flight once it started there (the queue's count)
+    # What its worker reported of the engine's speed when it finished, with the KV in
+    # flight meanwhile (`inferx.scheduling.engine_fit`); None when it reported nothing.
+    engine_sample: EngineSample | None = None
 
     @property
     def pool(self) -> str:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from inferx.scheduling.engine_fit import EngineSample
 from inferx.scheduling.policy import Policy
 from inferx.scheduling.prefix_index import PrefixIndex, WorkerFeed
 from inferx.scheduling.queue import DispatchQueue, QueuedHop, Rejected, WorkerSlots
@@ -330,11 +331,21 @@ class ClusterSim:
             for request in result.finished:
                 flight = flights.pop(request.request_id)
                 chain = flight.chain
+                first_token_at = request.first_token_at if request.first_token_at is not None else now
                 queue.finished(
                     flight.queued,
                     now,
                     context_tokens=request.prompt_tokens + request.generated,
                     service_s=now - flight.dispatched_at,
+                    # What a live worker reports on the hop's last chunk (usage, TTFT, engine time).
+                    engine=EngineSample(
+                        prefill_tokens=max(
+                            request.prompt_tokens - request.cached_tokens - request.loaded_tokens, 0
+                        ),
+                        ttft_s=first_token_at - flight.dispatched_at,
+                        output_tokens=request.generated,
+                        decode_s=now - first_token_at,
+                    ),
                 )
                 chain.record.prompt_tokens += request.prompt_tokens
                 chain.record.cached_tokens += request.cached_tokens

@@ -26,6 +26,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from inferx.scheduling.engine_fit import EngineSample
 from inferx.scheduling.policy import Policy
 from inferx.scheduling.queue import DispatchQueue, QueuedHop, Rejected, WorkerSlots
 from inferx.scheduling.views import TIER_BY_NAME, HopView
@@ -80,10 +81,16 @@ class TimedQueue(DispatchQueue):
         return assigned
 
     def finished(
-        self, hop: QueuedHop, now: float | None = None, *, context_tokens: int = 0, service_s: float = 0.0
+        self,
+        hop: QueuedHop,
+        now: float | None = None,
+        *,
+        context_tokens: int = 0,
+        service_s: float = 0.0,
+        engine: EngineSample | None = None,
     ) -> None:
         start = _clock()
-        super().finished(hop, now, context_tokens=context_tokens, service_s=service_s)
+        super().finished(hop, now, context_tokens=context_tokens, service_s=service_s, engine=engine)
         spent = _clock() - start
         self.total_ns += spent
         self.hop_ns[hop.seq] = self.hop_ns.get(hop.seq, 0) + spent
