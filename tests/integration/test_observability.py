@@ -106,6 +106,12 @@ def spans_of(path: Path, trace_id: str, until: str, timeout_s: float = 10.0) -> 
     return poll_until_sync(complete, timeout_s=timeout_s, what=f"the spans of trace {trace_id}")
 
 
+ENGINE_GAUGES = (
+    "inferx_scheduler_engine_prefill_tokens_per_second",
+    "inferx_scheduler_engine_kv_read_seconds_per_token",
+)
+
+
 def scrape(address: str) -> dict[tuple[str, tuple], float]:
     body = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
     return {
@@ -300,6 +306,11 @@ async def test_metric_values_after_a_known_run(traced) -> None:
     assert delta("router", "inferx_tool_cache_lookups_total", tool="vector_search", result="miss") == 1
     # The same hops, counted by the services that ran them.
     assert delta("scheduler", "inferx_scheduler_dispatches_total", pool="tiny-llama") == 2
+    # What the workers reported of their engine reached chain-aware's engine fit: its
+    # figures are exported (the prior: these prompts are too short to learn a prefill rate from).
+    engine = {n: [total(page, n, pool="tiny-llama") for page in after["scheduler"]] for n in ENGINE_GAUGES}
+    assert engine["inferx_scheduler_engine_prefill_tokens_per_second"] == [15_000.0]
+    assert engine["inferx_scheduler_engine_kv_read_seconds_per_token"][0] >= 0
     # Each hop's KV room: from the scheduler's leased budget, or the memory-pool's Reserve beyond it.
     local = delta("scheduler", "inferx_scheduler_kv_reservations_total", path="budget", kind="hop")
     granted = delta("memory-pool", "inferx_memory_reservations_total", result="granted")
