@@ -99,10 +99,11 @@ class EngineFit:
 
     `prefill_tokens_per_s` = the best rate of prefilled tokens over time to first
     token (`best_rate`; hops that prefilled at least `min_prefill_tokens`: below that
-    a first token is mostly one decode step). `kv_read_s_per_token` = slope of a decode step's time (a
-    hop's decode time over its output tokens) over the KV in flight on its worker, at
-    least 0. Each is refitted every `refit_every` samples over the last `window`; a
-    fit that cannot tell (too few hops of a size, too little spread) keeps the last."""
+    a first token is mostly one decode step). `kv_read_s_per_token` = the slope of a
+    decode step's time (a hop's decode time over its output tokens) over the KV in
+    flight on its worker (`envelope_slope`), at least 0. Each is refitted every
+    `refit_every` samples over the last `window`; a fit that cannot tell (too few hops
+    of a size, too little spread) keeps the last."""
 
     def __init__(
         self,
