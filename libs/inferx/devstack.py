@@ -532,15 +532,18 @@ class LocalStack:
         *,
         replica: int = 0,
         transport_flags: Sequence[str] | None = None,
+        metrics_port: int | None = None,
     ) -> ManagedProcess:
         """Start one service; replica > 0 starts another instance (its kind's port +
         replica x `ports.replica_step`, or any free port), registered as
         services[f"{kind}-{replica}"]. `transport_flags` replace the stack's TLS flags,
-        as in `start_worker`."""
+        as in `start_worker`; `metrics_port` the stack's choice of its /metrics port
+        (`ports.metrics_base` and up, else any the service picks)."""
         port = self.ports.replica_port(kind, replica) or free_port()
         step = self.ports.replica_step
         name = kind if replica == 0 else f"{kind}-{replica}"
-        metrics_port = self._metrics_port()
+        if metrics_port is None:
+            metrics_port = self._metrics_port()
         extra = list(extra)
         if kind == "scheduler":
             extra += self.scheduler_flags

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from inferx.bench import seed_run
-from inferx.bench.live import LiveOptions, run_live_sim
+from inferx.bench.live import POOL, LiveOptions, run_live_sim
 from inferx.sim.profile import EngineProfile
 from inferx.sim.trace import TraceConfig, generate, write_trace
 
@@ -38,6 +38,11 @@ def test_trace_replay_sends_every_call_with_the_traces_token_counts(tmp_path: Pa
     runs, errors = asyncio.run(run_live_sim(trace, ["chain-aware"], profile, options, _no_progress))
     (run,) = runs
     assert errors == {"chain-aware": {}}
+    # What the scheduler priced the engine with, read off its /metrics, on the workload's
+    # clock (its workers ran x20: 20x the prefill rate on the wall clock).
+    assert run.engine is not None and list(run.engine) == [POOL]
+    assert 0.5 < run.engine[POOL]["prefill_tokens_per_s"] / profile.prefill_tokens_per_s < 2
+    assert 0 <= run.engine[POOL]["kv_read_s_per_token"] < 1e-6
     for chain, record in zip(trace.chains, run.chains, strict=True):
         assert record.status == "ok", (chain.chain_id, record.status)
         # Every prompt is exactly the trace's size: shared prefix + history + new input.

@@ -11,6 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from inferx.bench.live import engine_from_metrics
+from inferx.bench.report import engine_line
 from inferx.pools import PoolDirectory
 from inferx.scheduling.chain_aware import ChainAwareConfig, ChainAwarePolicy
 from inferx.scheduling.engine_fit import EngineFit, EngineSample, best_rate, envelope_slope
@@ -203,3 +205,36 @@ async def test_the_scheduler_exports_what_it_prices_with_per_pool() -> None:
     # The KV beside a hop is the queue's count (here every hop alike: nothing to fit),
     # not what the sample carried in.
     assert gauges()[1] == 8e-8
+
+
+def test_a_replay_records_what_the_policy_priced_the_engine_with() -> None:
+    profile = EngineProfile(prefill_tokens_per_s=6_000, prefill_attention_ms=0)
+    trace = generate(workload("mix", 2).model_copy(update={"duration_s": 60.0}), profile).at_rate(0.5)
+    learned = ClusterSim(trace, sim_policy("chain-aware", profile), profile, workers=2).run()
+    assert learned.engine is not None and list(learned.engine) == ["sim"]
+    assert learned.engine["sim"]["prefill_tokens_per_s"] == pytest.approx(6_000, rel=0.15)
+    assert engine_line("sim", {"prefill_tokens_per_s": 6_000.0, "kv_read_s_per_token": 8e-8}) == (
+        "pool sim's engine priced at 6,000 prefill tokens/s, "
+        "0.080 ms of a decode step per 1k tokens of KV in flight"
+    )
+    # a policy that prices no engine time, or chain-aware told not to learn: nothing to record
+    assert ClusterSim(trace, sim_policy("round-robin", profile), profile, workers=2).run().engine is None
+    told = sim_policy("chain-aware", profile, {"learn_engine": False})
+    assert ClusterSim(trace, told, profile, workers=2).run().engine is None
+
+
+def test_the_live_bench_reads_the_engine_figures_off_a_schedulers_metrics_page() -> None:
+    page = (
+        "# TYPE inferx_scheduler_engine_prefill_tokens_per_second gauge\n"
+        'inferx_scheduler_engine_prefill_tokens_per_second{pool="sim"} 60000.0\n'
+        'inferx_scheduler_engine_prefill_tokens_per_second{pool="half"} 1000.0\n'
+        "# TYPE inferx_scheduler_engine_kv_read_seconds_per_token gauge\n"
+        'inferx_scheduler_engine_kv_read_seconds_per_token{pool="sim"} 2e-08\n'
+        "# TYPE inferx_scheduler_queue_depth gauge\n"
+        'inferx_scheduler_queue_depth{pool="sim"} 3.0\n'
+    )
+    # ("half" shows one figure only: not reported as if it had both)
+    assert engine_from_metrics(page) == {
+        "sim": {"prefill_tokens_per_s": 60_000.0, "kv_read_s_per_token": 2e-8}
+    }
+    assert engine_from_metrics("# nothing here\n") is None

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from inferx.bench.replay import replay_chains, run_calls
-from inferx.devstack import LocalStack, StackPorts, wait_serving
+from inferx.devstack import LocalStack, StackPorts, free_port, wait_serving
 from inferx.errors import InvalidArgument
 from inferx.scheduling.views import TIER_BY_NAME
 from inferx.sim.estimates import RemainingPath
@@ -271,8 +271,9 @@ def start_sim_stack(state_dir: Path, policy: str, profile: EngineProfile, option
             str(profile_path),
             *options.scheduler_flags,
         ]
-        for kind, extra in (("memory-pool", []), ("scheduler", scheduler)):
-            wait_serving(stack.start_service(kind, extra), 60)
+        wait_serving(stack.start_service("memory-pool"), 60)
+        # on a port we know: what it priced the engine with is read off it at the end
+        wait_serving(stack.start_service("scheduler", scheduler, metrics_port=free_port()), 60)
         stack.load_models({POOL: POOL})
         extra = [
             "--sim-speed",
@@ -322,6 +323,51 @@ def preemptions_from_logs(stack: LocalStack) -> int | None:
             return None
         total += sum(int(m) for m in counts)
     return total
+
+
+# The scheduler's gauges of what it prices each pool's engine with (inferx_scheduler.metrics).
+ENGINE_GAUGES = {
+    "inferx_scheduler_engine_prefill_tokens_per_second": "prefill_tokens_per_s",
+    "inferx_scheduler_engine_kv_read_seconds_per_token": "kv_read_s_per_token",
+}
+
+
+def engine_from_metrics(page: str) -> dict[str, dict[str, float]] | None:
+    """Per pool, the engine figures a scheduler's /metrics page shows (None: none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    figures: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(page):
+        for sample in family.samples:
+            key = ENGINE_GAUGES.get(sample.name)
+            if key is not None and "pool" in sample.labels:
+                figures.setdefault(sample.labels["pool"], {})[key] = sample.value
+    return {pool: f for pool, f in figures.items() if len(f) == len(ENGINE_GAUGES)} or None
+
+
+def scheduler_engine(stack: LocalStack, speed: float = 1.0) -> dict[str, dict[str, float]] | None:
+    """What the stack's scheduler priced its engines with at the end of a run, on the
+    workload's clock (its workers ran `speed` times faster; None if it exported nothing
+    or its page could not be read: not measured, not made up)."""
+    import urllib.error
+    import urllib.request
+
+    scheduler = stack.services.get("scheduler")
+    if scheduler is None or not scheduler.metrics_port:
+        return None
+    try:
+        url = f"http://127.0.0.1:{scheduler.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            figures = engine_from_metrics(reply.read().decode())
+    except (OSError, urllib.error.URLError, ValueError):
+        return None
+    return {
+        pool: {
+            "prefill_tokens_per_s": f["prefill_tokens_per_s"] / speed,
+            "kv_read_s_per_token": f["kv_read_s_per_token"] * speed,
+        }
+        for pool, f in (figures or {}).items()
+    } or None
 
 
 @dataclass(frozen=True)
@@ -414,6 +460,7 @@ async def run_live_sim(
                 with progress(f"live {policy} (x{options.speed:g})", len(trace.chains)) as advance:
                     records = await replayer.run(options.timeout_s, advance)
                 wall = time.perf_counter() - started
+                engine = await asyncio.to_thread(scheduler_engine, stack, options.speed)
             finally:
                 await asyncio.to_thread(stack.stop)
             runs.append(
@@ -426,6 +473,7 @@ async def run_live_sim(
                     preemptions=preemptions_from_logs(stack),
                     makespan_s=wall * options.speed,
                     wall_s=wall,
+                    engine=engine,
                 )
             )
             errors[policy] = replayer.errors

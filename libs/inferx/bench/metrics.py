@@ -49,6 +49,7 @@ class Summary(BaseModel):
     wall_s: float
     overall: Stats
     tiers: dict[str, Stats]
+    engine: dict[str, dict[str, float]] | None = None  # ReplayResult.engine
 
 
 def _pct(values: list[float], pct: float) -> float:
@@ -111,6 +112,7 @@ def summarize(run: ReplayResult) -> Summary:
         wall_s=run.wall_s,
         overall=stats(run.chains, run.window_s, run.preemptions),
         tiers=tiers,
+        engine=run.engine,
     )
 
 

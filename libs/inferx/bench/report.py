@@ -84,6 +84,14 @@ def stats_table(title: str, columns: dict[str, Stats], ratio: bool) -> Table:
     return table
 
 
+def engine_line(pool: str, figures: dict[str, float]) -> str:
+    """What the policy priced a pool's engine with (`ReplayResult.engine`)."""
+    return (
+        f"pool {pool}'s engine priced at {figures['prefill_tokens_per_s']:,.0f} prefill tokens/s, "
+        f"{figures['kv_read_s_per_token'] * 1e6:.3f} ms of a decode step per 1k tokens of KV in flight"
+    )
+
+
 def print_report(
     console: Console, summaries: list[Summary], comparison: Comparison | None, header: str
 ) -> None:
@@ -101,6 +109,8 @@ def print_report(
             f"(wall {s.wall_s:.1f} s)",
             style="dim",
         )
+        for pool, figures in (s.engine or {}).items():
+            console.print(f"{s.policy}: {engine_line(pool, figures)}", style="dim")
     if comparison is not None:
         print_comparison(console, comparison)
 

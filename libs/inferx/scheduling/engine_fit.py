@@ -72,25 +72,29 @@ def envelope_slope(
 ) -> float | None:
     """The slope of y over x along the low envelope of `points`: x in powers-of-two
     buckets, each bucket with at least `min_bucket` points giving one corner, the
-    least-squares slope through the corners. A bucket's corner is its point at the
+    least-squares slope through the corners (weighted by their buckets' points). A bucket's corner is its point at the
     `quantile` of y less the slope found so far (a bucket spans 2x in x: ranked by y
     alone, its corner would sit at its low end whatever the slope); `rounds` refits.
     None with fewer than two such buckets (too little spread in x to tell a slope)."""
     buckets = _buckets(points, min_bucket)
     if len(buckets) < 2:
         return None
+    weights = [len(members) for members in buckets]  # a corner of more points is surer
+    total = sum(weights)
     slope = 0.0
     for _ in range(rounds):
         corners = []
         for members in buckets:
             members.sort(key=lambda point: point[1] - slope * point[0])
             corners.append(members[int(quantile * (len(members) - 1))])
-        mean_x = sum(x for x, _ in corners) / len(corners)
-        mean_y = sum(y for _, y in corners) / len(corners)
-        spread = sum((x - mean_x) ** 2 for x, _ in corners)
+        mean_x = sum(w * x for w, (x, _) in zip(weights, corners, strict=True)) / total
+        mean_y = sum(w * y for w, (_, y) in zip(weights, corners, strict=True)) / total
+        spread = sum(w * (x - mean_x) ** 2 for w, (x, _) in zip(weights, corners, strict=True))
         if spread <= 0:
             return None
-        slope = sum((x - mean_x) * (y - mean_y) for x, y in corners) / spread
+        slope = (
+            sum(w * (x - mean_x) * (y - mean_y) for w, (x, y) in zip(weights, corners, strict=True)) / spread
+        )
     return slope
 
 
@@ -126,6 +130,12 @@ class EngineFit:
         self._prefills: deque[tuple[float, float]] = deque(maxlen=window)  # (tokens, ttft_s)
         self._steps: deque[tuple[float, float]] = deque(maxlen=window)  # (kv in flight, s per token)
         self._since_fit = 0
+
+    def figures(self) -> dict[str, float]:
+        return {
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "kv_read_s_per_token": self.kv_read_s_per_token,
+        }
 
     def observe(self, sample: EngineSample) -> None:
         used = False

@@ -15,11 +15,11 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from inferx.scheduling.engine_fit import EngineSample
+from inferx.scheduling.engine_fit import EngineSample, LearnsEngine
 from inferx.scheduling.policy import Policy
 from inferx.scheduling.prefix_index import PrefixIndex, WorkerFeed
 from inferx.scheduling.queue import DispatchQueue, QueuedHop, Rejected, WorkerSlots
@@ -127,6 +127,15 @@ def sim_policy(name: str, profile: EngineProfile, options: dict[str, object] | N
     scheduler with it (`--engine-profile`); `options` win over it."""
     told: dict[str, Any] = {**profile.policy_options(), **(options or {})}
     return make_policy(name, **told)
+
+
+def engine_figures(policy: Policy, pools: Iterable[str]) -> dict[str, dict[str, float]] | None:
+    """Per pool, what a policy that learns its engines priced them with (None: it learns none)."""
+    if not isinstance(policy, LearnsEngine):
+        return None
+    fits = {pool: policy.engine_fit(pool) for pool in sorted(pools)}
+    figures = {pool: fit.figures() for pool, fit in fits.items() if fit is not None}
+    return figures or None
 
 
 @dataclass
@@ -389,4 +398,5 @@ class ClusterSim:
             chains=[c.record for c in chains],
             preemptions=sum(w.engine.preemptions for w in workers),
             makespan_s=now,
+            engine=engine_figures(self.policy, names),
         )

@@ -62,3 +62,7 @@ class ReplayResult:
     preemptions: int | None = None  # None: not measured (e.g. a stack we did not start)
     makespan_s: float = 0.0
     wall_s: float = 0.0
+    # Per pool, the engine figures the policy priced time with at the end, as it learned
+    # them (`inferx.scheduling.engine_fit`: prefill_tokens_per_s, kv_read_s_per_token);
+    # None: a policy that learns none (or, live, a scheduler that exported none).
+    engine: dict[str, dict[str, float]] | None = None
