@@ -72,9 +72,10 @@ def envelope_slope(
 ) -> float | None:
     """The slope of y over x along the low envelope of `points`: x in powers-of-two
     buckets, each bucket with at least `min_bucket` points giving one corner, the
-    least-squares slope through the corners (weighted by their buckets' points). A bucket's corner is its point at the
-    `quantile` of y less the slope found so far (a bucket spans 2x in x: ranked by y
-    alone, its corner would sit at its low end whatever the slope); `rounds` refits.
+    least-squares slope through the corners (weighted by their buckets' points). A
+    bucket's corner is its point at the `quantile` of y less the slope found so far (a
+    bucket spans 2x in x: ranked by y alone, its corner would sit at its low end
+    whatever the slope); `rounds` refits.
     None with fewer than two such buckets (too little spread in x to tell a slope)."""
     buckets = _buckets(points, min_bucket)
     if len(buckets) < 2:
