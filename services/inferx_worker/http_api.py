@@ -8,6 +8,7 @@ over gRPC share the batch, the KV pool and the prefix cache. Endpoints:
                               the engine has one, as on gRPC, else by inferx.openai_compat)
   POST /v1/completions        (stream or not)
   GET  /v1/models             the pool name and the engine's model path
+  GET  /v1/models/{model}     one of them (404 model_not_found for another)
   GET  /health                200 once the engine serves, 503 before and while draining
   GET  /metrics               the engine's state under vLLM's metric names (vllm:
                               num_requests_running/waiting, kv_cache_usage_perc, ...):
@@ -105,6 +106,7 @@ class WorkerHttpApi:
                 Route("/v1/chat/completions", guarded(self.chat_completions, SERVICE), methods=["POST"]),
                 Route("/v1/completions", guarded(self.completions, SERVICE), methods=["POST"]),
                 Route("/v1/models", guarded(self.models, SERVICE), methods=["GET"]),
+                Route("/v1/models/{model:path}", guarded(self.model, SERVICE), methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
                 Route("/get_load", self.get_load, methods=["GET"]),
@@ -276,6 +278,12 @@ class WorkerHttpApi:
         for entry in data["data"]:
             entry["max_model_len"] = self.max_model_len
         return JSONResponse(data)
+
+    async def model(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        if name not in self.model_names:
+            raise ModelNotFound(name)
+        return JSONResponse({**schema.model_card(name, self._created), "max_model_len": self.max_model_len})
 
     async def health(self, request: Request) -> Response:
         if self.serving:

@@ -101,6 +101,10 @@ def unique(tag: str, tokens: int = 64) -> str:
 def test_models_lists_the_pool(worker: Worker) -> None:
     names = {model.id for model in worker.client().models.list()}
     assert POOL in names
+    assert worker.client().models.retrieve(POOL).id == POOL  # GET /v1/models/{model}
+    with pytest.raises(openai.NotFoundError) as refused:
+        worker.client().models.retrieve("no-such-model")
+    assert refused.value.code == "model_not_found"
 
 
 def test_sync_chat_completion_with_usage(worker: Worker) -> None:
