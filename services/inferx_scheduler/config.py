@@ -141,7 +141,8 @@ class SchedulerSettings(ServiceSettings):
         True,
         description="chain-aware: learn each pool's engine figures (prefill rate, decode cost per "
         "token of KV in flight) from the times its workers report for finished hops, starting from "
-        "--engine-profile's (or Llama-3-8B's); off: price with those as given",
+        "Llama-3-8B's (or --engine-profile's); off: price with those as given. Default: on without "
+        "--engine-profile, off with it (a calibration is taken as given unless --learn-engine)",
     )
     kv_warm_s: float = Field(
         30.0,
@@ -198,6 +199,8 @@ class SchedulerSettings(ServiceSettings):
     def _read_profile(self) -> SchedulerSettings:
         # Read once, at start: a file that is missing or not a profile fails the start, named.
         self._engine = _engine_profile(self.engine_profile) if self.engine_profile else None
+        if self._engine is not None and "learn_engine" not in self.model_fields_set:
+            self.learn_engine = False  # told the engine: its calibration is taken as given
         return self
 
     @field_validator("policy")

@@ -34,7 +34,10 @@ def test_trace_replay_sends_every_call_with_the_traces_token_counts(tmp_path: Pa
     config = TraceConfig(seed=3, duration_s=6.0, rate_per_s=1.0, mix={"bfcl": 1.0})
     trace = generate(config, profile)
     assert 2 <= len(trace.chains) <= 12
-    options = LiveOptions(workers=2, speed=20.0, timeout_s=120.0, state_dir=tmp_path)
+    # (told the engine, the scheduler learns it only when asked: as `--option learn_engine=true`)
+    options = LiveOptions(
+        workers=2, speed=20.0, timeout_s=120.0, state_dir=tmp_path, scheduler_flags=("--learn-engine",)
+    )
     runs, errors = asyncio.run(run_live_sim(trace, ["chain-aware"], profile, options, _no_progress))
     (run,) = runs
     assert errors == {"chain-aware": {}}

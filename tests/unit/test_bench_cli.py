@@ -212,3 +212,16 @@ def test_live_policy_options_become_the_schedulers_flags() -> None:
         SchedulerSettings, "inferx-scheduler", list(scheduler_flags({"learn_engine": False}))
     )
     assert unlearned.policy_options()["learn_engine"] is False
+
+
+def test_a_told_engine_is_taken_as_given_unless_the_scheduler_is_asked_to_learn(tmp_path) -> None:
+    from inferx.settings import load_settings
+    from inferx_scheduler.config import SchedulerSettings
+
+    profile = tmp_path / "engine.yaml"
+    profile.write_text("prefill_tokens_per_s: 6000\n")
+    told = ["--engine-profile", str(profile)]
+    for argv, learns in ((told, False), ([*told, "--learn-engine"], True), (["--no-learn-engine"], False)):
+        options = load_settings(SchedulerSettings, "inferx-scheduler", argv).policy_options()
+        assert options["learn_engine"] is learns, argv
+        assert options.get("prefill_tokens_per_s", 15_000) == (6000 if told[1] in argv else 15_000)

@@ -154,9 +154,8 @@ def test_the_simulator_reports_its_engine_and_the_policy_learns_it() -> None:
     cost, so the rate is one number): what the policy prices with ends near the truth."""
     profile = EngineProfile(prefill_tokens_per_s=6_000, kv_read_ms_per_1k_tokens=0.3, prefill_attention_ms=0)
     trace = generate(workload("mix", 1).model_copy(update={"duration_s": 200.0}), profile).at_rate(0.5)
-    policy = sim_policy(
-        "chain-aware", profile, {"prefill_tokens_per_s": 15_000.0, "kv_read_s_per_token": 8e-8}
-    )
+    untold: dict[str, object] = {"prefill_tokens_per_s": 15_000.0, "kv_read_s_per_token": 8e-8, "learn_engine": True}
+    policy = sim_policy("chain-aware", profile, untold)
     ClusterSim(trace, policy, profile, workers=4).run()
     fit = policy.engine_fit("sim")  # type: ignore[attr-defined]
     assert fit is not None and fit.learned == {"prefill": True, "kv_read": True}
@@ -210,17 +209,18 @@ async def test_the_scheduler_exports_what_it_prices_with_per_pool() -> None:
 def test_a_replay_records_what_the_policy_priced_the_engine_with() -> None:
     profile = EngineProfile(prefill_tokens_per_s=6_000, prefill_attention_ms=0)
     trace = generate(workload("mix", 2).model_copy(update={"duration_s": 60.0}), profile).at_rate(0.5)
-    learned = ClusterSim(trace, sim_policy("chain-aware", profile), profile, workers=2).run()
+    learning = sim_policy("chain-aware", profile, {"learn_engine": True})
+    learned = ClusterSim(trace, learning, profile, workers=2).run()
     assert learned.engine is not None and list(learned.engine) == ["sim"]
     assert learned.engine["sim"]["prefill_tokens_per_s"] == pytest.approx(6_000, rel=0.15)
     assert engine_line("sim", {"prefill_tokens_per_s": 6_000.0, "kv_read_s_per_token": 8e-8}) == (
         "pool sim's engine priced at 6,000 prefill tokens/s, "
         "0.080 ms of a decode step per 1k tokens of KV in flight"
     )
-    # a policy that prices no engine time, or chain-aware told not to learn: nothing to record
+    # a policy that prices no engine time, or chain-aware told the engine (it takes a
+    # calibration as given, as the live scheduler given --engine-profile): nothing learned
     assert ClusterSim(trace, sim_policy("round-robin", profile), profile, workers=2).run().engine is None
-    told = sim_policy("chain-aware", profile, {"learn_engine": False})
-    assert ClusterSim(trace, told, profile, workers=2).run().engine is None
+    assert ClusterSim(trace, sim_policy("chain-aware", profile), profile, workers=2).run().engine is None
 
 
 def test_the_live_bench_reads_the_engine_figures_off_a_schedulers_metrics_page() -> None:

@@ -124,8 +124,9 @@ class _InFlight:
 def sim_policy(name: str, profile: EngineProfile, options: dict[str, object] | None = None) -> Policy:
     """Policy `name` for a simulation on `profile`'s engines: told the engine's
     calibration (`EngineProfile.policy_options`) as an operator configures the live
-    scheduler with it (`--engine-profile`); `options` win over it."""
-    told: dict[str, Any] = {**profile.policy_options(), **(options or {})}
+    scheduler with it (`--engine-profile`), and so, as there, not learning it (unless
+    `learn_engine=True`); `options` win over both."""
+    told: dict[str, Any] = {**profile.policy_options(), "learn_engine": False, **(options or {})}
     return make_policy(name, **told)
 
 
