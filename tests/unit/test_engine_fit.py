@@ -154,7 +154,11 @@ def test_the_simulator_reports_its_engine_and_the_policy_learns_it() -> None:
     cost, so the rate is one number): what the policy prices with ends near the truth."""
     profile = EngineProfile(prefill_tokens_per_s=6_000, kv_read_ms_per_1k_tokens=0.3, prefill_attention_ms=0)
     trace = generate(workload("mix", 1).model_copy(update={"duration_s": 200.0}), profile).at_rate(0.5)
-    untold: dict[str, object] = {"prefill_tokens_per_s": 15_000.0, "kv_read_s_per_token": 8e-8, "learn_engine": True}
+    untold: dict[str, object] = {
+        "prefill_tokens_per_s": 15_000.0,
+        "kv_read_s_per_token": 8e-8,
+        "learn_engine": True,
+    }
     policy = sim_policy("chain-aware", profile, untold)
     ClusterSim(trace, policy, profile, workers=4).run()
     fit = policy.engine_fit("sim")  # type: ignore[attr-defined]
