@@ -225,3 +225,34 @@ def test_a_told_engine_is_taken_as_given_unless_the_scheduler_is_asked_to_learn(
         options = load_settings(SchedulerSettings, "inferx-scheduler", argv).policy_options()
         assert options["learn_engine"] is learns, argv
         assert options.get("prefill_tokens_per_s", 15_000) == (6000 if told[1] in argv else 15_000)
+
+
+def test_the_live_benchs_simulator_comparison_gets_the_same_policy_options(
+    trace_file: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """`--option` reaches the live scheduler as flags and the simulator it is compared
+    with as options: a comparison of differently configured policies would mean nothing."""
+    from inferx.bench import live, runner
+
+    seen: dict[str, object] = {}
+    real = runner.run_simulated
+
+    async def fake_live(trace, policies, profile, options, progress, note, keep):
+        seen["flags"] = options.scheduler_flags
+        runs = real(trace, policies, profile, options.workers, progress)  # stands in for the live stack
+        return runs, {p: {} for p in policies}
+
+    def simulated(trace, policies, profile, workers, progress, options=None, pools=1):
+        seen["sim options"] = options
+        return real(trace, policies, profile, workers, progress, options, pools)
+
+    monkeypatch.setattr(live, "run_live_sim", fake_live)
+    monkeypatch.setattr(runner, "run_simulated", simulated)
+    argv = ["bench", "--engine", "sim", "--trace", str(trace_file), "--rate", "1", "--policy", "chain-aware"]
+    argv += ["--option", "learn_engine=true", "--results", str(tmp_path / "r.json"), "--json"]
+    assert run_cli(argv) == 0
+    assert seen == {"flags": ("--learn-engine",), "sim options": {"learn_engine": True}}
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert (
+        data["context"]["simulator"][0]["engine"] is not None
+    )  # the simulated chain-aware learned, as told to

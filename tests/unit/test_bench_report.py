@@ -199,6 +199,27 @@ def test_agreement_table_pairs_live_and_simulated_figures() -> None:
     text = render(report.agreement_table(live, simulated))
     assert "round-robin live" in text and "round-robin sim" in text
     assert "40.00 s" in text and "41.50 s" in text
+    assert "engine" not in text  # neither learned the engine: no rows for it
+
+
+def test_agreement_table_pairs_what_live_and_simulated_learned_of_the_engine() -> None:
+    live = [make_summary("chain-aware", source="live").model_copy(update={"engine": {"sim": ENGINE_LIVE}})]
+    simulated = [jsonable(make_summary("chain-aware").model_copy(update={"engine": {"sim": ENGINE_SIM}}))]
+    lines = render(report.agreement_table(live, simulated)).splitlines()
+    prefill = next(line for line in lines if "prefill tokens/s" in line)
+    kv = next(line for line in lines if "per 1k KV tokens" in line)
+    assert "11,772" in prefill and "12,286" in prefill
+    assert "0.146" in kv and "0.221" in kv
+    # a live run that learned nothing (a policy that does not) shows dashes, not a figure
+    live = [make_summary("chain-aware", source="live")]
+    prefill = next(
+        line for line in render(report.agreement_table(live, simulated)).splitlines() if "prefill" in line
+    )
+    assert "-" in prefill and "12,286" in prefill
+
+
+ENGINE_LIVE = {"prefill_tokens_per_s": 11_772.4, "kv_read_s_per_token": 1.462e-7}
+ENGINE_SIM = {"prefill_tokens_per_s": 12_286.0, "kv_read_s_per_token": 2.21e-7}
 
 
 # ----- seed-agent table -------------------------------------------------------------------

@@ -156,6 +156,7 @@ def agreement_table(live: list[Summary], simulated: list[dict[str, Any]]) -> Tab
     table = Table(title="live vs simulator (same chains)", title_justify="left")
     table.add_column("metric")
     sims = {s["policy"]: s["overall"] for s in simulated}
+    sim_engines = {s["policy"]: s.get("engine") or {} for s in simulated}
     for s in live:
         table.add_column(f"{s.policy} live", justify="right")
         table.add_column(f"{s.policy} sim", justify="right")
@@ -168,7 +169,25 @@ def agreement_table(live: list[Summary], simulated: list[dict[str, Any]]) -> Tab
             sim = sims.get(s.policy, {}).get(attr)
             row.append(fmt(sim, kind) if sim is not None else "-")
         table.add_row(*row)
+    # What the policy learned of the engine, live (from the workers' reports) and simulated.
+    pools = sorted(
+        {pool for s in live for pool in (s.engine or {})} | {p for e in sim_engines.values() for p in e}
+    )
+    for pool in pools:
+        for label, key, scale, form in ENGINE_ROWS:
+            row = [f"{label} ({pool})" if len(pools) > 1 else label]
+            for s in live:
+                for figures in ((s.engine or {}).get(pool), sim_engines.get(s.policy, {}).get(pool)):
+                    row.append(format(figures[key] * scale, form) if figures else "-")
+            table.add_row(*row)
     return table
+
+
+# The engine figures a learning policy priced with (ReplayResult.engine): label, key, scale, format.
+ENGINE_ROWS = (
+    ("engine: prefill tokens/s", "prefill_tokens_per_s", 1.0, ",.0f"),
+    ("engine: decode ms per 1k KV tokens", "kv_read_s_per_token", 1e6, ".3f"),
+)
 
 
 SEED_ROWS: tuple[tuple[str, str, str], ...] = (

@@ -222,7 +222,8 @@ async def cmd_live(args: argparse.Namespace) -> int:
     if args.speed <= 0:
         raise InvalidArgument("--speed must be positive")
     policies = _policies(args)
-    flags = scheduler_flags(runner.policy_options(args.option, policies))
+    policy_options = runner.policy_options(args.option, policies)
+    flags = scheduler_flags(policy_options)
     profile, trace, choice = _prepare(args)
     progress = _progress_factory(not args.json)
     options = LiveOptions(
@@ -243,8 +244,9 @@ async def cmd_live(args: argparse.Namespace) -> int:
         saved.save(context=_context(args, choice, profile, trace, where), runs=done)
 
     runs, errors = await run_live_sim(trace, policies, profile, options, progress, note, keep)
-    # The simulator on the same chains: how far live and virtual time agree.
-    simulated = runner.run_simulated(trace, policies, profile, args.workers, progress)
+    # The simulator on the same chains, the policies given the same options: how far
+    # live and virtual time agree.
+    simulated = runner.run_simulated(trace, policies, profile, args.workers, progress, policy_options)
     sim_summaries, _ = runner.conclude(simulated)
     extra = {
         "speed": args.speed,
