@@ -45,6 +45,8 @@ class HopDispatcher:
         self.reads_prompt_blocks = self.queue.policy.use_prefix_index(self.prefix_index)
         self._waiters: dict[int, asyncio.Future[str]] = {}
         self._engine_fits: dict[str, int] = {}  # pool -> the refit its engine gauges show
+        decides = self.queue.policy
+        self._learns: LearnsEngine | None = decides if isinstance(decides, LearnsEngine) else None
         self._wake: asyncio.TimerHandle | None = None
         self._usable = usable or (lambda worker_id: True)
         # Without the memory-pool nobody guards KV capacity: run at half concurrency.
@@ -77,8 +79,8 @@ class HopDispatcher:
         self.queue.finished(
             hop, time.monotonic(), context_tokens=context_tokens, service_s=service_s, engine=engine
         )
-        if engine is not None and isinstance(self.queue.policy, LearnsEngine):
-            self._publish_engine(self.queue.policy, hop.pool)
+        if engine is not None and self._learns is not None:
+            self._publish_engine(self._learns, hop.pool)
         self.dispatch()
 
     def _publish_engine(self, policy: LearnsEngine, pool: str) -> None:

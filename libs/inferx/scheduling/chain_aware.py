@@ -744,7 +744,7 @@ class ChainAwarePolicy:
         return fit
 
     def _prefill_rate(self, pool: str) -> float:
-        """Prompt tokens per second the pool's engines prefill (told, else learned)."""
+        """Prompt tokens per second the pool's engines prefill (as learned, else as told)."""
         fit = self._engines.get(pool)
         return fit.prefill_tokens_per_s if fit is not None else self.config.prefill_tokens_per_s
 
