@@ -57,7 +57,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--profile",
         help="engine calibration file (YAML/JSON): the simulated engines, and what chain-aware is told "
-        "of them (as inferx-scheduler --engine-profile tells it live)",
+        "of them (as inferx-scheduler --engine-profile tells it live; taken as given, not learned, "
+        "unless --option learn_engine=true)",
     )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument(
