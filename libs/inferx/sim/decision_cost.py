@@ -25,8 +25,8 @@ import random
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from inferx.scheduling.engine_fit import EngineSample
 from inferx.scheduling.policy import Policy
 from inferx.scheduling.queue import DispatchQueue, QueuedHop, Rejected, WorkerSlots
 from inferx.scheduling.views import TIER_BY_NAME, HopView
@@ -80,17 +80,10 @@ class TimedQueue(DispatchQueue):
             self.hop_ns[hop.seq] = self.hop_ns.get(hop.seq, 0) + spent // len(assigned)
         return assigned
 
-    def finished(
-        self,
-        hop: QueuedHop,
-        now: float | None = None,
-        *,
-        context_tokens: int = 0,
-        service_s: float = 0.0,
-        engine: EngineSample | None = None,
-    ) -> None:
+    def finished(self, hop: QueuedHop, now: float | None = None, **outcome: Any) -> None:
+        """`DispatchQueue.finished`, timed (whatever the hop's outcome carries)."""
         start = _clock()
-        super().finished(hop, now, context_tokens=context_tokens, service_s=service_s, engine=engine)
+        super().finished(hop, now, **outcome)
         spent = _clock() - start
         self.total_ns += spent
         self.hop_ns[hop.seq] = self.hop_ns.get(hop.seq, 0) + spent
