@@ -86,6 +86,18 @@ def ratio(a: float, b: float) -> float | None:
     return a / b if b and b != float("inf") and a != float("inf") else None
 
 
+def engine_cell(engine: dict[str, dict[str, float]] | None) -> str:
+    """What the scheduler priced the workers with at the end (learned from finished hops
+    unless told a profile): the prefill rate is what a re-prefill costs, so what a held
+    context is worth."""
+    if not engine:
+        return "not exported"
+    return "; ".join(
+        f"{f['prefill_tokens_per_s']:,.0f} tok/s, {f['kv_read_s_per_token'] * 1e6:.3f} ms/1k KV"
+        for f in engine.values()
+    )
+
+
 def table(summaries: list[seed_run.SeedSummary]) -> str:
     by = {s.config: s for s in summaries}
     names = list(by)
@@ -96,6 +108,7 @@ def table(summaries: list[seed_run.SeedSummary]) -> str:
         ("chain latency P50", lambda s: f"{s.latency_p50_s:.2f} s"),
         ("chain latency P99", lambda s: f"{s.latency_p99_s:.2f} s"),
         ("worker switches per chain", lambda s: f"{s.worker_switches:.2f}"),
+        ("engine priced at (prefill; decode per KV)", lambda s: engine_cell(s.engine)),
         ("wall", lambda s: f"{s.wall_s:.0f} s"),
     ]
     lines = ["| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]

@@ -9,6 +9,11 @@ A `policy:key=value,key=value` entry runs the policy with those options (an abla
 Prints a markdown table (medians over the seeds, (min-max) in brackets); --json for
 the raw figures; --tokens adds where prompt tokens came from (prefilled, found in the
 GPU prefix cache, loaded back from a KV offload tier).
+
+"Finished per s" is the chains that finished over the makespan (first arrival to last
+finish): at a rate far past capacity (every chain queued at once, e.g. --rate 5 on
+research) it is the most the workers get through under that policy, an upper bound
+for any capacity at SLO it could reach (a figure only where every chain finished).
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ def run(name: str, options: dict[str, object], args: argparse.Namespace, seed: i
     prompt = sum(c.prompt_tokens for c in result.chains) or 1
     cached = sum(c.cached_tokens for c in result.chains)
     loaded = sum(c.loaded_tokens for c in result.chains)
+    finished = [c.arrival_s + c.latency_s for c in result.chains if c.latency_s is not None]
+    makespan = max(finished, default=0.0) - min(c.arrival_s for c in result.chains)
     return {
         "prefilled": (prompt - cached - loaded) / prompt,
         "gpu_cached": cached / prompt,
@@ -59,6 +66,8 @@ def run(name: str, options: dict[str, object], args: argparse.Namespace, seed: i
         "overall": score.overall,
         "shed": sum(c.status == "shed" for c in result.chains) / len(result.chains),
         "preemptions": float(result.preemptions or 0),
+        "completed": len(finished) / len(result.chains),
+        "finished_per_s": len(finished) / makespan if makespan > 0 else math.nan,
         # inf when more than 1% did not finish (shed ones included)
         "p99_latency_s": score.p99_latency_s if score.p99_latency_s is not None else math.nan,
     }
@@ -91,6 +100,12 @@ def main(argv: list[str]) -> None:
         print(json.dumps({"args": vars(args), "figures": figures}, indent=2))
         return
 
+    def throughput(rows: list[dict[str, float]]) -> str:
+        if any(row["completed"] < 1.0 for row in rows):  # chains left out: not what the workers get through
+            return "n/a (chains unfinished)"
+        values = [row["finished_per_s"] for row in rows]
+        return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+
     def cell(rows: list[dict[str, float]], key: str, percent: bool = True) -> str:
         values = [row[key] for row in rows]
         scale, unit = (100.0, "%") if percent else (1.0, "")
@@ -99,9 +114,12 @@ def main(argv: list[str]) -> None:
 
     print(f"\n{args.workload} at {args.rate:g} chains/s, {args.workers} workers, seeds {args.seed}..")
     extra = " prompt tokens prefilled | from the GPU cache | loaded from host |" if args.tokens else ""
-    head = "| policy | realtime within SLO | all within SLO | shed | preemptions | P99 chain latency (s) |"
+    head = (
+        "| policy | realtime within SLO | all within SLO | shed | preemptions | P99 chain latency (s) "
+        "| finished | finished per s (makespan) |"
+    )
     print(head + extra)
-    print("|---|---|---|---|---|---|" + ("---|---|---|" if args.tokens else ""))
+    print("|---|---|---|---|---|---|---|---|" + ("---|---|---|" if args.tokens else ""))
     for entry, rows in figures.items():
         tokens = (
             f" {cell(rows, 'prefilled')} | {cell(rows, 'gpu_cached')} | {cell(rows, 'host_loaded')} |"
@@ -110,8 +128,8 @@ def main(argv: list[str]) -> None:
         )
         print(
             f"| {entry} | {cell(rows, 'realtime')} | {cell(rows, 'overall')} | {cell(rows, 'shed')} "
-            f"| {cell(rows, 'preemptions', percent=False)} | {cell(rows, 'p99_latency_s', percent=False)} |"
-            + tokens
+            f"| {cell(rows, 'preemptions', percent=False)} | {cell(rows, 'p99_latency_s', percent=False)} "
+            f"| {cell(rows, 'completed')} | {throughput(rows)} |" + tokens
         )
 
 

@@ -81,6 +81,10 @@ def test_seed_agent_scenario_on_sim_workers(tmp_path: Path) -> None:
     # on: the previous step's prompt is (almost) always found, and repeated queries hit.
     assert on.reusable_hit_rate > 0.9
     assert on.tool_cache_hit_rate > 0
+    # what the scheduler priced the engines with, read off its /metrics at the end:
+    # chain-aware exports its figures (its prior, or what it learned); round-robin none
+    assert on.engine and all(f["prefill_tokens_per_s"] > 0 for f in on.engine.values()), on.engine
+    assert reference.engine is None
 
 
 def test_bench_replays_a_trace_against_a_running_stack(tmp_path: Path) -> None:

@@ -36,3 +36,28 @@ def test_reusable_tokens_not_found_in_the_cache_count_as_re_prefilled() -> None:
     assert hit.reusable_tokens == sum(reusable[1:]) > 0
     assert hit.reprefilled_tokens == 0
     assert missed.reprefilled_tokens == sum(r - r // 2 for r in reusable[1:])
+
+
+def test_the_table_shows_what_the_scheduler_priced_the_engines_with() -> None:
+    """The prefill rate is what a held context is worth (a re-prefill's cost), so the
+    scenario's table says what the scheduler used, or that it exported nothing."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "kv_pressure.py"
+    spec = importlib.util.spec_from_file_location("kv_pressure_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def summary(config: str, engine: dict[str, dict[str, float]] | None) -> seed_run.SeedSummary:
+        return seed_run.SeedSummary(
+            config=config, chains=1, completed=1, latency_p50_s=1.0, latency_p90_s=1.0, latency_p99_s=1.0,
+            reusable_hit_rate=1.0, prefix_hit_rate=1.0, tool_cache_hit_rate=0.0, worker_switches=0.0,
+            wall_s=1.0, errors=[], engine=engine,
+        )  # fmt: skip
+
+    learned = {"tiny": {"prefill_tokens_per_s": 2_345.6, "kv_read_s_per_token": 4e-7}}
+    table = bench.table([summary("kv-session-affinity", None), summary("kv-chain-aware", learned)])
+    row = next(line for line in table.splitlines() if line.startswith("| engine priced at"))
+    assert row.endswith("| not exported | 2,346 tok/s, 0.400 ms/1k KV |")

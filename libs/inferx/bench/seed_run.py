@@ -30,8 +30,9 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from inferx.bench import seed_agent as sa
+from inferx.bench.live import scheduler_engine
 from inferx.bench.metrics import ratio_or_none
-from inferx.devstack import LocalStack, StackPorts, wait_serving
+from inferx.devstack import LocalStack, StackPorts, free_port, wait_serving
 from inferx.errors import InferxError
 from inferx.stats import percentile
 from inferx.toolserver import ToolServer
@@ -174,7 +175,8 @@ def start_stack(state_dir: Path, config: str, options: SeedOptions, knowledge: P
         stack.start_etcd()
         procs = [
             stack.start_service("router", flags["router"]),
-            stack.start_service("scheduler", flags["scheduler"]),
+            # its own /metrics port: what it priced the engines with is read there at the end
+            stack.start_service("scheduler", flags["scheduler"], metrics_port=free_port()),
             stack.start_service("memory-pool"),
             stack.start_service("cache"),
         ]
@@ -229,6 +231,10 @@ class SeedSummary(BaseModel):
     # engine prefilled again (not found in its prefix cache: evicted, or on another worker).
     reusable_tokens: int = 0
     reprefilled_tokens: int = 0
+    # Per pool, the engine figures the scheduler priced time with at the end of the run
+    # (learned from finished hops unless it was told a profile; its /metrics gauges);
+    # None: it exported none (a policy that prices nothing) or the page was not read.
+    engine: dict[str, dict[str, float]] | None = None
 
 
 async def drive(
@@ -276,7 +282,14 @@ async def drive(
     return outcomes
 
 
-def summarize(config: str, plan: list[sa.Arrival], outcomes: list[RunOutcome], tokenize, wall_s: float):
+def summarize(
+    config: str,
+    plan: list[sa.Arrival],
+    outcomes: list[RunOutcome],
+    tokenize,
+    wall_s: float,
+    engine: dict[str, dict[str, float]] | None = None,
+):
     latencies = [o.latency_s if o.status == "ok" else math.inf for o in outcomes]
     hops: list[sa.HopReuse] = []
     cached_all = prompt_all = switches = 0
@@ -310,6 +323,7 @@ def summarize(config: str, plan: list[sa.Arrival], outcomes: list[RunOutcome], t
         errors=errors,
         reusable_tokens=sum(h.reusable for h in hops),
         reprefilled_tokens=sum(h.reusable - min(h.cached, h.reusable) for h in hops),
+        engine=engine,
     )
 
 
@@ -359,11 +373,12 @@ async def run_seed(
                 with progress(f"seed-agent '{config}'", len(plan)) as advance:
                     outcomes = await drive(stack, plan, options.timeout_s, advance)
                 wall = time.perf_counter() - started
+                engine = await asyncio.to_thread(scheduler_engine, stack)
             finally:
                 await close_tool()
         finally:
             await asyncio.to_thread(stack.stop)
-        summaries.append(summarize(config, plan, outcomes, tokenize, wall))
+        summaries.append(summarize(config, plan, outcomes, tokenize, wall, engine))
         on_config(summaries[-1], outcomes)
     return summaries
 
