@@ -8,7 +8,8 @@ workers on the tiny local model with a capped KV cache (`inferx-worker
 --kv-cache-tokens`), the same router (tool cache off: every tool call is a real gap),
 the same Poisson arrivals of the seed-shaped chain (8 model calls, a ~1.6k-token system
 prompt growing to ~3k tokens, 7 `kb_search` calls with a lognormal delay); only the
-scheduler's policy differs. Measured per configuration:
+scheduler differs: its policy, and the peer runs without KV reservations, as a sticky
+router straight in front of vLLM does (`seed_run.CONFIGS`). Measured per configuration:
 
   * re-prefilled tokens: over steps 2-8, the tokens a step shares with the previous
     step's prompt that vLLM did *not* find in its prefix cache (its own

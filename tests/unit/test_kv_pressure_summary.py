@@ -1,6 +1,7 @@
 """The KV-pressure scenario's bookkeeping (benchmarks/kv_pressure.py, seed_run): its
-configurations differ only in the scheduler's policy, and a step's reusable tokens
-that vLLM did not report as cached count as re-prefilled."""
+configurations differ only in the scheduler (its policy; the peer without KV
+reservations), and a step's reusable tokens that vLLM did not report as cached count
+as re-prefilled."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ def test_the_kv_pressure_configurations_differ_only_in_the_scheduler() -> None:
     configs = [seed_run.CONFIGS[n] for n in names]
     assert all(c["router"] == ["--no-tool-cache"] for c in configs)  # every tool call is a real gap
     assert all(c["worker"] == configs[0]["worker"] for c in configs)
-    assert configs[0]["scheduler"] == ["--policy", "session-affinity"]
+    # the peer as deployed: a sticky router straight in front of the engines (no KV ledger)
+    assert configs[0]["scheduler"] == ["--policy", "session-affinity", "--no-reserve-kv"]
     assert configs[1]["scheduler"] == ["--policy", "chain-aware"]
     assert "--strict-holds" in configs[2]["scheduler"]
 

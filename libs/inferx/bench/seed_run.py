@@ -52,9 +52,13 @@ CONFIGS: dict[str, dict[str, list[str]]] = {
     # The KV-pressure scenario (benchmarks/kv_pressure.py): the same workers (a small KV
     # cache, SeedOptions.kv_cache_tokens) and router (no tool cache: every tool call is
     # a real gap, during which other chains may evict the context); only the scheduler's
-    # policy differs. The peer: sticky sessions, as vllm-router and llm-d route.
+    # policy differs. The peer: sticky sessions, as vllm-router and llm-d route, and as
+    # they are deployed: no KV reservations in front of the engine (InferX's ledger
+    # counts prompt + max_tokens per hop and makes a hop wait for that room, where vLLM
+    # alone would admit it and queue or preempt by what is really used; with it the
+    # peer lost chains whose sticky worker stayed "full" past their step timeout).
     "kv-session-affinity": {
-        "scheduler": ["--policy", "session-affinity"],
+        "scheduler": ["--policy", "session-affinity", "--no-reserve-kv"],
         "router": ["--no-tool-cache"],
         "worker": [],
     },
