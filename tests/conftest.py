@@ -7,7 +7,9 @@ temporary state directory and a short lease TTL, and tear it down by process gro
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import sys
+import types
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -21,6 +23,15 @@ TEST_LEASE_TTL_S = 3
 # `make test-integration` / `make test-e2e` select by marker: a test in these
 # directories without its marker would silently run in neither.
 DIRECTORY_MARKERS = {"integration": "integration", "e2e": "e2e"}
+
+
+def load_benchmark_script(name: str) -> types.ModuleType:
+    """A script of benchmarks/ (not a package) as a module, for its tests."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

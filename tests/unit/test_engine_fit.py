@@ -5,10 +5,8 @@ the estimators, the fit's prior and refits, chain-aware pricing by what it learn
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import random
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -28,8 +26,7 @@ from inferx.v1 import common_pb2, scheduler_pb2
 from inferx_scheduler import metrics
 from inferx_scheduler.dispatcher import HopDispatcher
 from inferx_scheduler.servicer import _engine_sample
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import load_benchmark_script
 
 
 def waits(rng: random.Random, n: int, idle_share: float = 0.3) -> list[float]:
@@ -252,10 +249,7 @@ def test_the_live_bench_reads_the_engine_figures_off_a_schedulers_metrics_page()
 def test_the_benchmark_script_reports_the_true_and_the_learned_figures(tmp_path, capsys) -> None:
     """benchmarks/engine_fit.py: the figures of docs/benchmarks.md's table, and a clear
     error (not a traceback) for a profile that is not there."""
-    spec = importlib.util.spec_from_file_location("engine_fit_bench", ROOT / "benchmarks" / "engine_fit.py")
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_benchmark_script("engine_fit")
     profile = tmp_path / "slow.yaml"
     profile.write_text("prefill_tokens_per_s: 6000\nprefill_attention_ms: 0\n")
     argv = ["--profile", str(profile), "--workload", "research", "--rate", "0.1", "--json"]

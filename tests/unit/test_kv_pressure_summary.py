@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from inferx.bench import seed_agent as sa
 from inferx.bench import seed_run
+from tests.conftest import load_benchmark_script
 
 
 def test_the_kv_pressure_configurations_differ_only_in_the_scheduler() -> None:
@@ -43,14 +44,7 @@ def test_reusable_tokens_not_found_in_the_cache_count_as_re_prefilled() -> None:
 def test_the_table_shows_what_the_scheduler_priced_the_engines_with() -> None:
     """The prefill rate is what a held context is worth (a re-prefill's cost), so the
     scenario's table says what the scheduler used, or that it exported nothing."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "kv_pressure.py"
-    spec = importlib.util.spec_from_file_location("kv_pressure_bench", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark_script("kv_pressure")
 
     def summary(config: str, engine: dict[str, dict[str, float]] | None) -> seed_run.SeedSummary:
         return seed_run.SeedSummary(

@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import load_benchmark_script
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("overload_bench", ROOT / "benchmarks" / "overload.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark_script("overload")
 
 
 def test_an_entry_names_a_policy_and_its_options() -> None:

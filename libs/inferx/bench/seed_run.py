@@ -51,8 +51,8 @@ CONFIGS: dict[str, dict[str, list[str]]] = {
     "no-affinity": {"scheduler": ["--policy", "round-robin"], "router": [], "worker": []},
     # The KV-pressure scenario (benchmarks/kv_pressure.py): the same workers (a small KV
     # cache, SeedOptions.kv_cache_tokens) and router (no tool cache: every tool call is
-    # a real gap, during which other chains may evict the context); only the scheduler's
-    # policy differs. The peer: sticky sessions, as vllm-router and llm-d route, and as
+    # a real gap, during which other chains may evict the context); only the scheduler
+    # differs. The peer: sticky sessions, as vllm-router and llm-d route, and as
     # they are deployed: no KV reservations in front of the engine (InferX's ledger
     # counts prompt + max_tokens per hop and makes a hop wait for that room, where vLLM
     # alone would admit it and queue or preempt by what is really used; with it the
