@@ -72,6 +72,20 @@ def test_other_tiers_kv_next_to_realtime_stays_under_its_share_while_they_have_s
     assert [h.run_id for h in q.assign(ONE, now=1.0)] == ["late"]
 
 
+def test_on_a_large_memory_the_cap_is_what_reading_the_kv_adds_to_a_decode_step() -> None:
+    """A worker with 1M tokens of KV: 25% of it would be 250k tokens next to the realtime
+    hop, 20 ms of reading added to a 10 ms step at 8e-8 s per token; one bare step's
+    worth (0.010 / 8e-8 = 125k tokens) is the cap."""
+    big = {"p": [WorkerSlots("a", 8, 1_000_000)]}
+    config = {"guard_kv_share": 0.25, "heavy_prefill_tokens": 10**9, "kv_read_s_per_token": 8e-8}
+    for prompt, steps, goes in ((150_000, 1.0, False), (100_000, 1.0, True), (150_000, 2.0, True)):
+        q = queue(decode_step_s=0.010, guard_kv_read_steps=steps, **config)
+        submit(q, "rt", 0.0, tier=TIER_REALTIME, prompt_tokens=500, max_tokens=100)
+        assert [h.worker_id for h in q.assign(big, now=0.0)] == ["a"]
+        submit(q, "batch", 1.0, tier=TIER_BATCH, prompt_tokens=prompt, max_tokens=1_000, deadline=500.0)
+        assert [h.run_id for h in q.assign(big, now=1.0)] == (["batch"] if goes else []), (prompt, steps)
+
+
 def test_a_realtime_hop_moves_away_from_a_prefill_backlog_when_its_context_is_small() -> None:
     q = queue()
     big = {w: WorkerSlots(w, 8, 1_000_000) for w in ("a", "b")}

@@ -79,10 +79,12 @@ def test_scheduler_flags_reach_the_policy() -> None:
 
 def test_the_engines_calibration_reaches_the_policy_live_and_in_the_simulator(tmp_path) -> None:
     """`inferx-scheduler --engine-profile` and `inferx sim --profile` tell chain-aware
-    the same two figures of the engine (its prefill rate, a decode step's cost per
-    context token); an explicit option wins; without a profile, Llama-3-8B's."""
+    the same figures of the engine (its prefill rate, a decode step's cost per context
+    token and without any); an explicit option wins; without a profile, Llama-3-8B's."""
     profile_file = tmp_path / "seven.yaml"
-    profile_file.write_text("name: seven\nprefill_tokens_per_s: 16000\nkv_read_ms_per_1k_tokens: 0.33\n")
+    profile_file.write_text(
+        "name: seven\nprefill_tokens_per_s: 16000\nkv_read_ms_per_1k_tokens: 0.33\ndecode_step_ms: 8.4\n"
+    )
     live = registry.make_policy(
         "chain-aware", **SchedulerSettings(engine_profile=str(profile_file)).policy_options()
     )
@@ -90,10 +92,12 @@ def test_the_engines_calibration_reaches_the_policy_live_and_in_the_simulator(tm
     assert live.config.prefill_tokens_per_s == 16000 and live.config.kv_read_s_per_token == pytest.approx(
         0.33e-6
     )
+    assert live.config.decode_step_s == pytest.approx(0.0084)
     default = registry.make_policy("chain-aware", **SchedulerSettings().policy_options())
     assert isinstance(default, ChainAwarePolicy)
     assert default.config.kv_read_s_per_token == EngineProfile().policy_options()["kv_read_s_per_token"]
     assert default.config.prefill_tokens_per_s == EngineProfile().prefill_tokens_per_s
+    assert default.config.decode_step_s == EngineProfile().decode_step_ms / 1e3
     simulated = sim_policy("chain-aware", load_profile(profile_file))
     assert isinstance(simulated, ChainAwarePolicy) and simulated.config == live.config
     told = sim_policy("chain-aware", load_profile(profile_file), {"kv_read_s_per_token": 1e-7})

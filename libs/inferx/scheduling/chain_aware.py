@@ -41,7 +41,8 @@ goes where it loses least (admitted prefill still to run + the re-prefill of wha
 worker lacks of its context + reading the others' KV), which moves short chats off a
 worker busy with a long prefill but keeps a long context where it is; and next to
 running realtime hops, a heavy prefill of another tier waits (at most `guard_wait_s`)
-and other tiers' running KV stays under `guard_kv_share` of the worker while their
+and other tiers' running KV stays under `guard_kv_share` of the worker, and under
+what adds `guard_kv_read_steps` bare decode steps to each step there, while their
 chains still have slack (at most `guard_max_wait_s` per hop, and at most
 `guard_slack_share` of the chain's slack on arrival over all its hops). Tiers with
 slack give way, but a chain of many hops does not give way on every one of them.
@@ -182,8 +183,17 @@ class ChainAwareConfig:
     heavy_prefill_tokens: int = 2048  # a non-realtime hop prefilling more than this is "heavy"
     guard_wait_s: float = 3.0  # a heavy hop waits this long at most for its worker's realtime hops
     # Every decode step reads the KV of every running sequence: next to realtime hops,
-    # other tiers' running KV stays under this share of the worker's capacity.
+    # other tiers' running KV stays under this share of the worker's capacity (room for
+    # realtime's own contexts) ...
     guard_kv_share: float = 0.25
+    # ... and under what adds this many of the engine's bare decode steps to each step
+    # (`decode_step_s` / `kv_read_s_per_token` tokens per step): the cost to realtime is
+    # read time, and an engine with more KV memory does not read it faster, so a share
+    # of the memory alone lets more KV next to realtime the bigger the memory (on the
+    # 7B MHA profile with 4x its memory, capacity at SLO fell from 1.38x to 1.07x the
+    # best peer's). 1.1: what the share came to on the two calibrated profiles (0.85
+    # steps on Llama-3-8B / A100, 1.1 on the 7B MHA one), which keep their caps.
+    guard_kv_read_steps: float = 1.1
     guard_max_wait_s: float = 30.0  # ... while their chains have slack, for at most this long
     # ... and only while the chain's hops have waited, in all, less than this share of
     # the slack it had when it arrived (its deadline - arrival - expected path): a
@@ -191,6 +201,7 @@ class ChainAwareConfig:
     guard_slack_share: float = 0.5
     realtime_move_margin_s: float = 0.2  # a realtime hop moves when that saves this much prefill wait
     kv_read_s_per_token: float = 0.08e-6  # a decode step's cost per context token in the batch
+    decode_step_s: float = 0.010  # a decode step with no KV to read (the weights'; Llama-3-8B, A100)
     # Learn the two engine figures above per pool from what its workers report of each
     # finished hop (`inferx.scheduling.engine_fit`); what the options say is the prior.
     learn_engine: bool = True
@@ -216,6 +227,7 @@ class ChainAwareConfig:
             host_load_tokens_per_s=self.host_load_tokens_per_s * factor,
             clock_scale=self.clock_scale * factor,
             kv_read_s_per_token=self.kv_read_s_per_token / factor,
+            decode_step_s=self.decode_step_s / factor,
         )
 
 
@@ -753,6 +765,19 @@ class ChainAwarePolicy:
         fit = self._engines.get(pool)
         return fit.kv_read_s_per_token if fit is not None else self.config.kv_read_s_per_token
 
+    def _guard_kv_tokens(self, worker: WorkerView) -> float:
+        """Other tiers' KV in flight the realtime guard lets run next to realtime hops on
+        the worker: a share of its memory, and what reading adds `guard_kv_read_steps`
+        bare decode steps to each step. The latter from the engine's calibration (told,
+        or Llama-3-8B's), not from the figures learned: the ratio of the two is the
+        model's weight bytes over its KV bytes per token, the same on any GPU, and a
+        slope learned live is too noisy to set a cap by (docs/benchmarks.md)."""
+        config = self.config
+        cap = config.guard_kv_share * worker.kv_capacity_tokens if worker.kv_capacity_tokens else math.inf
+        if config.kv_read_s_per_token > 0:
+            cap = min(cap, config.guard_kv_read_steps * config.decode_step_s / config.kv_read_s_per_token)
+        return cap
+
     def engine_fit(self, pool: str) -> EngineFit | None:
         """What the policy learned of the pool's engine (None: nothing, or told to not learn)."""
         return self._engines.get(pool)
@@ -905,9 +930,7 @@ class ChainAwarePolicy:
             worker = self._find(workers, chosen)
             assert worker is not None
             if (
-                worker.kv_capacity_tokens
-                and worker.kv_in_flight + hop.kv_tokens
-                > self.config.guard_kv_share * worker.kv_capacity_tokens
+                worker.kv_in_flight + hop.kv_tokens > self._guard_kv_tokens(worker)
                 and waited < self.config.guard_max_wait_s
                 and self._may_wait(queued, now)
             ):

@@ -62,13 +62,14 @@ class EngineProfile(BaseModel):
 
     def policy_options(self) -> dict[str, float]:
         """What a policy that prices engine time is told of this engine (chain-aware's
-        options of the same names): its prefill rate, and what a decode step pays per
-        context token in its batch. An operator's calibration, not workload knowledge:
-        `inferx sim --profile` tells the simulated policy, `inferx-scheduler
-        --engine-profile` the live one."""
+        options of the same names): its prefill rate, what a decode step pays per
+        context token in its batch, and a decode step's time without any. An
+        operator's calibration, not workload knowledge: `inferx sim --profile` tells
+        the simulated policy, `inferx-scheduler --engine-profile` the live one."""
         return {
             "prefill_tokens_per_s": self.prefill_tokens_per_s,
             "kv_read_s_per_token": self.kv_read_ms_per_1k_tokens / 1e6,  # ms per 1k -> s per token
+            "decode_step_s": self.decode_step_ms / 1e3,
         }
 
     @property
