@@ -10,7 +10,7 @@ import math
 import pytest
 
 from inferx.scheduling.chain_aware import ChainAwareConfig, ChainAwarePolicy
-from inferx.scheduling.overload import ChainWindow, Stretch
+from inferx.scheduling.overload import ChainWindow, GuardScale, Stretch
 from inferx.scheduling.queue import DispatchQueue, Rejected
 from inferx.scheduling.views import TIER_BATCH, TIER_REALTIME, TIER_STANDARD, HopView, WorkerSlots
 
@@ -115,3 +115,23 @@ def test_without_overload_control_nothing_is_held_back() -> None:
     q = overloaded_queue(overload_control=False)
     q.submit("p", "late", "0", 100.0, HopView("p", "late", "0", tier=TIER_BATCH, remaining_hops=3))
     assert [h.run_id for h in q.assign(WORKERS, 100.0)] == ["late"]
+
+
+def test_the_guard_scale_shrinks_once_per_cooldown_and_recovers_with_time_on_track() -> None:
+    scale = GuardScale(min_scale=0.25, max_scale=1.0, decrease=0.5, cooldown_s=5.0, recover_s=60.0)
+    scale.at_risk(0.0)
+    assert scale.scale == 0.5
+    scale.at_risk(1.0)  # within the cooldown: the first decrease has not shown yet
+    assert scale.scale == 0.5
+    scale.at_risk(6.0)
+    assert scale.scale == 0.25
+    scale.at_risk(12.0)
+    assert scale.scale == 0.25  # the floor
+    # Growth is by the clock, not per hop: many hops on track at one instant add nothing.
+    for _ in range(1000):
+        scale.on_track(12.0)
+    assert scale.scale == 0.25
+    scale.on_track(42.0)  # half of recover_s: half the way from the floor to the top
+    assert abs(scale.scale - 0.625) < 1e-9
+    scale.on_track(200.0)
+    assert scale.scale == 1.0

@@ -121,3 +121,42 @@ def test_without_the_guard_the_long_prefill_goes_at_once() -> None:
     realtime_running_on_a(q)
     submit(q, "big", 1.0, tier=TIER_BATCH, prompt_tokens=5_000, max_tokens=100)
     assert [h.run_id for h in q.assign(ONE, now=1.0)] == ["big"]
+
+
+def test_stretched_realtime_hops_shrink_the_kv_cap_and_time_on_track_restores_it() -> None:
+    """What other tiers' KV may run beside realtime hops follows how realtime hops fare:
+    one that took far longer than alone (queueing + service over `guard_max_stretch`
+    times its prefill plus its tokens at the engine's bare step and KV reads, or at the
+    fastest the engine was seen to run a token, if slower) shrinks the cap; realtime
+    hops on track grow it back with time."""
+
+    def realtime_hop(q: DispatchQueue, run: str, start: float, took: float) -> None:
+        submit(q, run, start, tier=TIER_REALTIME, prompt_tokens=500, max_tokens=100)
+        (hop,) = q.assign(ONE, now=start)
+        q.finished(hop, start + took, context_tokens=600, service_s=took)
+
+    def batch_goes_after(*took: float, adaptive: bool = True, recovered_at: float | None = None) -> bool:
+        q = queue(guard_kv_share=0.25, heavy_prefill_tokens=10**9, guard_adaptive=adaptive)  # cap 25k of 100k
+        now = 0.0
+        for seconds in took:  # realtime hops one after another, 100 tokens each
+            realtime_hop(q, f"rt{now}", now, seconds)
+            now += seconds
+        if recovered_at is not None:  # a realtime hop on track, much later
+            realtime_hop(q, "later", recovered_at - 1.5, 1.5)
+            now = recovered_at
+        submit(q, "rt", now, tier=TIER_REALTIME, prompt_tokens=500, max_tokens=100)
+        assert [h.run_id for h in q.assign(ONE, now=now)] == ["rt"]
+        # 21k tokens beside the realtime hop's 600: under the 25k cap, over 70% of it.
+        submit(
+            q, "batch", now + 0.1, tier=TIER_BATCH, prompt_tokens=20_000, max_tokens=1_000, deadline=10_000.0
+        )
+        return [h.run_id for h in q.assign(ONE, now=now + 0.1)] == ["batch"]
+
+    # 100 tokens alone at the told 10 ms step: ~1 s; 1.5 s is on track, 30 s stretched.
+    assert batch_goes_after(1.5, 1.5)
+    assert not batch_goes_after(1.5, 30.0)
+    assert batch_goes_after(1.5, 30.0, adaptive=False)
+    assert batch_goes_after(1.5, 30.0, recovered_at=31.5 + 60.0)
+    # An engine 20x slower than told (another GPU or model, no profile): its hops are
+    # not stretched against the fastest it has run.
+    assert batch_goes_after(20.0, 20.0, 25.0)

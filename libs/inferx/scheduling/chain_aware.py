@@ -42,10 +42,13 @@ worker lacks of its context + reading the others' KV), which moves short chats o
 worker busy with a long prefill but keeps a long context where it is; and next to
 running realtime hops, a heavy prefill of another tier waits (at most `guard_wait_s`)
 and other tiers' running KV stays under `guard_kv_share` of the worker, and under
-what adds `guard_kv_read_steps` bare decode steps to each step there, while their
-chains still have slack (at most `guard_max_wait_s` per hop, and at most
-`guard_slack_share` of the chain's slack on arrival over all its hops). Tiers with
-slack give way, but a chain of many hops does not give way on every one of them.
+what adds `guard_kv_read_steps` bare decode steps to each step there -- a cap scaled
+down while realtime hops of the pool finish stretched (`guard_adaptive`: what a
+realtime token can afford to read depends on what else slows it, which grows with the
+load) and back up with time on track -- while their chains still have slack (at
+most `guard_max_wait_s` per hop, and at most `guard_slack_share` of the chain's slack
+on arrival over all its hops). Tiers with slack give way, but a chain of many hops
+does not give way on every one of them.
 Admission: new batch chains wait while the pool is loaded past `batch_wait_load`
 (new standard chains past `standard_wait_load`), and are shed (RESOURCE_EXHAUSTED,
 with a retry hint) when the load is past `shed_load` and `shed_queue` batch hops per
@@ -80,7 +83,7 @@ from typing import Literal
 from pydantic import TypeAdapter, ValidationError
 
 from inferx.scheduling.engine_fit import EngineFit
-from inferx.scheduling.overload import ChainWindow, Stretch
+from inferx.scheduling.overload import ChainWindow, GuardScale, Stretch
 from inferx.scheduling.prefix_index import PrefixIndex
 from inferx.scheduling.registry import register_policy
 from inferx.scheduling.retention import HINT_ENDED, HINT_PRICED, GapModel, client_hold, offload_fits
@@ -194,6 +197,15 @@ class ChainAwareConfig:
     # best peer's). 1.1: what the share came to on the two calibrated profiles (0.85
     # steps on Llama-3-8B / A100, 1.1 on the 7B MHA one), which keep their caps.
     guard_kv_read_steps: float = 1.1
+    # ... scaled (within [guard_scale_min, guard_scale_max]) by how realtime hops fare
+    # there: one that finished more than `guard_max_stretch` times slower than alone
+    # shrinks it, hops on track let it grow back (`inferx.scheduling.overload.GuardScale`).
+    guard_adaptive: bool = True
+    guard_max_stretch: float = 3.0
+    guard_scale_min: float = 0.25
+    guard_scale_max: float = 1.0
+    guard_cooldown_s: float = 5.0
+    guard_recover_s: float = 60.0
     guard_max_wait_s: float = 30.0  # ... while their chains have slack, for at most this long
     # ... and only while the chain's hops have waited, in all, less than this share of
     # the slack it had when it arrived (its deadline - arrival - expected path): a
@@ -222,6 +234,8 @@ class ChainAwareConfig:
             retry_after_s=self.retry_after_s / factor,
             guard_wait_s=self.guard_wait_s / factor,
             guard_max_wait_s=self.guard_max_wait_s / factor,
+            guard_cooldown_s=self.guard_cooldown_s / factor,
+            guard_recover_s=self.guard_recover_s / factor,
             realtime_move_margin_s=self.realtime_move_margin_s / factor,
             prefill_tokens_per_s=self.prefill_tokens_per_s * factor,
             host_load_tokens_per_s=self.host_load_tokens_per_s * factor,
@@ -296,6 +310,8 @@ class ChainAwarePolicy:
         self._active: dict[ChainKey, int] = {}  # non-realtime chains under way -> tier
         self._active_count: Counter[tuple[str, int]] = Counter()  # (pool, tier) -> chains under way
         self._stretch: dict[str, Stretch] = {}  # pool -> its hops' stretch
+        self._guard_scales: dict[str, GuardScale] = {}  # pool -> the guard's KV cap scale
+        self._fastest_token_s: dict[str, float] = {}  # pool -> the fastest decode token seen (realtime)
         self._engines: dict[str, EngineFit] = {}  # pool -> its engine's figures, as learned
         self._dispatched_prefill: dict[tuple[str, str], int] = {}  # hop key -> prefill tokens expected
         self._gaps = GapModel()  # learned tool/think gaps per program kind (priced retention)
@@ -765,7 +781,7 @@ class ChainAwarePolicy:
         fit = self._engines.get(pool)
         return fit.kv_read_s_per_token if fit is not None else self.config.kv_read_s_per_token
 
-    def _guard_kv_tokens(self, worker: WorkerView) -> float:
+    def _guard_kv_tokens(self, worker: WorkerView, pool: str) -> float:
         """Other tiers' KV in flight the realtime guard lets run next to realtime hops on
         the worker: a share of its memory, and what reading adds `guard_kv_read_steps`
         bare decode steps to each step. The latter from the engine's calibration (told,
@@ -776,26 +792,70 @@ class ChainAwarePolicy:
         cap = config.guard_kv_share * worker.kv_capacity_tokens if worker.kv_capacity_tokens else math.inf
         if config.kv_read_s_per_token > 0:
             cap = min(cap, config.guard_kv_read_steps * config.decode_step_s / config.kv_read_s_per_token)
+        if config.guard_adaptive:
+            scale = self._guard_scales.get(pool)
+            if scale is not None:
+                cap *= scale.scale
         return cap
+
+    def _guard_scale(self, pool: str) -> GuardScale:
+        scale = self._guard_scales.get(pool)
+        if scale is None:
+            config = self.config
+            scale = self._guard_scales[pool] = GuardScale(
+                min_scale=config.guard_scale_min,
+                max_scale=config.guard_scale_max,
+                cooldown_s=config.guard_cooldown_s,
+                recover_s=config.guard_recover_s,
+            )
+        return scale
 
     def engine_fit(self, pool: str) -> EngineFit | None:
         """What the policy learned of the pool's engine (None: nothing, or told to not learn)."""
         return self._engines.get(pool)
 
+    @property
+    def _watches_stretch(self) -> bool:
+        """Whether finished hops' stretch is measured: overload control and the adaptive
+        realtime guard act on it."""
+        config = self.config
+        return config.overload_control or (config.realtime_guard and config.guard_adaptive)
+
     def _observe_stretch(self, queued: QueuedHop, now: float, context_tokens: int, service_s: float) -> None:
         """A finished hop of a protected tier says whether its tier is still served well.
-        Realtime stretched shrinks both lower tiers' windows, standard stretched the
-        batch one; hops served well let them grow back (standard's first)."""
+        Realtime stretched shrinks the realtime guard's KV cap (`guard_adaptive`) and,
+        under overload control, both lower tiers' windows, standard stretched the batch
+        one; hops served well let them grow back (standard's first)."""
         hop = queued.view
+        config = self.config
         prefill = self._dispatched_prefill.pop(hop.key, 0)
+        output = context_tokens - hop.prompt_tokens if context_tokens else 0
+        waited = max(now - service_s - queued.enqueued_at, 0.0)
+        tier = hop.tier_rank
+        if tier == TIER_REALTIME and config.realtime_guard and config.guard_adaptive and output > 0:
+            # Against the engine's own figures, not against recent hops: under load every
+            # hop is slow, and a baseline learned from them would call that on track. But
+            # not faster than the engine has ever been seen to run a token (its bare step
+            # as told may be another GPU's or model's: Llama-3-8B / A100 untold).
+            prefill_s = prefill / self._prefill_rate(hop.pool)
+            ran = max(service_s - prefill_s, 0.0) / output
+            fastest = self._fastest_token_s[hop.pool] = min(
+                self._fastest_token_s.get(hop.pool, math.inf), ran
+            )
+            per_token = max(config.decode_step_s + context_tokens * self._kv_read(hop.pool), fastest)
+            alone = prefill_s + output * per_token
+            scale = self._guard_scale(hop.pool)
+            if (waited + service_s) > config.guard_max_stretch * alone:
+                scale.at_risk(now)
+            else:
+                scale.on_track(now)
+        if not config.overload_control:
+            return
         meter = self._stretch.get(hop.pool)
         if meter is None:
             meter = self._stretch[hop.pool] = Stretch(self._prefill_rate(hop.pool))
         meter.prefill_tokens_per_s = self._prefill_rate(hop.pool)
-        output = context_tokens - hop.prompt_tokens if context_tokens else 0
-        waited = max(now - service_s - queued.enqueued_at, 0.0)
         stretch = meter.observe(waited, service_s, prefill, context_tokens, output)
-        tier = hop.tier_rank
         if stretch is None or tier == TIER_BATCH:
             return
         batch, standard = self._window(hop.pool, TIER_BATCH), self._window(hop.pool, TIER_STANDARD)
@@ -930,7 +990,7 @@ class ChainAwarePolicy:
             worker = self._find(workers, chosen)
             assert worker is not None
             if (
-                worker.kv_in_flight + hop.kv_tokens > self._guard_kv_tokens(worker)
+                worker.kv_in_flight + hop.kv_tokens > self._guard_kv_tokens(worker, hop.pool)
                 and waited < self.config.guard_max_wait_s
                 and self._may_wait(queued, now)
             ):
@@ -1157,7 +1217,7 @@ class ChainAwarePolicy:
         self._pool_epoch[queued.pool] += 1
         key = self._key(queued.view)
         prefill = self._prefill_estimate(queued.view, worker_id)
-        if self.config.overload_control:
+        if self._watches_stretch:
             self._dispatched_prefill[queued.view.key] = prefill
         start = max(self._prefill_until.get(worker_id, 0.0), now)
         self._prefill_until[worker_id] = start + prefill / self._prefill_rate(queued.pool)
@@ -1186,7 +1246,7 @@ class ChainAwarePolicy:
             self._load_changed(queued.worker_id)  # the queue no longer counts the hop there
         if self.config.learn_engine and queued.engine_sample is not None:
             self._engine(hop.pool).observe(queued.engine_sample)
-        if self.config.overload_control and queued.worker_id is not None:
+        if self._watches_stretch and queued.worker_id is not None:
             self._observe_stretch(queued, now, context_tokens, service_s)
         if hop.tier_rank == TIER_REALTIME and queued.worker_id is not None:
             self._realtime_running[queued.worker_id] = max(

@@ -57,6 +57,41 @@ class ChainWindow:
         return active < self.limit
 
 
+@dataclass
+class GuardScale:
+    """How much of the realtime guard's static KV cap other tiers may use next to
+    realtime hops, adapted to whether realtime hops still run fast enough there. What
+    the cap's KV costs a realtime token is read time; what a realtime hop can afford
+    depends on what else slows it (prefill chunks, the batch's size, queueing), which
+    grows with the load. A stretched realtime hop shrinks the scale (at most once per
+    `cooldown_s`, the time a change needs to show); it grows back with time on track,
+    from `min_scale` to `max_scale` in `recover_s` (by the clock, not per hop: the
+    busier the pool, the more hops finish, and a per-hop growth would undo every
+    decrease at high load)."""
+
+    min_scale: float = 0.25
+    max_scale: float = 1.0
+    decrease: float = 0.7
+    cooldown_s: float = 5.0
+    recover_s: float = 60.0
+    scale: float = 1.0
+    _last_decrease: float = -math.inf
+    _last_update: float | None = None
+
+    def at_risk(self, now: float) -> None:
+        self._last_update = now
+        if now - self._last_decrease < self.cooldown_s:
+            return
+        self._last_decrease = now
+        self.scale = max(self.min_scale, self.scale * self.decrease)
+
+    def on_track(self, now: float) -> None:
+        if self._last_update is not None and now > self._last_update:
+            step = (self.max_scale - self.min_scale) * (now - self._last_update) / self.recover_s
+            self.scale = min(self.max_scale, self.scale + step)
+        self._last_update = now
+
+
 class Stretch:
     """How much slower than the engine's best a hop ran: (queueing + service) over what
     it would take alone -- its prefill at `prefill_tokens_per_s` plus its output tokens
