@@ -135,3 +135,11 @@ def test_the_guard_scale_shrinks_once_per_cooldown_and_recovers_with_time_on_tra
     assert abs(scale.scale - 0.625) < 1e-9
     scale.on_track(200.0)
     assert scale.scale == 1.0
+
+
+def test_a_guard_scale_without_recovery_time_is_back_at_once() -> None:
+    scale = GuardScale(recover_s=0.0)
+    scale.at_risk(0.0)
+    assert scale.scale < 1.0
+    scale.on_track(0.1)
+    assert scale.scale == 1.0

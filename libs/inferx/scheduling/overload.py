@@ -86,7 +86,9 @@ class GuardScale:
         self.scale = max(self.min_scale, self.scale * self.decrease)
 
     def on_track(self, now: float) -> None:
-        if self._last_update is not None and now > self._last_update:
+        if self.recover_s <= 0:
+            self.scale = self.max_scale
+        elif self._last_update is not None and now > self._last_update:
             step = (self.max_scale - self.min_scale) * (now - self._last_update) / self.recover_s
             self.scale = min(self.max_scale, self.scale + step)
         self._last_update = now
