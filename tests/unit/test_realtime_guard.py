@@ -5,8 +5,11 @@ hops where they would be slowed least."""
 
 from __future__ import annotations
 
+import pytest
+
 from inferx.scheduling.chain_aware import ChainAwareConfig, ChainAwarePolicy
 from inferx.scheduling.queue import DispatchQueue
+from inferx.scheduling.registry import make_policy
 from inferx.scheduling.views import TIER_BATCH, TIER_REALTIME, HopView, WorkerSlots
 
 CAPACITY = 100_000
@@ -160,3 +163,9 @@ def test_stretched_realtime_hops_shrink_the_kv_cap_and_time_on_track_restores_it
     # An engine 20x slower than told (another GPU or model, no profile): its hops are
     # not stretched against the fastest it has run.
     assert batch_goes_after(20.0, 20.0, 25.0)
+
+
+def test_nonsensical_adaptive_guard_options_are_refused_by_name() -> None:
+    for option, value in (("guard_scale_min", 0.0), ("guard_scale_min", 2.0), ("guard_max_stretch", 0.5)):
+        with pytest.raises(ValueError, match=option):
+            make_policy("chain-aware", **{option: value})

@@ -218,6 +218,12 @@ class ChainAwareConfig:
     # finished hop (`inferx.scheduling.engine_fit`); what the options say is the prior.
     learn_engine: bool = True
 
+    def __post_init__(self) -> None:
+        if not 0 < self.guard_scale_min <= self.guard_scale_max:
+            raise ValueError("guard_scale_min must be > 0 and <= guard_scale_max")
+        if self.guard_max_stretch <= 1:
+            raise ValueError("guard_max_stretch must be > 1 (a hop is never faster than alone)")
+
     def time_scaled(self, factor: float) -> ChainAwareConfig:
         """The same policy on a clock running `factor` times faster."""
         if factor <= 0:
