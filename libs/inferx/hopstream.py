@@ -335,7 +335,7 @@ class StreamClient:
                 stream.call.write,
                 self._shape.requests_cls,
                 self._shape.requests_field,
-                lambda exc: self._broken(opened, exc),
+                lambda exc: self._write_failed(opened, exc),
             )
             stream.reader = loop.create_task(self._read(stream))
             self._current = stream
@@ -455,7 +455,7 @@ class StreamClient:
                         self._pending.pop(reply.tag, None)
                         inbox.put(reply.status)
         except grpc.aio.AioRpcError as exc:
-            reason = exc
+            reason = await _settled(call, exc)
         except asyncio.CancelledError:
             reason = None
             raise
@@ -464,6 +464,19 @@ class StreamClient:
             reason = exc
         finally:
             self._broken(stream, reason)
+
+    def _write_failed(self, stream: _Stream, exc: BaseException) -> None:
+        """The writer could not send on `stream`: it is gone, for the reason its status
+        gives once settled (`_settled`). New calls go on a new stream meanwhile."""
+        if self._current is stream:
+            self._current = None
+
+        async def break_when_settled() -> None:
+            self._broken(stream, await _settled(stream.call, exc))
+
+        task = asyncio.get_running_loop().create_task(break_when_settled())
+        self._closing.add(task)  # held until done: the loop keeps only a weak reference
+        task.add_done_callback(self._closing.discard)
 
     def _broken(self, stream: _Stream, reason: BaseException | None) -> None:
         """`stream` ended: fail what is still on it; the next call opens a new one."""
@@ -503,6 +516,36 @@ class StreamClient:
             self._watcher = None
         for stream in list(self._streams):
             self._broken(stream, None)
+
+
+# grpc.aio reports a write (or read) that raced the call's end as INTERNAL with this
+# message, and sets it as the call's status until the peer's real status -- a refusal
+# such as PERMISSION_DENIED -- arrives a moment later on the call's status operation
+# and replaces it. Failing the calls on the stream with the placeholder would turn a
+# refusal into a retryable break; `_settled` waits (at most `SETTLE_S`) for the real one.
+_RACED_END = "Internal error from Core"
+SETTLE_S = 1.0
+_SETTLE_POLL_S = 0.005
+
+
+async def _settled(call: grpc.aio.StreamStreamCall, reason: BaseException) -> BaseException:
+    """`reason` the stream ended for, or the peer's status it stood in for."""
+    if not (
+        isinstance(reason, grpc.aio.AioRpcError)
+        and reason.code() == grpc.StatusCode.INTERNAL
+        and reason.details() == _RACED_END
+    ):
+        return reason
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + SETTLE_S
+    while loop.time() < give_up:
+        await asyncio.sleep(_SETTLE_POLL_S)  # no event fires when the status is replaced
+        code = await call.code()
+        details = await call.details()
+        if code != grpc.StatusCode.INTERNAL or details != _RACED_END:
+            trailers = await call.trailing_metadata()
+            return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailers, details=details)
+    return reason
 
 
 _UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED.value[0]

@@ -368,6 +368,77 @@ async def test_a_service_guard_refusing_the_stream_refuses_its_hops_with_its_sta
         await server.stop(0)
 
 
+class RacedCall:
+    """A stream the peer refused while its first message was being written, as grpc.aio
+    reports it: the write (`on`="write") or the read waiting meanwhile (`on`="read")
+    fails INTERNAL "Internal error from Core" -- the call's status until the peer's
+    (`real`, None: never) replaces it `after` seconds later."""
+
+    def __init__(self, real: grpc.StatusCode | None, on: str, after: float = 0.05) -> None:
+        self.status = (grpc.StatusCode.INTERNAL, hopstream._RACED_END)
+        self.real, self.on, self.after = real, on, after
+        self.cancelled = False
+        self.written = asyncio.Event()
+
+    def _raced(self) -> grpc.aio.AioRpcError:
+        code, details = self.status
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+    async def write(self, message) -> None:
+        if self.real is not None:
+            asyncio.get_running_loop().call_later(
+                self.after, setattr, self, "status", (self.real, "/inferx.v1.Scheduler/Hops: not for you")
+            )
+        self.written.set()
+        if self.on == "write":
+            raise self._raced()
+        await asyncio.Event().wait()  # the writer never hears: the reader's failure decides
+
+    async def read(self):
+        if self.on == "write":
+            await asyncio.Event().wait()  # the reader learns nothing: the writer's failure decides
+        await self.written.wait()
+        raise self._raced()
+
+    async def code(self) -> grpc.StatusCode:
+        return self.status[0]
+
+    async def details(self) -> str:
+        return self.status[1]
+
+    async def trailing_metadata(self) -> grpc.aio.Metadata:
+        return grpc.aio.Metadata()
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+@pytest.mark.parametrize("on", ["write", "read"])
+@pytest.mark.parametrize(
+    ("real", "expected"),
+    [
+        (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.PERMISSION_DENIED),  # the refusal, not a break
+        (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE),
+        (None, grpc.StatusCode.UNAVAILABLE),  # no status ever came: a break, retryable
+    ],
+)
+async def test_a_write_that_raced_the_streams_end_fails_its_hops_with_the_peers_status(
+    monkeypatch, real, expected, on
+) -> None:
+    monkeypatch.setattr(hopstream, "SETTLE_S", 0.3)
+    call = RacedCall(real, on)
+    client = hopstream.StreamClient(lambda: call, hopstream.HOPS, "10.0.0.9:50052")
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        async for _ in client.call(hop("echo:no"), 5.0):
+            pass
+    assert failed.value.code() == expected
+    if real == grpc.StatusCode.PERMISSION_DENIED:
+        assert "not for you" in (failed.value.details() or "")
+    assert call.cancelled and client.in_flight == 0
+    await client.close()
+
+
 async def test_items_queued_while_a_message_is_written_go_out_together_and_room_waits() -> None:
     """The outbox: what queues during a write goes in the next message, and a full
     outbox holds its producers until the writer takes the items (backpressure)."""
