@@ -758,6 +758,9 @@ def run_foreground(
     def on_signal(signum, frame):  # noqa: ARG001
         nonlocal stop_requested
         stop_requested = True
+        # Once: a second SIGTERM (or a Ctrl-C) must not break into the clean-up.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -800,7 +803,9 @@ def run_foreground(
         print("\nstopping...", flush=True)
         return 0
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip the cleanup
+        # A second Ctrl-C or SIGTERM must not skip the clean-up.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         stack.stop()
         print("all InferX processes stopped", flush=True)
 

@@ -124,7 +124,9 @@ def test_bench_replays_a_trace_against_a_running_stack(tmp_path: Path) -> None:
 
 def test_a_terminated_benchmark_stops_its_stack(tmp_path: Path) -> None:
     """SIGTERM (a supervisor, `timeout`, a CI job's end) stops `inferx bench` as Ctrl-C
-    does: it exits, and no process of the local stack it started is left running."""
+    does: it exits, and no process of the local stack it started is left running -- a
+    second SIGTERM during the clean-up (`timeout` passing its own on, a supervisor
+    repeating itself) does not break into it."""
     trace_path = tmp_path / "trace.jsonl"
     write_trace(generate(TraceConfig(seed=3, duration_s=60.0, rate_per_s=1.0, mix={"bfcl": 1.0})), trace_path)
     state = tmp_path / "state"
@@ -160,6 +162,10 @@ def test_a_terminated_benchmark_stops_its_stack(tmp_path: Path) -> None:
         time.sleep(2)
         assert _processes_of(state), "no stack process found to stop"
         bench.send_signal(signal.SIGTERM)
+        for _ in range(30):  # while the clean-up runs: stopping the stack's processes takes seconds
+            time.sleep(0.1)
+            if bench.poll() is None:
+                bench.send_signal(signal.SIGTERM)
         assert bench.wait(timeout=60) == 130  # interrupted, as by Ctrl-C
     finally:
         if bench.poll() is None:

@@ -556,6 +556,9 @@ def cmd_policies(args: argparse.Namespace) -> int:
 
 
 def _interrupt_on_terminate(signum: int, frame: object) -> None:  # noqa: ARG001
+    # Once: a second SIGTERM (`timeout` passing its own on, a supervisor repeating
+    # itself) must not break into the clean-up the first one started.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.kill(os.getpid(), signal.SIGINT)
 
 
@@ -582,7 +585,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.stderr.close()
         code = 0
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if signal.getsignal(signal.SIGTERM) is _interrupt_on_terminate:  # not terminated
+            signal.signal(signal.SIGTERM, previous)
     sys.exit(code)
 
 
