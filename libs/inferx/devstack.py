@@ -33,7 +33,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import grpc
 import yaml
@@ -787,15 +787,12 @@ def run_foreground(
         print_addresses(stack, mapping, loaded)
         print('\nTry:  inferx run customer_service_agent --input query="Where is my order?"')
         print("Logs: .inferx/logs/   Ctrl-C stops everything.", flush=True)
-        while True:
-            for proc in [stack.etcd, *stack.services.values(), *stack.workers]:
-                if proc is not None and not proc.alive():
-                    print(
-                        f"\n{proc.name} exited unexpectedly; its log ends with:\n{proc.log_tail()}",
-                        file=sys.stderr,
-                    )
-                    return 1
+        processes = [p for p in [stack.etcd, *stack.services.values(), *stack.workers] if p is not None]
+        exited: set[str] = set()
+        while report_exits(processes, exited):
             time.sleep(1)
+        print("\ninferx up: every process has exited", file=sys.stderr)
+        return 1
     except StackError as exc:
         print(f"\ninferx up: error: {exc}", file=sys.stderr)
         return 1
@@ -808,6 +805,27 @@ def run_foreground(
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         stack.stop()
         print("all InferX processes stopped", flush=True)
+
+
+def report_exits(processes: list[ManagedProcess], exited: set[str], out: TextIO | None = None) -> bool:
+    """`inferx up`'s watch: say (once, with its log's end) which processes have exited
+    since the last look -- the others keep running, as a worker dying is what the rest
+    of InferX is built to survive (its hops go to the pool's other workers) -- and
+    whether any is still running."""
+    out = out if out is not None else sys.stderr
+    for proc in processes:
+        if proc.name in exited or proc.alive():
+            continue
+        exited.add(proc.name)
+        status = proc.popen.returncode if proc.popen is not None else None
+        how = f"was killed by signal {-status}" if status is not None and status < 0 else f"exited ({status})"
+        print(
+            f"\n{proc.name} {how}; the other processes keep running (Ctrl-C stops them). "
+            f"Its log ({_shown(proc.log_path)}) ends with:\n{proc.log_tail()}",
+            file=out,
+            flush=True,
+        )
+    return len(exited) < len(processes)
 
 
 def _shown(path: Path) -> Path:
