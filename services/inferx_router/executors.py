@@ -187,6 +187,13 @@ class SchedulerExecutor:
         done: HopDone | None = None
         try:
             async for event in self.streams.call(address, request, timeout_s):
+                if event.restarted and text:  # its first worker failed mid-reply: that text is void
+                    if on_text is not None:  # ... but the caller has some of it already
+                        raise Unavailable(
+                            f"worker {event.worker_id or 'of the hop'} was given the hop again after its "
+                            "first worker failed mid-reply, but part of that reply was streamed already"
+                        )
+                    text.clear()
                 if event.text:
                     text.append(event.text)  # each piece of text arrives once (TOKENS, then FINISHED's tail)
                     if on_text is not None:

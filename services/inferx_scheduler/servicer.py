@@ -116,6 +116,23 @@ def worker_streams(channels: ChannelPool, *, enabled: bool = True) -> hopstream.
     )
 
 
+class ReplyRestarts:
+    """A hop's events across its dispatches: the text a failed worker sent before the
+    hop was re-dispatched is void, and the new dispatch's DISPATCHED says so
+    (`restarted`), so the caller drops that text rather than joining two replies."""
+
+    def __init__(self) -> None:
+        self._text_sent = False  # since the hop's latest DISPATCHED
+
+    def mark(self, event: scheduler_pb2.HopEvent) -> scheduler_pb2.HopEvent:
+        if event.kind == Event.KIND_DISPATCHED:
+            event.restarted = self._text_sent
+            self._text_sent = False
+        elif event.text:
+            self._text_sent = True
+        return event
+
+
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(
         self,
@@ -176,10 +193,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         ahead = self._lookahead.take(view) if self._lookahead is not None else None
         # A worker that dies or fails mid-hop costs a re-dispatch to another one of the
         # pool, not the hop: its breaker keeps new hops away from it meanwhile.
+        restarts = ReplyRestarts()
         for attempt in range(self._max_redispatch + 1):
             try:
                 async for event in self._dispatch_once(request, view, context, ahead):
-                    yield event
+                    yield restarts.mark(event)
                 return
             except WorkerFailed as exc:
                 remaining = context.time_remaining()

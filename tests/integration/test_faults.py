@@ -274,6 +274,15 @@ async def test_kill_9_of_a_worker_mid_run_chains_finish_on_the_other(stack: Loca
     outcomes = await run_batch(stack, "customer_service_agent", queries(40), stagger_s=0.02)
     await killer
     assert all(o.ok for o in outcomes), describe(outcomes)
+    # A hop re-dispatched after its worker died mid-reply has the survivor's reply alone,
+    # not the dead worker's first words joined to it: the sim engine's tokens are 4
+    # characters each.
+    replies = [h for o in outcomes for h in o.finished.hops if h.node_type == "model_inference"]
+    assert replies and all(len(h.output) == 4 * h.usage.completion_tokens for h in replies), [
+        (h.node_id, h.worker_id, len(h.output), h.usage.completion_tokens)
+        for h in replies
+        if len(h.output) != 4 * h.usage.completion_tokens
+    ]
     survivor_hops = [h.worker_id for o in outcomes[-10:] for h in o.finished.hops if h.worker_id]
     assert set(survivor_hops) == {survivor_id}  # the late runs all went to the surviving worker
     async with InferxClient(stack.router_address) as client:
