@@ -510,6 +510,13 @@ class StreamClient:
             if inbox is not None:
                 inbox.put(end)
 
+    def abandon(self, reason: str) -> None:
+        """The peer is known to be gone (it stopped answering health checks): fail every
+        call on its streams now with UNAVAILABLE, `reason` in the message, instead of
+        when the connection's keepalive gives up on it (tens of seconds)."""
+        for stream in list(self._streams):
+            self._broken(stream, ConnectionAbortedError(reason))
+
     async def close(self) -> None:
         if self._watcher is not None:
             self._watcher.cancel()
@@ -612,6 +619,13 @@ class StreamPool:
             )
             self.clients[address] = client
         return client
+
+    def abandon(self, address: str, reason: str) -> None:
+        """`StreamClient.abandon` for the peer at `address` (plain calls are left to
+        their deadlines)."""
+        client = self.clients.get(address)
+        if client is not None:
+            client.abandon(reason)
 
     async def call(self, address: str, payload: Any, timeout: float | None) -> AsyncIterator[Any]:
         """`payload`'s replies from the peer at `address`; raises as the plain call would."""

@@ -25,7 +25,10 @@ class SchedulerComponent(ServiceComponent):
         self.directory = PoolDirectory()
         self.channels = ChannelPool(runtime.transport)
         self.health = WorkerHealth(
-            self.directory, self.channels, on_change=lambda: self.dispatcher.dispatch()
+            self.directory,
+            self.channels,
+            on_change=lambda: self.dispatcher.dispatch(),
+            on_silent=lambda address, reason: self.servicer.worker_streams.abandon(address, reason),
         )
         self.dispatcher = HopDispatcher(
             self.directory,

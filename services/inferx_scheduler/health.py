@@ -24,15 +24,28 @@ log = logging.getLogger("inferx.scheduler.health")
 HOP_FAILURES_TO_OPEN = 1
 HEALTH_FAILURES_TO_OPEN = 3
 OPEN_S = 3.0
+# A worker silent this many checks in a row (frozen, hung) has its running hops given
+# up (`on_silent`) so they are re-dispatched now, not when the connection's keepalive
+# notices (30 s + 10 s): a few more than take it out of scheduling, as a hop given up
+# is work done again elsewhere.
+HEALTH_FAILURES_TO_ABANDON = 5
 
 
 class WorkerHealth:
     def __init__(
-        self, directory: PoolDirectory, channels: ChannelPool, on_change: Callable[[], None]
+        self,
+        directory: PoolDirectory,
+        channels: ChannelPool,
+        on_change: Callable[[], None],
+        on_silent: Callable[[str, str], None] | None = None,
     ) -> None:
+        """`on_change`: a worker was taken out; `on_silent(address, reason)`: a worker
+        has been silent `HEALTH_FAILURES_TO_ABANDON` checks in a row (said once per
+        silence)."""
         self._directory = directory
         self._channels = channels
         self._on_change = on_change
+        self._on_silent = on_silent
         self.breakers = BreakerBoard(CircuitBreaker(failure_threshold=HOP_FAILURES_TO_OPEN, open_s=OPEN_S))
         self._health_failures: dict[str, int] = {}
         self._task: asyncio.Task[None] | None = None
@@ -89,6 +102,10 @@ class WorkerHealth:
                         changed = True
                     # Still failing: the open period starts again, no probe goes to it.
                     self.breakers.get(worker.worker_id).force_open(time.monotonic())
+                if failures == HEALTH_FAILURES_TO_ABANDON and self._on_silent is not None:
+                    reason = f"worker {worker.worker_id} failed {failures} health checks in a row"
+                    log.warning("%s: giving up the hops running on it (they are re-dispatched)", reason)
+                    self._on_silent(worker.address, reason)
             if changed:
                 self._on_change()
             await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))

@@ -334,6 +334,46 @@ async def test_worker_that_stops_answering_leaves_scheduling_before_its_lease_ex
     assert frozen_id not in used  # ... but no hop went to it
 
 
+PATIENT_CHAIN = """
+agent_chain:
+  name: patient_answer
+  tier: standard
+  inputs:
+    query: {description: "the customer's message"}
+  slo: {end_to_end_latency_p99: 120000ms}
+  nodes:
+    - id: answer
+      type: model_inference
+      model: qwen-7b
+      timeout: 60000ms
+      max_tokens: 48
+      prompt: "Answer: {{ inputs.query }}"
+"""
+
+
+async def test_hops_running_on_a_worker_that_freezes_are_re_dispatched_without_waiting_for_keepalive(
+    long_lease_stack: LocalStack,
+) -> None:
+    stack = long_lease_stack
+    # Node timeouts far longer than the example chain's 500 ms, so a hop stuck on the
+    # frozen worker waits for whatever gives it up first.
+    chain = stack.state_dir / "patient.yaml"
+    chain.write_text(PATIENT_CHAIN)
+    await asyncio.to_thread(stack.put_chains, [chain])  # (it runs its own event loop)
+    frozen = stack.workers[0]
+    freezer = asyncio.create_task(when_busy(frozen, signal.SIGSTOP))  # hops in flight on it
+    started = asyncio.get_running_loop().time()
+    outcomes = await run_batch(stack, "patient_answer", queries(30), stagger_s=0.02)
+    took_s = asyncio.get_running_loop().time() - started
+    await freezer
+    assert all(o.ok for o in outcomes), describe(outcomes)
+    # Given up after 5 silent health checks (~5 s) and re-dispatched; the connection's
+    # keepalive alone would have taken 40 s (a 30 s ping, 10 s for its answer).
+    assert took_s < 30, f"the batch took {took_s:.1f}s: the frozen worker's hops waited for keepalive"
+    replies = [h for o in outcomes for h in o.finished.hops if h.node_type == "model_inference"]
+    assert all(len(h.output) == 4 * h.usage.completion_tokens for h in replies)  # no void text joined
+
+
 async def test_memory_pool_down_chains_continue_conservatively(stack: LocalStack) -> None:
     stack.services["memory-pool"].signal(signal.SIGKILL)
     stack.services["memory-pool"].wait(5)
