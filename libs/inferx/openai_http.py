@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -18,6 +18,11 @@ from inferx.errors import InferxError
 from inferx.openai_compat.errors import error_body, error_reply
 
 Handler = Callable[[Request], Awaitable[Response]]
+T = TypeVar("T")
+
+# What a reply to a client that went away gets (nobody reads it): nginx's "client
+# closed request", in the access log.
+CLIENT_GONE = 499
 
 log = logging.getLogger("inferx.http")
 
@@ -44,6 +49,41 @@ def guarded(handler: Handler, service: str) -> Handler:
             return error_response(exc, service)
 
     return guarded_handler
+
+
+async def unless_client_leaves(request: Request, call: Awaitable[T]) -> T | None:
+    """`call`'s result, or None when the client disconnected first: then `call` is
+    cancelled -- its engine work aborted, as a streamed call's is when its client goes --
+    rather than run to the end for nobody. Call it once the body has been read: what
+    `receive` gives after that is the disconnect."""
+    handler = asyncio.current_task()
+    assert handler is not None
+    finished = False
+    gone = False
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass  # (a body already read: nothing else comes)
+
+    def on_disconnect(watcher: asyncio.Task[None]) -> None:
+        nonlocal gone
+        if not finished and not watcher.cancelled() and watcher.exception() is None:
+            gone = True
+            handler.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    watcher.add_done_callback(on_disconnect)
+    try:
+        result = await call
+        finished = True  # no await since the call returned: a disconnect now cancels nothing
+        return result
+    except asyncio.CancelledError:
+        if gone:
+            handler.uncancel()
+            return None
+        raise
+    finally:
+        watcher.cancel()
 
 
 async def http_error(request: Request, exc: Exception) -> Response:

@@ -32,7 +32,7 @@ from inferx.openai_compat.errors import BodyTooLarge, ModelNotFound
 from inferx.openai_compat.identity import ProgramIdentity, parse_identity
 from inferx.openai_compat.schema import ReplyEvent
 from inferx.openai_compat.toolcalls import Content
-from inferx.openai_http import error_reply_body, guarded, http_error
+from inferx.openai_http import CLIENT_GONE, error_reply_body, guarded, http_error, unless_client_leaves
 from inferx_router.access import AccessControl
 from inferx_router.hops import HopDone
 from inferx_router.program_calls import CallDone, ProgramCalls
@@ -123,7 +123,11 @@ class OpenAIFront:
         created = int(time.time())
         if body.stream:
             return await self._stream(who, identity, call, body, created, reader, parent=parent)
-        result = await self._calls.call(who, identity, call, reader=reader, parent=parent)
+        result = await unless_client_leaves(
+            request, self._calls.call(who, identity, call, reader=reader, parent=parent)
+        )
+        if result is None:  # the client went away: the call was abandoned (recorded as cancelled)
+            return Response(status_code=CLIENT_GONE)
         done = result.done
         usage = _usage(done)
         if isinstance(body, schema.ChatCompletionRequest):

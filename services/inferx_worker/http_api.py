@@ -52,7 +52,7 @@ from inferx.openai_compat.errors import InvalidField, ModelNotFound
 from inferx.openai_compat.reasoning import check_reasoning_parser
 from inferx.openai_compat.render import chat_json, render_chat
 from inferx.openai_compat.toolcalls import DEFAULT_FORMAT, check_format
-from inferx.openai_http import error_reply_body, guarded, http_error
+from inferx.openai_http import CLIENT_GONE, error_reply_body, guarded, http_error, unless_client_leaves
 from inferx_worker import metrics
 from inferx_worker.engines.base import Engine, EngineChunk, EngineError, EngineRequest
 from inferx_worker.servicer import engine_failure
@@ -121,7 +121,7 @@ class WorkerHttpApi:
 
     async def chat_completions(self, request: Request) -> Response:
         body = schema.parse_body(WorkerChatRequest, await request.body())
-        return await self._serve(body, self._chat_prompt(body), body.priority, chat=True)
+        return await self._serve(request, body, self._chat_prompt(body), body.priority, chat=True)
 
     def _chat_prompt(self, body: WorkerChatRequest) -> str:
         """The model's own chat template where the engine has one (as the gRPC path
@@ -139,9 +139,11 @@ class WorkerHttpApi:
         body = schema.parse_body(WorkerCompletionRequest, await request.body())
         if not body.prompt_text:
             raise InvalidField("prompt", "must not be empty")
-        return await self._serve(body, body.prompt_text, body.priority, chat=False)
+        return await self._serve(request, body, body.prompt_text, body.priority, chat=False)
 
-    async def _serve(self, body: schema.CallRequest, prompt: str, priority: int, *, chat: bool) -> Response:
+    async def _serve(
+        self, request: Request, body: schema.CallRequest, prompt: str, priority: int, *, chat: bool
+    ) -> Response:
         if body.model not in self.model_names:
             raise ModelNotFound(body.model)
         if not self.serving:
@@ -170,12 +172,20 @@ class WorkerHttpApi:
         if body.stream:
             return await self._stream(engine_request, body, call_id, created, chat=chat)
         text: list[str] = []
-        final: EngineChunk | None = None
-        async for chunk in self._generate(engine_request):
-            text.append(chunk.text)
-            if chunk.finished:
-                final = chunk
-        assert final is not None  # _generate always ends with the finished chunk
+
+        async def generate() -> EngineChunk:
+            final: EngineChunk | None = None
+            async with contextlib.aclosing(self._generate(engine_request)) as generated:  # aborts on cancel
+                async for chunk in generated:
+                    text.append(chunk.text)
+                    if chunk.finished:
+                        final = chunk
+            assert final is not None  # _generate always ends with the finished chunk
+            return final
+
+        final = await unless_client_leaves(request, generate())
+        if final is None:  # the client went away: the engine call was aborted
+            return Response(status_code=CLIENT_GONE)
         usage = _usage(final)
         if chat:
             reader = schema.reply_reader(body, self.tool_call_format, self.reasoning_parser)

@@ -214,3 +214,50 @@ def test_fields_inferx_cannot_serve_are_refused_not_ignored(sim_stack: LocalStac
     reply = httpx.post(f"{sim_stack.router_http_url}/chat/completions", json=body)
     assert reply.status_code == 200, reply.text
     assert len(reply.json()["choices"]) == 1
+
+
+async def test_a_non_streamed_call_whose_client_leaves_stops_using_the_engine(sim_stack: LocalStack) -> None:
+    """As a streamed one does: the router cancels the call when its HTTP client
+    disconnects, and the worker's engine aborts the request, rather than generating
+    2,000 tokens for nobody."""
+    from tests.integration.test_faults import running_hops
+    from tests.polling import poll_until
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "talk at length"}], "max_tokens": 2000}
+    patience = httpx.Timeout(30, read=1.0)
+    async with httpx.AsyncClient(base_url=sim_stack.router_http_url, timeout=patience) as c:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+            await c.post("/chat/completions", json=body)
+
+    async def engines_idle() -> bool:
+        return all([await running_hops(worker) == 0 for worker in sim_stack.workers])
+
+    # Left alone, 2,000 tokens take the sim engine many seconds more.
+    await poll_until(engines_idle, timeout_s=2.0, interval_s=0.05, what="the engines to drop the call")
+
+
+async def test_a_non_streamed_call_to_a_workers_own_http_api_whose_client_leaves_is_aborted(
+    sim_stack: LocalStack,
+) -> None:
+    """The same on a (sim) worker's own OpenAI HTTP API (`--openai-http-port`)."""
+    from inferx.devstack import free_port, wait_serving
+    from tests.integration.test_faults import running_hops
+    from tests.polling import poll_until
+
+    port = free_port()
+    worker = sim_stack.start_worker("http-only", "sim", ["--openai-http-port", str(port), "--sim-speed", "1"])
+    try:
+        wait_serving(worker, 60)
+        body = {"model": "http-only", "prompt": "talk at length", "max_tokens": 2000}
+        patience = httpx.Timeout(30, read=1.0)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}/v1", timeout=patience) as c:
+            with pytest.raises(httpx.ReadTimeout):
+                await c.post("/completions", json=body)
+
+        async def idle() -> bool:
+            return await running_hops(worker) == 0
+
+        await poll_until(idle, timeout_s=2.0, interval_s=0.05, what="the engine to drop the call")
+    finally:
+        sim_stack.workers.remove(worker)
+        worker.stop()
