@@ -122,7 +122,7 @@ class OpenAIFront:
         parent = telemetry.context_from_headers(request.headers)  # the caller's traceparent
         created = int(time.time())
         if body.stream:
-            return await self._stream(who, identity, call, body, created, reader, parent=parent)
+            return await self._stream(request, who, identity, call, body, created, reader, parent=parent)
         result = await unless_client_leaves(
             request, self._calls.call(who, identity, call, reader=reader, parent=parent)
         )
@@ -140,6 +140,7 @@ class OpenAIFront:
 
     async def _stream(
         self,
+        request: Request,
         who: Principal,
         identity: ProgramIdentity,
         call: Call,
@@ -156,10 +157,15 @@ class OpenAIFront:
         nothing of it was sent)."""
         pieces = self._calls.stream(who, identity, call, reader=reader, parent=parent)
         try:
-            first = await anext(pieces)  # raises the call's error, if any, before the response starts
+            # Raises the call's error, if any, before the response starts; a client that
+            # leaves meanwhile (tired of a queue, say) cancels the call before it runs.
+            first = await unless_client_leaves(request, anext(pieces))
         except BaseException:
             await pieces.aclose()
             raise
+        if first is None:
+            await pieces.aclose()
+            return Response(status_code=CLIENT_GONE)
         model, call_id = body.model, call.call_id
         chat = isinstance(body, schema.ChatCompletionRequest)
         object_ = "chat.completion.chunk" if chat else "text_completion"

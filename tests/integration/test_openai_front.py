@@ -4,14 +4,17 @@ one program (one worker, cached tokens growing), and OpenAI-shaped errors."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
+import grpc
 import httpx
 import openai
 import pytest
 from openai.types.chat import ChatCompletionFunctionToolParam
 
 from inferx.devstack import LocalStack
+from inferx.v1 import router_pb2, router_pb2_grpc
 from inferx_router.http_front import WORKER_HEADER
 
 pytestmark = pytest.mark.integration
@@ -258,6 +261,57 @@ async def test_a_non_streamed_call_to_a_workers_own_http_api_whose_client_leaves
             return await running_hops(worker) == 0
 
         await poll_until(idle, timeout_s=2.0, interval_s=0.05, what="the engine to drop the call")
+    finally:
+        sim_stack.workers.remove(worker)
+        worker.stop()
+
+
+async def test_a_streamed_call_whose_client_leaves_while_it_is_queued_never_runs(
+    sim_stack: LocalStack,
+) -> None:
+    """A client tired of waiting for its first token (its call queued behind others)
+    leaves: the call leaves the queue, and is not run for nobody once a slot frees."""
+    from inferx.devstack import wait_serving
+    from tests.integration.test_faults import running_hops
+    from tests.polling import poll_until
+
+    worker = sim_stack.start_worker("narrow", "sim", ["--max-num-seqs", "1", "--sim-speed", "1"])
+    try:
+        wait_serving(worker, 60)
+        long = {"model": "narrow", "messages": [{"role": "user", "content": "talk"}], "max_tokens": 2000}
+        async with httpx.AsyncClient(base_url=sim_stack.router_http_url, timeout=30) as c:
+
+            async def listed() -> bool:
+                return "narrow" in (await c.get("/models")).text
+
+            await poll_until(listed, timeout_s=20, what="the router to see the narrow pool")
+            ahead = asyncio.create_task(c.post("/chat/completions", json=long))  # takes the only slot
+
+            async def running() -> bool:
+                return await running_hops(worker) == 1
+
+            await poll_until(running, timeout_s=10, what="the first call to run")
+            patience = httpx.Timeout(30, read=1.0)
+            left = {"X-InferX-Program": f"left-{uuid.uuid4().hex[:8]}"}
+            with pytest.raises(httpx.ReadTimeout):  # queued: no first token within its patience
+                async with c.stream(
+                    "POST", "/chat/completions", json={**long, "stream": True}, headers=left, timeout=patience
+                ):
+                    pass
+            ahead.cancel()  # the first call's client leaves too: its slot frees
+
+        async def idle() -> bool:
+            return await running_hops(worker) == 0
+
+        # The queued call, still queued, would take the freed slot and run 2,000 tokens.
+        await asyncio.sleep(1.0)
+        await poll_until(idle, timeout_s=2.0, interval_s=0.05, what="the engine to stay idle")
+        async with grpc.aio.insecure_channel(sim_stack.router_address) as channel:
+            record = await router_pb2_grpc.RouterStub(channel).GetRun(
+                router_pb2.GetRunRequest(run_id=left["X-InferX-Program"]), timeout=10
+            )
+        (call,) = record.finished.hops
+        assert call.status == "cancelled" and not call.worker_id  # never dispatched
     finally:
         sim_stack.workers.remove(worker)
         worker.stop()
