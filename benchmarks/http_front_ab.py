@@ -1,0 +1,107 @@
+"""Interleaved A/B of the OpenAI HTTP front's added latency per call (`inferx bench
+--peer`'s measurement, without the peer) between two checkouts: two environments side
+by side (etcd, InferX's services with the router's `--http-port`, one SIMULATED sim
+worker at a very high --sim-speed serving HTTP itself), sequential one-token chat calls
+alternating A-direct, A-InferX, B-direct, B-InferX (the order reversed every other
+round), so both sides see the same background load.
+
+    python benchmarks/http_front_ab.py --a /path/to/main --b . [--count 400] [--warmup 30] \\
+        [--process-scheduler]
+
+Each side's services run with PYTHONPATH set to that checkout's `libs` and `services`
+(generated stubs included: run `make proto` in both first); the client (this process)
+is the current checkout. Added = the InferX path's percentile minus the direct call's,
+per side. With two stacks on the box the absolute figures are higher than one stack's:
+read the difference between A and B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from overhead_ab import wrapper  # noqa: E402
+
+from inferx.bench.peer import INFERX, MODEL, Environment, EnvSpec, start_environment  # noqa: E402
+from inferx.sim.profile import EngineProfile  # noqa: E402
+from inferx.stats import percentile  # noqa: E402
+
+
+def pct(samples: list[float], q: float) -> float:
+    return percentile(samples, q, method="nearest-rank")
+
+
+async def measure(envs: dict[str, Environment], count: int, warmup: int) -> dict[str, list[float]]:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+    paths: list[tuple[str, str, dict[str, str]]] = []
+    for side, env in envs.items():
+        paths.append((f"{side} direct", env.worker_urls[0], {}))
+        paths.append((f"{side} InferX", env.fronts[INFERX], {"X-InferX-Program": f"ab-{side}"}))
+    latencies: dict[str, list[float]] = {name: [] for name, _, _ in paths}
+    async with httpx.AsyncClient(timeout=30) as client:
+        for i in range(warmup + count):
+            for name, base, headers in paths if i % 2 else reversed(paths):
+                started = time.perf_counter()
+                reply = await client.post(f"{base}/v1/chat/completions", json=body, headers=headers)
+                if reply.status_code != 200:
+                    raise SystemExit(f"{name}: http {reply.status_code}: {reply.text[:200]}")
+                if i >= warmup:
+                    latencies[name].append((time.perf_counter() - started) * 1000)
+    return latencies
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--a", type=Path, required=True, help="checkout A (its libs/ and services/)")
+    parser.add_argument("--b", type=Path, required=True, help="checkout B")
+    parser.add_argument("--count", type=int, default=400, help="timed calls per path (400)")
+    parser.add_argument("--warmup", type=int, default=30, help="calls per path before those (30)")
+    parser.add_argument(
+        "--process-scheduler",
+        action="store_true",
+        help="a scheduler process per side (default: the router's embedded scheduler)",
+    )
+    args = parser.parse_args()
+    if args.count < 1 or args.warmup < 0:
+        parser.error("--count must be at least 1 and --warmup at least 0")
+    state = Path(tempfile.mkdtemp(prefix="http-front-ab-"))
+    envs: dict[str, Environment] = {}
+    try:
+        for side, root in (("A", args.a), ("B", args.b)):
+            spec = EnvSpec(
+                workers=1,
+                speed=10_000.0,
+                profile=EngineProfile(),
+                inferx=True,
+                embedded_scheduler=not args.process_scheduler,
+                python=wrapper(root, state, side),
+            )
+            envs[side] = start_environment(state / side, spec)
+        latencies = asyncio.run(measure(envs, args.count, args.warmup))
+    finally:
+        for env in envs.values():
+            env.stop()
+    print(f"{'path':10s} {'p50':>7s} {'p90':>7s} {'p99':>7s}  (ms, {args.count} calls each)")
+    for name, samples in latencies.items():
+        print(f"{name:10s} {pct(samples, 50):7.2f} {pct(samples, 90):7.2f} {pct(samples, 99):7.2f}")
+    for side in envs:
+        direct, front = latencies[f"{side} direct"], latencies[f"{side} InferX"]
+        print(
+            f"{side}: InferX adds {pct(front, 50) - pct(direct, 50):.2f} ms p50, "
+            f"{pct(front, 99) - pct(direct, 99):.2f} ms p99"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
