@@ -753,11 +753,8 @@ def run_foreground(
         insecure=insecure,
         embedded_scheduler=embedded_scheduler,
     )
-    stop_requested = False
 
     def on_signal(signum, frame):  # noqa: ARG001
-        nonlocal stop_requested
-        stop_requested = True
         # Once: a second SIGTERM (or a Ctrl-C) must not break into the clean-up.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)

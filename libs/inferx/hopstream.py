@@ -37,7 +37,7 @@ import itertools
 import logging
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -313,7 +313,9 @@ class StreamClient:
         self._tags = itertools.count(1)
         self.opened = 0  # streams opened so far (tests, diagnostics)
         self.retired = 0  # streams retired because their connection went away
-        self._closing: set[asyncio.Task[None]] = set()  # retired streams being half-closed
+        # Work on ended or retiring streams (half-closing, settling a break), held until
+        # done: the loop keeps only a weak reference to a task.
+        self._aside: set[asyncio.Task[None]] = set()
 
     @property
     def in_flight(self) -> int:
@@ -368,9 +370,7 @@ class StreamClient:
 
     def _half_close_when_done(self, stream: _Stream) -> None:
         if stream.retiring and not stream.tags and not stream.ended:
-            task = asyncio.get_running_loop().create_task(self._half_close(stream))
-            self._closing.add(task)  # held until done: the loop keeps only a weak reference
-            task.add_done_callback(self._closing.discard)
+            self._run_aside(self._half_close(stream))
 
     async def _half_close(self, stream: _Stream) -> None:
         """No more requests on `stream`: the peer ends it, and its reader then sees EOF."""
@@ -474,9 +474,12 @@ class StreamClient:
         async def break_when_settled() -> None:
             self._broken(stream, await _settled(stream.call, exc))
 
-        task = asyncio.get_running_loop().create_task(break_when_settled())
-        self._closing.add(task)  # held until done: the loop keeps only a weak reference
-        task.add_done_callback(self._closing.discard)
+        self._run_aside(break_when_settled())
+
+    def _run_aside(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._aside.add(task)
+        task.add_done_callback(self._aside.discard)
 
     def _broken(self, stream: _Stream, reason: BaseException | None) -> None:
         """`stream` ended: fail what is still on it; the next call opens a new one."""
