@@ -9,7 +9,10 @@ import hashlib
 import math
 
 CHARS_PER_TOKEN = 3.0
-# A hop that sets no `max_tokens` may generate this many (the chain schema's default).
+# A chain node's `max_tokens` when its config sets none (the chain schema's default), and
+# what the scheduler reserves KV for when a call sets none (an OpenAI-style call without
+# `max_tokens` generates until the model stops or its context is full; the engine caps it,
+# and reserving the whole context for every such call would starve admission).
 DEFAULT_MAX_TOKENS = 64
 
 

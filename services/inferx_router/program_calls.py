@@ -129,7 +129,7 @@ class ProgramCalls:
             raise TypeError(type(body).__name__)
         if not prompt:
             raise InvalidField("prompt", "empty")
-        tokens, param = body.output_tokens(), body.output_tokens_param()
+        tokens, param = body.output_tokens(), body.output_tokens_param()  # 0: not set, the engine caps it
         if problem := self._request_limits.output_tokens_problem(param, tokens):  # --max-output-tokens
             raise InvalidField(param, problem.removeprefix(f"{param}: "))
         prefix_id, prefix_tokens = shared_prefix(head)

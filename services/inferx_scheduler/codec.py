@@ -38,7 +38,7 @@ def hop_view(pool: str, request: scheduler_pb2.HopRequest) -> HopView:
         tier=tier,
         node_priority=ctx.priority,
         prompt_tokens=estimate_tokens(request.prompt),
-        max_tokens=request.sampling.max_tokens or DEFAULT_MAX_TOKENS,
+        max_tokens=request.sampling.max_tokens or DEFAULT_MAX_TOKENS,  # 0: not set (an estimate)
         deadline=monotonic_deadline(ctx.chain_deadline_unix_ms),
         hop_index=ctx.hop_index,
         remaining_critical_path_s=ctx.remaining_critical_path_ms / 1000,

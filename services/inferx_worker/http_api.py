@@ -148,13 +148,16 @@ class WorkerHttpApi:
             raise ModelNotFound(body.model)
         if not self.serving:
             raise Unavailable("the engine is not serving (starting or draining)", retry_after_s=1.0)
-        max_tokens = body.output_tokens()
+        max_tokens = body.output_tokens() or None  # not set: up to the context room
         prompt_tokens = self._engine.count_tokens(prompt)
-        if prompt_tokens + max_tokens > self.max_model_len:
+        if prompt_tokens + (max_tokens or 1) > self.max_model_len:
+            wants = (
+                f"max_tokens asks for {max_tokens:,} more" if max_tokens else "no room is left for a reply"
+            )
             raise InvalidField(
                 "messages" if chat else "prompt",
                 f"this model's maximum context length is {self.max_model_len:,} tokens; the prompt "
-                f"has {prompt_tokens:,} and max_tokens asks for {max_tokens:,} more",
+                f"has {prompt_tokens:,} and {wants}",
             )
         call_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         engine_request = EngineRequest(

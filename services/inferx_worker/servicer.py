@@ -14,7 +14,6 @@ from inferx.context_guard import ContextTooLong, check_or_truncate
 from inferx.errors import InferxError, Internal, InvalidArgument, Unavailable, Unimplemented
 from inferx.openai_compat import schema
 from inferx.scheduling.prefix_index import KvEvent
-from inferx.tokens import DEFAULT_MAX_TOKENS
 from inferx.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from inferx_worker import metrics
 from inferx_worker.engines.base import Engine, EngineError, EngineRequest
@@ -33,9 +32,9 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServicer):
     async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         if not request.prompt:
             raise InvalidArgument("prompt: must not be empty")
-        max_tokens = request.sampling.max_tokens or DEFAULT_MAX_TOKENS
+        max_tokens = request.sampling.max_tokens or None  # not set: up to the context room
         prompt, templated, chat = self._prompt(request)
-        guarded = await self._guard_context(prompt, request.sampling, max_tokens)
+        guarded = await self._guard_context(prompt, request.sampling, max_tokens or 1)
         if guarded != prompt:  # the guard cut the context: the cut prompt runs, not the whole chat
             prompt, chat = guarded, None
         if request.chat_json:
@@ -57,7 +56,7 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServicer):
             ),
             prompt=prompt,
             # A replay's stop_after_tokens plays the model's EOS within the cap.
-            max_tokens=min(max_tokens, request.sampling.stop_after_tokens or max_tokens),
+            max_tokens=min(filter(None, (max_tokens, request.sampling.stop_after_tokens)), default=None),
             temperature=request.sampling.temperature,
             top_p=request.sampling.top_p or 1.0,
             seed=request.sampling.seed if request.sampling.HasField("seed") else None,

@@ -173,3 +173,27 @@ def test_a_chat_with_tools_renders_through_the_models_chat_template(
     )
     assert again.usage is not None and again.usage.prompt_tokens_details is not None
     assert (again.usage.prompt_tokens_details.cached_tokens or 0) >= 32  # whole 32-token blocks
+
+
+def test_a_call_without_max_tokens_is_not_cut_at_a_default(vllm_stack: LocalStack) -> None:
+    """No max_tokens is vLLM's "up to the context room", through the router, the
+    scheduler and the worker: the random-weight model, which does not stop on this
+    prompt, is still writing past 64 tokens (the cap InferX used to put there). Each
+    streamed piece with text holds at least one token; the client leaves after 80."""
+    import openai
+
+    client = openai.OpenAI(base_url=vllm_stack.router_http_url, api_key="unused", max_retries=0)
+    stream = client.completions.create(  # greedy: the tiny model loops on this prompt without EOS
+        model="qwen-7b", prompt="The customer placed an order for shoes", temperature=0, stream=True
+    )
+    pieces, finished = 0, None
+    with stream:
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                pieces += 1
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finished = chunk.choices[0].finish_reason
+                break
+            if pieces >= 80:
+                break
+    assert (pieces, finished) == (80, None), f"the reply ended ({finished}) after {pieces} pieces"

@@ -11,11 +11,12 @@ import grpc
 import httpx
 import openai
 import pytest
-from openai.types.chat import ChatCompletionFunctionToolParam
+from openai.types.chat import ChatCompletionFunctionToolParam, ChatCompletionMessageParam
 
 from inferx.devstack import LocalStack
 from inferx.v1 import router_pb2, router_pb2_grpc
 from inferx_router.http_front import WORKER_HEADER
+from inferx_worker.engines.sim_engine import eos_directive
 
 pytestmark = pytest.mark.integration
 
@@ -53,6 +54,30 @@ def test_sync_chat_completion_reports_text_and_usage(sim_stack: LocalStack) -> N
     assert usage is not None and usage.prompt_tokens > 0 and usage.completion_tokens == 12
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens is not None
+
+
+def test_a_call_without_max_tokens_runs_until_the_model_stops(sim_stack: LocalStack) -> None:
+    """An unset max_tokens means what it means on OpenAI and vLLM (up to the context
+    room), not a short default cap: the (SIMULATED) model stops after 150 tokens by
+    itself, through the router, the scheduler and the worker; streamed too."""
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": f"{eos_directive(150)} Write the whole report."}
+    ]
+    client = sync_client(sim_stack)
+    reply = client.chat.completions.create(model=MODEL, messages=messages)
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage is not None and reply.usage.completion_tokens == 150
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert reasons == ["stop"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 150
 
 
 def test_tools_are_accepted_and_rendered_into_the_prompt(sim_stack: LocalStack) -> None:

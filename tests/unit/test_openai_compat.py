@@ -22,7 +22,6 @@ from inferx.openai_compat.errors import InvalidField, ModelNotFound, error_reply
 from inferx.openai_compat.identity import ProgramIdentity, parse_identity
 from inferx.openai_compat.render import GENERATION_MARK, render_chat
 from inferx.scheduling.views import Tier
-from inferx.tokens import DEFAULT_MAX_TOKENS
 from inferx.v1 import router_pb2
 from inferx_router.hops import ModelHop
 from inferx_router.programs import Call, ProgramBook, program_hop
@@ -55,7 +54,7 @@ def assert_chat_refused(fields: dict, param: str, words: str) -> None:
 def test_a_chat_body_takes_openai_fields_and_ignores_unsupported_ones() -> None:
     body = chat(max_completion_tokens=7, temperature=0.2, stop=["x"], seed=3, user="u")
     assert body.output_tokens() == 7 and body.temperature == 0.2
-    assert chat().output_tokens() == DEFAULT_MAX_TOKENS
+    assert chat().output_tokens() == 0  # not set: up to the context room (the engine caps it)
     assert chat(max_tokens=9).output_tokens() == 9
     assert chat(stream=True, stream_options={"include_usage": True}).include_usage
     assert not chat(stream=True).include_usage

@@ -191,6 +191,15 @@ async def test_a_prompt_goes_to_the_completions_endpoint(server: FakeServer) -> 
     assert (chunks[-1].finish_reason, chunks[-1].cached_prompt_tokens) == ("length", 32)
 
 
+async def test_a_request_without_max_tokens_leaves_it_to_the_server(server: FakeServer) -> None:
+    """Not set means the server's own meaning (vLLM, OpenAI: up to the context room);
+    sending any number in its place would cap the reply."""
+    server.events = [{"choices": [{"index": 0, "text": "a long reply", "finish_reason": "stop"}]}]
+    await run(await engine_for(server), EngineRequest("r1", "Say it all", max_tokens=None))
+    ((_, body),) = server.received
+    assert "max_tokens" not in body
+
+
 async def test_with_the_chat_endpoint_off_a_chat_goes_as_its_prompt_to_completions(
     server: FakeServer,
 ) -> None:

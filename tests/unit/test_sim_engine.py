@@ -11,10 +11,18 @@ import pytest
 from inferx.sim.engine import EngineModel, SimRequest
 from inferx.sim.profile import EngineProfile
 from inferx_worker.engines.base import EngineRequest
-from inferx_worker.engines.sim_engine import SimEngine, SimParams, block_segments, split_tokens, stop_at
+from inferx_worker.engines.sim_engine import (
+    UNSET_REPLY_TOKENS,
+    SimEngine,
+    SimParams,
+    block_segments,
+    eos_directive,
+    split_tokens,
+    stop_at,
+)
 
 
-async def _run(engine: SimEngine, prompt: str, max_tokens: int = 4, rid: str = "r"):
+async def _run(engine: SimEngine, prompt: str, max_tokens: int | None = 4, rid: str = "r"):
     return [c async for c in engine.generate(EngineRequest(rid, prompt, max_tokens=max_tokens))]
 
 
@@ -66,6 +74,21 @@ async def test_streams_tokens_and_reports_usage() -> None:
     finally:
         await one.stop()
     assert [(c.finished, len(c.text)) for c in single] == [(True, 4)]
+
+
+async def test_a_request_without_max_tokens_stops_where_the_model_does_or_when_its_context_is_full() -> None:
+    engine = SimEngine(_fast(kv_capacity_tokens=1024))
+    await engine.start()
+    try:
+        untold = await _run(engine, "x" * 400, max_tokens=None, rid="untold")
+        told = await _run(engine, "y" * 400 + eos_directive(300), max_tokens=None, rid="told")
+        full = await _run(engine, "z" * 400 + eos_directive(5000), max_tokens=None, rid="full")
+    finally:
+        await engine.stop()
+    assert (untold[-1].completion_tokens, untold[-1].finish_reason) == (UNSET_REPLY_TOKENS, "stop")
+    assert (told[-1].completion_tokens, told[-1].finish_reason) == (300, "stop")
+    room = 1024 - full[-1].prompt_tokens  # the context room: the whole KV pool here
+    assert (full[-1].completion_tokens, full[-1].finish_reason) == (room, "length")
 
 
 async def test_next_hop_hits_the_prompt_and_the_previous_output() -> None:

@@ -24,6 +24,7 @@ import grpc
 import httpx
 import openai
 import pytest
+from starlette.testclient import TestClient
 
 from inferx.chat_template import ChatTemplate
 from inferx.devstack import free_port
@@ -32,7 +33,13 @@ from inferx.openai_compat.toolcalls import DS_CALL_BEGIN, DS_CALL_END, DS_CALLS_
 from inferx.sim.profile import EngineProfile
 from inferx.sim.script import SimScript
 from inferx.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from inferx_worker.engines.sim_engine import SimEngine, SimParams, eos_after, eos_directive
+from inferx_worker.engines.sim_engine import (
+    UNSET_REPLY_TOKENS,
+    SimEngine,
+    SimParams,
+    eos_after,
+    eos_directive,
+)
 from inferx_worker.http_api import WorkerHttpApi, vllm_metrics
 from inferx_worker.servicer import ModelWorkerServicer
 
@@ -171,6 +178,31 @@ def test_eos_directive_stops_the_completion(worker: Worker) -> None:
     )
     assert reply.usage is not None and reply.usage.completion_tokens == 6
     assert reply.choices[0].finish_reason == "stop"
+
+
+def test_a_call_without_max_tokens_runs_until_the_model_stops(worker: Worker) -> None:
+    """Unset (HTTP: no field; gRPC: 0) is OpenAI's and vLLM's "up to the context room",
+    not a default cap: the "model" stops by itself after 150 tokens, or, told nothing,
+    after UNSET_REPLY_TOKENS."""
+    told = unique("unset-max-tokens") + eos_directive(150)
+    reply = worker.client().completions.create(model=POOL, prompt=told)
+    assert reply.usage is not None and reply.usage.completion_tokens == 150
+    assert reply.choices[0].finish_reason == "stop"
+    final = worker.grpc_generate(told + " again", max_tokens=0)
+    assert final.usage.completion_tokens == 150 and final.finish_reason == "stop"
+    final = worker.grpc_generate(unique("unset, untold"), max_tokens=0)
+    assert final.usage.completion_tokens == UNSET_REPLY_TOKENS and final.finish_reason == "stop"
+
+
+def test_a_prompt_that_leaves_no_room_for_a_reply_is_a_400() -> None:
+    """Without max_tokens the prompt alone must leave a token of room (OpenAI's 400)."""
+    engine = SimEngine(SimParams(profile=EngineProfile(kv_capacity_tokens=64)))
+    api = WorkerHttpApi(engine, POOL, "worker-test")
+    api.serving = True
+    refused = TestClient(api.app()).post("/v1/completions", json={"model": POOL, "prompt": "x" * 4 * 64})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "prompt" and "no room is left for a reply" in error["message"]
 
 
 def test_http_and_grpc_share_the_engine_prefix_cache(worker: Worker) -> None:

@@ -27,7 +27,6 @@ from inferx.openai_compat.toolcalls import (
     new_call_id,
     parser_for,
 )
-from inferx.tokens import DEFAULT_MAX_TOKENS
 
 # What a ReplyReader gives: the answer's content and tool calls, and the thinking.
 ReplyEvent = Event | Reasoning
@@ -201,9 +200,11 @@ class CallRequest(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def output_tokens(self) -> int:
-        """Tokens the call may generate; unbounded here: the router checks its limit
-        (--max-output-tokens, at most what the wire's uint32 holds)."""
-        return self.max_tokens or DEFAULT_MAX_TOKENS
+        """Tokens the call may generate; 0 when it does not say: up to the model's
+        context room, as OpenAI and vLLM mean it (the engine caps it). Unbounded here:
+        the router checks its limit (--max-output-tokens, at most what the wire's uint32
+        holds)."""
+        return self.max_tokens or 0
 
     def output_tokens_param(self) -> str:
         """The field `output_tokens` comes from, for error messages."""
@@ -294,7 +295,7 @@ class ChatCompletionRequest(CallRequest):
         return value
 
     def output_tokens(self) -> int:
-        return self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
+        return self.max_completion_tokens or self.max_tokens or 0
 
     def output_tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from inferx.chat_template import Chat
-from inferx.tokens import DEFAULT_MAX_TOKENS, estimate_tokens
+from inferx.tokens import estimate_tokens
 from inferx_worker.kv_events import KvEventHub
 
 
@@ -17,7 +17,9 @@ from inferx_worker.kv_events import KvEventHub
 class EngineRequest:
     request_id: str
     prompt: str
-    max_tokens: int = DEFAULT_MAX_TOKENS
+    # None: not set, as OpenAI and vLLM mean it: until the model stops or prompt +
+    # completion fill the engine's context (its max_model_len).
+    max_tokens: int | None = None
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None

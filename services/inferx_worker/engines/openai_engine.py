@@ -261,12 +261,13 @@ class OpenAIEngine(Engine):
     def _sampling(self, request: EngineRequest) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.model_path,
-            "max_tokens": request.max_tokens,
             "temperature": request.temperature,
             "top_p": request.top_p,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if request.max_tokens is not None:  # else the server's own: up to the context room
+            body["max_tokens"] = request.max_tokens
         if request.seed is not None:
             body["seed"] = request.seed
         if request.stop:

@@ -19,7 +19,10 @@ Vidur's Llama-3-8B/A100 profile by default), against the wall clock:
     stops: the LAST `<|sim-eos N|>` in the prompt ends it after N tokens (finish
     reason "stop"), as a real model's EOS would. Replays put it in a call's newest
     message, so every front and router in between sees only a request's `max_tokens`
-    cap, never the output length (no oracle input to a scheduler).
+    cap, never the output length (no oracle input to a scheduler). A request that sets
+    no `max_tokens` (up to the context room, as on vLLM) and has no `<|sim-eos N|>`
+    stops after `UNSET_REPLY_TOKENS` (finish reason "stop"): a synthetic "model" has
+    nothing to say, and generating until its whole KV pool is full would help no test.
 
 Chats (the OpenAI front's calls) are rendered with the chat template of the model
 directory given as `--model-path`, when it has one, as a vLLM worker of that model
@@ -102,6 +105,8 @@ class SimParams:
 
 
 EOS_MARK = "<|sim-eos "
+# What the "model" says when nothing bounds it (no max_tokens, no <|sim-eos N|>).
+UNSET_REPLY_TOKENS = 64
 
 
 def eos_directive(tokens: int) -> str:
@@ -318,7 +323,10 @@ class SimEngine(Engine):
         p = self.params
         block = p.profile.block_size
         tokens = split_tokens(request.prompt, p.chars_per_token)
-        wanted = max(1, request.max_tokens)
+        if request.max_tokens is None:  # not set: up to the context room, the KV pool here
+            wanted = max(1, p.profile.kv_capacity_tokens - len(tokens))
+        else:
+            wanted = max(1, request.max_tokens)
         scripted = self.script.reply(request.prompt) if self.script is not None else None
         if scripted is not None:
             out = split_tokens(scripted, p.chars_per_token)[:wanted]
@@ -326,6 +334,8 @@ class SimEngine(Engine):
             wanted = len(out)
         else:
             eos = eos_after(request.prompt)  # a replay's <|sim-eos N|>: the "model" stops after N tokens
+            if eos is None and request.max_tokens is None:
+                eos = UNSET_REPLY_TOKENS
             reason = "stop" if eos is not None and eos < wanted else "length"
             if eos is not None:
                 wanted = min(wanted, eos)
