@@ -8,10 +8,9 @@ from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 
-from inferx import etcd
+from inferx import MAX_UINT32, etcd
 from inferx.auth.limits import TenantQuotas
 from inferx.auth.store import AuthDirectory
-from inferx.chain.schema import MAX_UINT32
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.limits import KIB, MAX_STORED_CHAIN_BYTES, MIB, RequestLimits
 from inferx.partitions import ALL_POOLS, OwnerTable

@@ -80,10 +80,6 @@ def test_sim_json_on_stdout_and_the_same_figures_in_the_file(
         (["sim", "--compare", "baseline", "round-robin"], "names a policy twice"),
         (["bench", "--scenario", "seed-agent", "--engine", "sim", "--compare", "all-on"], "choose from"),
         (
-            ["bench", "--scenario", "seed-agent", "--engine", "sim", "--chains", "0"],
-            "--chains must be positive",
-        ),
-        (
             ["bench", "--engine", "sim", "--compare", "chain-aware", "--option", "realtime_guard=false"],
             "the live scheduler has no flag for it",
         ),

@@ -96,6 +96,43 @@ def test_up_takes_a_replica_count_of_at_least_one(capsys) -> None:
     assert "must be at least 1, got 0" in err and "expected a whole number, got 'two'" in err
 
 
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["call", "m", "p", "--max-tokens", "-1"], "argument --max-tokens: must be at least 0, got -1"),
+        (["call", "m", "p", "--max-tokens", str(2**32)], "must be at most 4,294,967,295, got 4,294,967,296"),
+        (["call", "m", "p", "--deadline-ms", "-5"], "argument --deadline-ms: must be at least 0"),
+        (["run", "c", "--version", "-1"], "argument --version: must be at least 0"),
+        (
+            ["chain", "put", "f.yaml", "--expect-version", "-1"],
+            "argument --expect-version: must be at least 0",
+        ),
+        (["chain", "get", "c", "--version", "-2"], "argument --version: must be at least 0"),
+        (["chain", "diff", "c", "0", "2"], "argument v1: must be at least 1, got 0"),
+        (["chain", "label", "c", "prod", "x"], "argument version: expected a whole number, got 'x'"),
+        (["chain", "rollback", "c", "--to", "-1"], "argument --to: must be at least 0"),
+        (["stats", "c", "--last", "-1"], "argument --last: must be at least 0"),
+        (
+            ["tenant", "create", "t", "--tokens-per-minute", "-1"],
+            "argument --tokens-per-minute: must be at least 0",
+        ),
+        (["up", "--http-port", "70000"], "argument --http-port: must be at most 65,535"),
+        (["up", "--workers", "-1"], "argument --workers: must be at least 0"),
+        (["bench", "--chains", "-1"], "argument --chains: must be at least 1, got -1"),
+        (["workload", "-o", "x", "--seed", "-3"], "argument --seed: must be at least 0"),
+    ],
+)
+def test_a_whole_number_out_of_range_is_a_usage_error_naming_its_option(argv, said, capsys) -> None:
+    """Not a protobuf "Value out of range" traceback from the request, nor a stack
+    started for -1 chains: argparse's usage error (exit 2), naming the option."""
+    from inferx.cli.main import build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(argv)
+    assert exited.value.code == 2
+    assert said in capsys.readouterr().err
+
+
 def test_replicas_listen_on_their_kinds_port_plus_100_each() -> None:
     from inferx.devstack import StackPorts
 

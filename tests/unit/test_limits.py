@@ -13,8 +13,8 @@ import pytest
 import yaml
 from starlette.testclient import TestClient
 
+from inferx import MAX_UINT32
 from inferx.auth.limits import TenantQuotas
-from inferx.chain.schema import MAX_UINT32
 from inferx.chain.validate import MAX_CONFIG_CHARS, ChainConfigError, load_chain_document, load_chain_text
 from inferx.errors import InvalidArgument, fit_status_message
 from inferx.limits import KIB, MAX_STORED_CHAIN_BYTES, MIB, LimitExceeded, RequestLimits, format_bytes

@@ -32,6 +32,7 @@ from pydantic import (
     model_validator,
 )
 
+from inferx import MAX_UINT32
 from inferx.chain.durations import (
     ValueFormatError,
     format_duration_ms,
@@ -69,7 +70,6 @@ TYPE_NODE_KEYS: dict[str, tuple[str, ...]] = {name: node_kind(name).keys for nam
 
 # Bounds every config has, whatever a router's limits say: counts travel as uint32 on
 # the wire, run deadlines as int64 unix milliseconds, and temperature as OpenAI defines it.
-MAX_UINT32 = 2**32 - 1
 MAX_DURATION_MS = 30 * 24 * 3_600_000.0  # 30 days: any timeout, SLO or cache TTL
 MAX_TEMPERATURE = 2.0
 

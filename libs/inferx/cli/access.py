@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
+from inferx.cli import argtypes
 from inferx.errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -189,8 +190,12 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser, c
     tenant_sub = tenant.add_subparsers(dest="tenant_command", required=True, metavar="ACTION")
     create = tenant_sub.add_parser("create", parents=[common], help="create a tenant with its limits")
     create.add_argument("name")
-    create.add_argument("--max-concurrent-runs", type=int, default=0, metavar="N", help="0 = no limit")
-    create.add_argument("--tokens-per-minute", type=int, default=0, metavar="N", help="0 = no limit")
+    create.add_argument(
+        "--max-concurrent-runs", type=argtypes.count, default=0, metavar="N", help="0 = no limit"
+    )
+    create.add_argument(
+        "--tokens-per-minute", type=argtypes.count, default=0, metavar="N", help="0 = no limit"
+    )
     create.add_argument("--max-tier", choices=list(TIERS), default="any", help="most urgent tier allowed")
     create.set_defaults(handler=cmd_tenant_create)
     tlist = tenant_sub.add_parser("list", parents=[common], help="every tenant")

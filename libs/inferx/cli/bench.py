@@ -348,8 +348,6 @@ async def cmd_seed_agent(args: argparse.Namespace) -> int:
         err.print(f"note: {note_text}", style="yellow")
     if args.rate is not None and args.rate <= 0:
         raise InvalidArgument("--rate must be positive")
-    if args.chains <= 0:
-        raise InvalidArgument("--chains must be positive")
     model_path = Path(args.model_path)
     if engine == "vllm" and not (model_path / "config.json").exists():
         raise InvalidArgument(f"{model_path}: no model here (run `make model`)")

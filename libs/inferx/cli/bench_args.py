@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from inferx.cli import connect
+from inferx.cli import argtypes, connect
 
 # inferx.bench.results.RESULTS_DIR, spelled out: importing that module costs pydantic.
 RESULTS_DIR = ".inferx/bench-results"
@@ -44,7 +44,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "(default: reference on; also no-affinity)",
     )
     parser.add_argument("--policy", help="run one policy instead of comparing")
-    parser.add_argument("--workers", type=int, default=None, help="model workers (default 4; seed-agent 2)")
+    parser.add_argument(
+        "--workers", type=argtypes.at_least_one, default=None, help="model workers (default 4; seed-agent 2)"
+    )
     load = parser.add_mutually_exclusive_group()
     load.add_argument("--rate", type=float, help="chain arrivals per second (virtual time)")
     load.add_argument(
@@ -69,7 +71,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--seeds",
-        type=int,
+        type=argtypes.at_least_one,
         default=1,
         help="--capacity: repeat on N traces (seeds from the trace's own, or from --seed with "
         "--workload) and report the median and spread (default 1)",
@@ -80,7 +82,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
         help="--capacity: generate the trace (mix = chat/bfcl/swe; coding = long-context coding "
         "agent; research = deep-research agent, parallel branches joined by a report) instead of --trace",
     )
-    parser.add_argument("--seed", type=int, default=1, help="--workload: the first trace seed (default 1)")
+    parser.add_argument(
+        "--seed", type=argtypes.count, default=1, help="--workload: the first trace seed (default 1)"
+    )
     parser.add_argument(
         "--option",
         action="append",
@@ -121,8 +125,12 @@ def _defaults(args: argparse.Namespace) -> None:
 
 def _seed_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("--scenario seed-agent")
-    group.add_argument("--chains", type=int, default=60, help="chains to run per configuration (60)")
-    group.add_argument("--max-tokens", type=int, default=16, help="completion tokens per model call (16)")
+    group.add_argument(
+        "--chains", type=argtypes.at_least_one, default=60, help="chains to run per configuration (60)"
+    )
+    group.add_argument(
+        "--max-tokens", type=argtypes.at_least_one, default=16, help="completion tokens per model call (16)"
+    )
     group.add_argument(
         "--tool-median-ms", type=float, default=300.0, help="knowledge-tool latency median (300 ms)"
     )
@@ -205,7 +213,7 @@ def _peer_arguments(parser: argparse.ArgumentParser) -> None:
 def _decision_cost_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pools",
-        type=int,
+        type=argtypes.at_least_one,
         default=1,
         help="model pools: worker i and chain i of the trace go to pool i mod N (default 1)",
     )
@@ -273,7 +281,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "10000 with --overhead)",
     )
     bench.add_argument("--timeout", type=float, default=900.0, help="live: give up after S wall seconds")
-    bench.add_argument("--max-chains", type=int, help="live: only the first N chains of the trace")
+    bench.add_argument(
+        "--max-chains", type=argtypes.at_least_one, help="live: only the first N chains of the trace"
+    )
     bench.add_argument("--state-dir", help="live: keep each stack's state and logs under DIR/<name>")
     bench.add_argument(
         "--scenario",
@@ -289,7 +299,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     trace = sub.add_parser("workload", help="generate a JSONL agent-chain workload trace")
     trace.add_argument("-o", "--out", required=True, help="output file")
-    trace.add_argument("--seed", type=int, default=4)
+    trace.add_argument("--seed", type=argtypes.count, default=4)
     trace.add_argument("--duration", type=float, default=900.0, help="arrival window (s)")
     trace.add_argument("--rate", type=float, default=1.0, help="chains per second")
     trace.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")

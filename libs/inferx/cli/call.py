@@ -12,7 +12,7 @@ from typing import Any
 
 from rich.console import Console
 
-from inferx.cli import connect
+from inferx.cli import argtypes, connect
 from inferx.errors import InferxError
 
 TIERS = {"realtime": 1, "standard": 2, "batch": 3}
@@ -132,7 +132,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     call.add_argument("--name", metavar="NAME", help="the program's kind: its chain in `inferx stats`")
     call.add_argument("--end", action="store_true", help="the program ends after this call")
     call.add_argument("--tier", choices=sorted(TIERS))
-    call.add_argument("--deadline-ms", type=int, default=0, metavar="MS")
+    call.add_argument("--deadline-ms", type=argtypes.count, default=0, metavar="MS")
     call.add_argument(
         "--kv-retention-s",
         type=float,
@@ -140,7 +140,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="keep the program's KV this long after the call (0: let it go at once; "
         "at most the scheduler's --max-hold-s)",
     )
-    call.add_argument("--max-tokens", type=int, default=0, metavar="N")
+    call.add_argument(
+        "--max-tokens",
+        type=argtypes.count,
+        default=0,
+        metavar="N",
+        help="at most N completion tokens (default: not set, up to the model's context room)",
+    )
     call.add_argument("--temperature", type=float)
     call.add_argument(
         "--stop",

@@ -19,8 +19,8 @@ from inferx.sim.profile import load_profile
 def cmd_decision_cost(args: argparse.Namespace, out: Console, err: Console, save) -> int:
     sizes = args.cost_workers
     depths = args.cost_depths
-    if any(n < 1 for n in sizes) or any(d < 1 for d in depths) or args.pools < 1:
-        raise InvalidArgument("--cost-workers, --cost-depths and --pools must be positive")
+    if any(n < 1 for n in sizes) or any(d < 1 for d in depths):
+        raise InvalidArgument("--cost-workers and --cost-depths must be positive")
     if any(n < args.pools for n in sizes):
         raise InvalidArgument(f"every --cost-workers size needs at least --pools ({args.pools}) workers")
     policy = args.policy or "chain-aware"

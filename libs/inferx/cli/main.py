@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from inferx import DEFAULT_ROUTER
-from inferx.cli import access, bench_args, call, connect, observe
+from inferx.cli import access, argtypes, bench_args, call, connect, observe
 from inferx.errors import InferxError
 
 if TYPE_CHECKING:
@@ -389,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", parents=[common], help="run a chain and show every hop")
     run.add_argument("chain")
     run.add_argument("--input", "-i", action="append", default=[], metavar="KEY=VALUE")
-    run.add_argument("--version", type=int, default=0, help="config version (default: active)")
+    run.add_argument("--version", type=argtypes.count, default=0, help="config version (default: active)")
     run.add_argument("--label", help="config label, e.g. prod")
     run.add_argument("--session", help="session id: turns of one conversation share memory")
     run.set_defaults(handler=cmd_run)
@@ -405,12 +405,14 @@ def build_parser() -> argparse.ArgumentParser:
     put = chain_sub.add_parser("put", parents=[common], help="store a new version")
     put.add_argument("file")
     put.add_argument("--message", "-m")
-    put.add_argument("--expect-version", type=int, default=0, help="fail unless the latest version is N")
+    put.add_argument(
+        "--expect-version", type=argtypes.count, default=0, help="fail unless the latest version is N"
+    )
     put.add_argument("--no-activate", action="store_true", help="store without making it active")
     put.set_defaults(handler=cmd_chain_put)
     get = chain_sub.add_parser("get", parents=[common], help="print a version (default: active)")
     get.add_argument("name")
-    get.add_argument("--version", type=int, default=0)
+    get.add_argument("--version", type=argtypes.count, default=0)
     get.add_argument("--label")
     get.set_defaults(handler=cmd_chain_get)
     lst = chain_sub.add_parser("list", parents=[common], help="list chains")
@@ -420,17 +422,17 @@ def build_parser() -> argparse.ArgumentParser:
     history.set_defaults(handler=cmd_chain_history)
     diff = chain_sub.add_parser("diff", parents=[common], help="compare two versions")
     diff.add_argument("name")
-    diff.add_argument("v1", type=int)
-    diff.add_argument("v2", type=int)
+    diff.add_argument("v1", type=argtypes.at_least_one)
+    diff.add_argument("v2", type=argtypes.at_least_one)
     diff.set_defaults(handler=cmd_chain_diff)
     label = chain_sub.add_parser("label", parents=[common], help="point a label at a version")
     label.add_argument("name")
     label.add_argument("label")
-    label.add_argument("version", type=int)
+    label.add_argument("version", type=argtypes.at_least_one)
     label.set_defaults(handler=cmd_chain_label)
     rollback = chain_sub.add_parser("rollback", parents=[common], help="move the active version back")
     rollback.add_argument("name")
-    rollback.add_argument("--to", type=int, default=0, help="version (default: the one before)")
+    rollback.add_argument("--to", type=argtypes.count, default=0, help="version (default: the one before)")
     rollback.set_defaults(handler=cmd_chain_rollback)
 
     cache = sub.add_parser("cache", help="the tool-result cache")
@@ -455,10 +457,10 @@ def build_parser() -> argparse.ArgumentParser:
         default="vllm",
         help="one of %(choices)s (default vllm; sim is a SIMULATED latency model)",
     )
-    up.add_argument("--workers", type=int, default=1, help="model-workers to start")
+    up.add_argument("--workers", type=argtypes.count, default=1, help="model-workers to start")
     up.add_argument(
         "--replicas",
-        type=_at_least_one,
+        type=argtypes.at_least_one,
         default=1,
         help="instances of each of router, scheduler, memory-pool and cache (default 1); replica i "
         "listens on its kind's port + 100 x i (routers' HTTP fronts on --http-port + i), each "
@@ -472,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument(
         "--http-port",
-        type=int,
+        type=argtypes.port,
         default=8000,
         help="port of the router's OpenAI-compatible HTTP front (default 8000; 0 = off)",
     )
@@ -514,17 +516,6 @@ class _LazyChoices:
 
     def __len__(self) -> int:
         return len(self._get())
-
-
-def _at_least_one(text: str) -> int:
-    """argparse type: a whole number >= 1 (a clear error otherwise, never a traceback)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def _standalone_engines() -> list[str]:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.text import Text
 
-from inferx.cli import connect
+from inferx.cli import argtypes, connect
 
 if TYPE_CHECKING:  # imported by the commands that call the router (start-up time)
     from inferx.v1 import router_pb2
@@ -262,5 +262,5 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     stats = sub.add_parser("stats", parents=[common], help="per-node P50/P90/P99 of a chain's recent runs")
     stats.add_argument("chain")
-    stats.add_argument("--last", type=int, default=0, metavar="N", help="only the newest N runs")
+    stats.add_argument("--last", type=argtypes.count, default=0, metavar="N", help="only the newest N runs")
     stats.set_defaults(handler=cmd_stats)

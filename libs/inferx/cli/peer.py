@@ -50,12 +50,9 @@ def check_args(args: argparse.Namespace) -> None:
         ("--max-probes", args.max_probes, 1),
         ("--count", args.count, 1),
         ("--warmup", args.warmup, 0),
-        ("--seeds", args.seeds, 1),
     ):
         if value < low:
             raise InvalidArgument(f"{name} must be at least {low}")
-    if args.workers_given and args.workers < 1:
-        raise InvalidArgument("--workers must be at least 1")
     if not args.speed > 0 or math.isinf(args.speed):
         raise InvalidArgument("--speed must be a positive number")
     if args.rate is not None and args.rate <= 0:
