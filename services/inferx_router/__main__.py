@@ -209,7 +209,7 @@ class RouterComponent(ServiceComponent):
             runtime.etcd, retention_s=settings.run_retention_s, per_router=settings.shared_runs
         )
         records.RECENT.publish = self.shared.publish
-        metrics.watch_breakers(self.tools.breakers.states)
+        metrics.watch_breakers(self.tools.breaker_states)
         self.mirrors = [
             self.store.mirror,
             self.services.mirror,

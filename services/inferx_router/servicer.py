@@ -331,7 +331,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             except grpc.aio.AioRpcError as exc:
                 reply.problems.append(f"memory-pool at {address}: {exc.code().name}")
         reply.tools.extend(self._tools.names())
-        for target, state in self._tools.breakers.states().items():
+        for target, state in self._tools.breaker_states().items():
             reply.circuit_breakers[target] = state.name.lower()
         if not self._services.instances("cache"):
             reply.problems.append("no cache registered (tool results are not cached)")

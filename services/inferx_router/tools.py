@@ -4,6 +4,7 @@ tool-result cache in front of both."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -123,6 +124,19 @@ class ToolRouter:
         """Every tool a chain can call now: built-in ones and registered servers."""
         remote = {key.removeprefix(etcd.TOOLS).split("/", 1)[0] for key in self.remote.items}
         return sorted(set(self._builtins) | remote)
+
+    def breaker_states(self) -> dict[str, BreakerState]:
+        """The breakers of the tool endpoints registered now (`inferx status`, metrics):
+        one whose server deregistered takes its breaker with it, or the board would list
+        it for as long as the router runs and only grow as tool servers come and go."""
+        live = {f"tool:{name}" for name in self._builtins}
+        for key, value in self.remote.items.items():
+            name = key.removeprefix(etcd.TOOLS).split("/", 1)[0]
+            with contextlib.suppress(ValueError, KeyError, TypeError):  # malformed: resolve() says so
+                live.add(f"tool:{name}@{json.loads(value)['address']}")
+        for gone in [target for target in self.breakers.breakers if target not in live]:
+            del self.breakers.breakers[gone]
+        return self.breakers.states()
 
     def _remote_registrations(self, tool: str) -> list[dict[str, Any]]:
         prefix = f"{etcd.TOOLS}{tool}/"

@@ -87,6 +87,9 @@ class WorkerHealth:
             workers = self._directory.all_workers()
             # One round per interval: each probe gets most of it, all run at once.
             results = await asyncio.gather(*(self._probe(w.address, 0.8 * interval_s) for w in workers))
+            # The directory as it is now, not as the round started: a worker that joined
+            # during the probes may already have a breaker (a failed hop).
+            self._forget_all_but({w.worker_id for w in self._directory.all_workers()})
             changed = False
             for worker, ok in zip(workers, results, strict=True):
                 if ok:
@@ -109,6 +112,16 @@ class WorkerHealth:
             if changed:
                 self._on_change()
             await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
+
+    def _forget_all_but(self, present: set[str]) -> None:
+        """A worker that left the directory (deregistered, its lease expired) takes its
+        breaker and failure count with it: `states()` (`inferx status`) would list it for
+        as long as the scheduler runs, and under worker churn the board would only grow.
+        A worker id is never reused (each process makes its own)."""
+        for gone in [w for w in self.breakers.breakers if w not in present]:
+            del self.breakers.breakers[gone]
+        for gone in [w for w in self._health_failures if w not in present]:
+            del self._health_failures[gone]
 
     async def _probe(self, address: str, timeout_s: float) -> bool:
         stub = health_pb2_grpc.HealthStub(self._channels.get(address))

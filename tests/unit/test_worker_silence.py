@@ -75,3 +75,31 @@ async def test_a_worker_silent_for_enough_checks_is_said_once(monkeypatch) -> No
     finally:
         await watch.close()
         await channels.close()
+
+
+async def test_a_worker_that_leaves_the_directory_leaves_the_breaker_board() -> None:
+    """Its breaker is not listed in `inferx status` for ever after (a worker from an
+    earlier run, whose lease expired while its breaker was open, was)."""
+    directory = PoolDirectory()
+    gone = f"127.0.0.1:{free_port()}"  # nobody answers there
+    directory.workers_by_pool = {
+        "p": {"w-gone": common_pb2.WorkerInfo(worker_id="w-gone", pool="p", address=gone)}
+    }
+    channels = ChannelPool(Transport())
+    watch = WorkerHealth(directory, channels, on_change=lambda: None)
+    watch.start(interval_s=0.05)
+    try:
+        for _ in range(200):
+            if watch.states().get("w-gone") == "open":
+                break
+            await asyncio.sleep(0.02)
+        assert watch.states() == {"w-gone": "open"}
+        directory.workers_by_pool = {"p": {}}  # its lease expired
+        for _ in range(200):
+            if not watch.states():
+                break
+            await asyncio.sleep(0.02)
+        assert watch.states() == {} and watch._health_failures == {}
+    finally:
+        await watch.close()
+        await channels.close()
