@@ -266,7 +266,7 @@ class _Stream:
     """One opened multiplexed stream: its call, writer, reader, and the tags of the
     calls on it. `retiring`: it takes no new call and half-closes once those are done."""
 
-    __slots__ = ("call", "outbox", "reader", "tags", "connection", "retiring", "ended")
+    __slots__ = ("call", "outbox", "reader", "tags", "connection", "retiring", "ended", "first_status")
 
     def __init__(self, call: grpc.aio.StreamStreamCall, connection: int) -> None:
         self.call = call
@@ -276,6 +276,19 @@ class _Stream:
         self.connection = connection  # the channel's connection count when it was opened
         self.retiring = False
         self.ended = False
+        # The first status the call got, as it was then (`_settled`: a write failing after
+        # the peer's status arrived overwrites it with the placeholder, for good).
+        self.first_status: grpc.aio.AioRpcError | None = None
+        call.add_done_callback(self._note_status)
+
+    def _note_status(self, call: grpc.aio.StreamStreamCall) -> None:
+        # Called by grpc.aio each time the call's status is set, at once: read it now,
+        # before anything replaces it (its coroutines return without waiting once set).
+        if self.first_status is None:
+            code, details = _now(call.code()), _now(call.details())
+            if code is not None:
+                trailers = _now(call.trailing_metadata()) or grpc.aio.Metadata()
+                self.first_status = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailers, details=details)
 
 
 class StreamClient:
@@ -455,7 +468,7 @@ class StreamClient:
                         self._pending.pop(reply.tag, None)
                         inbox.put(reply.status)
         except grpc.aio.AioRpcError as exc:
-            reason = await _settled(call, exc)
+            reason = await _settled(stream, exc)
         except asyncio.CancelledError:
             reason = None
             raise
@@ -472,7 +485,7 @@ class StreamClient:
             self._current = None
 
         async def break_when_settled() -> None:
-            self._broken(stream, await _settled(stream.call, exc))
+            self._broken(stream, await _settled(stream, exc))
 
         self._run_aside(break_when_settled())
 
@@ -529,23 +542,42 @@ class StreamClient:
 
 
 # grpc.aio reports a write (or read) that raced the call's end as INTERNAL with this
-# message, and sets it as the call's status until the peer's real status -- a refusal
-# such as PERMISSION_DENIED -- arrives a moment later on the call's status operation
-# and replaces it. Failing the calls on the stream with the placeholder would turn a
-# refusal into a retryable break; `_settled` waits (at most `SETTLE_S`) for the real one.
+# message, and sets it as the call's status. When the peer's real status -- a refusal
+# such as PERMISSION_DENIED -- arrives after that, it replaces the placeholder; when it
+# arrived first, the placeholder overwrites it (grpc.aio's `set_internal_error`), and
+# only the status first noted (`_Stream.first_status`) still has it. Failing the calls
+# on the stream with the placeholder would turn a refusal into a retryable break;
+# `_settled` finds the real one, waiting for it at most `SETTLE_S`.
 _RACED_END = "Internal error from Core"
 SETTLE_S = 1.0
 _SETTLE_POLL_S = 0.005
 
 
-async def _settled(call: grpc.aio.StreamStreamCall, reason: BaseException) -> BaseException:
+def _is_placeholder(error: BaseException | None) -> bool:
+    return (
+        isinstance(error, grpc.aio.AioRpcError)
+        and error.code() == grpc.StatusCode.INTERNAL
+        and error.details() == _RACED_END
+    )
+
+
+def _now(coroutine: Coroutine[Any, Any, Any]) -> Any:
+    """What `coroutine` returns if it does not have to wait (else None, and it is closed)."""
+    try:
+        coroutine.send(None)
+    except StopIteration as returned:
+        return returned.value
+    coroutine.close()
+    return None
+
+
+async def _settled(stream: _Stream, reason: BaseException) -> BaseException:
     """`reason` the stream ended for, or the peer's status it stood in for."""
-    if not (
-        isinstance(reason, grpc.aio.AioRpcError)
-        and reason.code() == grpc.StatusCode.INTERNAL
-        and reason.details() == _RACED_END
-    ):
+    if not _is_placeholder(reason):
         return reason
+    if stream.first_status is not None and not _is_placeholder(stream.first_status):
+        return stream.first_status  # the peer's status came first; the placeholder overwrote it
+    call = stream.call
     loop = asyncio.get_running_loop()
     give_up = loop.time() + SETTLE_S
     while loop.time() < give_up:

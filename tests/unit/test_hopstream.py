@@ -372,23 +372,39 @@ class RacedCall:
     """A stream the peer refused while its first message was being written, as grpc.aio
     reports it: the write (`on`="write") or the read waiting meanwhile (`on`="read")
     fails INTERNAL "Internal error from Core" -- the call's status until the peer's
-    (`real`, None: never) replaces it `after` seconds later."""
+    (`real`, None: never) replaces it `after` seconds later. `real_first`: the peer's
+    status came first and the failed write's placeholder overwrote it for good (grpc.aio
+    sets the status again on every failure). Done callbacks run at each status set."""
 
-    def __init__(self, real: grpc.StatusCode | None, on: str, after: float = 0.05) -> None:
-        self.status = (grpc.StatusCode.INTERNAL, hopstream._RACED_END)
-        self.real, self.on, self.after = real, on, after
+    def __init__(
+        self, real: grpc.StatusCode | None, on: str, after: float = 0.05, *, real_first: bool = False
+    ) -> None:
+        self.status: tuple[grpc.StatusCode, str] | None = None
+        self.real, self.on, self.after, self.real_first = real, on, after, real_first
         self.cancelled = False
         self.written = asyncio.Event()
+        self.callbacks: list = []
+
+    def add_done_callback(self, callback) -> None:
+        self.callbacks.append(callback)
+
+    def _set(self, code: grpc.StatusCode, details: str) -> None:
+        self.status = (code, details)
+        for callback in self.callbacks:
+            callback(self)
 
     def _raced(self) -> grpc.aio.AioRpcError:
-        code, details = self.status
-        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+        self._set(grpc.StatusCode.INTERNAL, hopstream._RACED_END)
+        return grpc.aio.AioRpcError(
+            grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), details=hopstream._RACED_END
+        )
 
     async def write(self, message) -> None:
-        if self.real is not None:
-            asyncio.get_running_loop().call_later(
-                self.after, setattr, self, "status", (self.real, "/inferx.v1.Scheduler/Hops: not for you")
-            )
+        refusal = "/inferx.v1.Scheduler/Hops: not for you"
+        if self.real is not None and self.real_first:
+            self._set(self.real, refusal)
+        elif self.real is not None:
+            asyncio.get_running_loop().call_later(self.after, self._set, self.real, refusal)
         self.written.set()
         if self.on == "write":
             raise self._raced()
@@ -401,9 +417,11 @@ class RacedCall:
         raise self._raced()
 
     async def code(self) -> grpc.StatusCode:
+        assert self.status is not None
         return self.status[0]
 
     async def details(self) -> str:
+        assert self.status is not None
         return self.status[1]
 
     async def trailing_metadata(self) -> grpc.aio.Metadata:
@@ -423,11 +441,12 @@ class RacedCall:
         (None, grpc.StatusCode.UNAVAILABLE),  # no status ever came: a break, retryable
     ],
 )
+@pytest.mark.parametrize("real_first", [False, True], ids=["status-after", "status-before"])
 async def test_a_write_that_raced_the_streams_end_fails_its_hops_with_the_peers_status(
-    monkeypatch, real, expected, on
+    monkeypatch, real, expected, on, real_first
 ) -> None:
     monkeypatch.setattr(hopstream, "SETTLE_S", 0.3)
-    call = RacedCall(real, on)
+    call = RacedCall(real, on, real_first=real_first)
     client = hopstream.StreamClient(lambda: call, hopstream.HOPS, "10.0.0.9:50052")
     with pytest.raises(grpc.aio.AioRpcError) as failed:
         async for _ in client.call(hop("echo:no"), 5.0):
