@@ -20,6 +20,7 @@ addresses dialled (127.0.0.1 here, pod IPs there) are on no certificate.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import os
 import random
@@ -30,7 +31,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -47,6 +48,29 @@ if TYPE_CHECKING:
     from inferx.client import InferxClient
 
 SERVICE_KINDS = ("router", "scheduler", "memory-pool", "cache")
+
+# Linux's prctl(PR_SET_PDEATHSIG), looked up here, in the parent: the child of a fork only
+# calls it (no dlopen, no import between fork and exec).
+_PR_SET_PDEATHSIG = 1
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+
+
+def _terminated_with_parent(parent_pid: int) -> Callable[[], None] | None:
+    """A `preexec_fn`: the started process gets SIGTERM (drains, exits) when the one that
+    started it dies -- even by SIGKILL (`kill -9`, the OOM killer), where no clean-up runs
+    -- instead of living on orphaned, holding the stack's ports. (Linux: the signal comes
+    when the *thread* that started it ends; stacks are started from the main thread or
+    an executor's, which lives as long as the stack.)"""
+    if _prctl is None:
+        return None
+    prctl = _prctl
+
+    def arm() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent_pid:  # the parent died before the call: too late for it
+            os._exit(1)
+
+    return arm
 
 
 #: ports this process has handed out, so two services of one stack never get the same one
@@ -125,6 +149,7 @@ class ManagedProcess:
             stderr=subprocess.STDOUT,
             env={**os.environ, **self.env},
             start_new_session=True,  # own process group: we can stop it and its children
+            preexec_fn=_terminated_with_parent(os.getpid()),
         )
         log.close()
 
@@ -756,11 +781,12 @@ def run_foreground(
 
     def on_signal(signum, frame):  # noqa: ARG001
         # Once: a second SIGTERM (or a Ctrl-C) must not break into the clean-up.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for stopping in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            signal.signal(stopping, signal.SIG_IGN)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)  # the terminal or ssh session went away
     try:
         mapping = read_models_file(examples / "models.yaml")
         pool = sorted({entry["pool"] for entry in mapping.values()})[0]

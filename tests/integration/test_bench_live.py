@@ -122,11 +122,12 @@ def test_bench_replays_a_trace_against_a_running_stack(tmp_path: Path) -> None:
         assert "Traceback" not in refused.stderr
 
 
-def test_a_terminated_benchmark_stops_its_stack(tmp_path: Path) -> None:
-    """SIGTERM (a supervisor, `timeout`, a CI job's end) stops `inferx bench` as Ctrl-C
-    does: it exits, and no process of the local stack it started is left running -- a
-    second SIGTERM during the clean-up (`timeout` passing its own on, a supervisor
-    repeating itself) does not break into it."""
+@pytest.mark.parametrize("stopping", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_terminated_benchmark_stops_its_stack(tmp_path: Path, stopping: signal.Signals) -> None:
+    """SIGTERM (a supervisor, `timeout`, a CI job's end) or SIGHUP (the terminal or ssh
+    session went away) stops `inferx bench` as Ctrl-C does: it exits, and no process of
+    the local stack it started is left running -- a second signal during the clean-up
+    (`timeout` passing its own on, a supervisor repeating itself) does not break into it."""
     trace_path = tmp_path / "trace.jsonl"
     write_trace(generate(TraceConfig(seed=3, duration_s=60.0, rate_per_s=1.0, mix={"bfcl": 1.0})), trace_path)
     state = tmp_path / "state"
@@ -161,11 +162,11 @@ def test_a_terminated_benchmark_stops_its_stack(tmp_path: Path) -> None:
             time.sleep(0.2)
         time.sleep(2)
         assert _processes_of(state), "no stack process found to stop"
-        bench.send_signal(signal.SIGTERM)
+        bench.send_signal(stopping)
         for _ in range(30):  # while the clean-up runs: stopping the stack's processes takes seconds
             time.sleep(0.1)
             if bench.poll() is None:
-                bench.send_signal(signal.SIGTERM)
+                bench.send_signal(stopping)
         assert bench.wait(timeout=60) == 130  # interrupted, as by Ctrl-C
     finally:
         if bench.poll() is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -56,3 +57,50 @@ def test_a_process_still_running_is_not_reported(tmp_path: Path) -> None:
         assert report_exits([proc], set(), out) is True and out.getvalue() == ""
     finally:
         proc.stop(timeout_s=5)
+
+
+def test_a_stack_process_stops_when_what_started_it_is_killed(tmp_path: Path) -> None:
+    """`inferx up` (or a benchmark) killed with SIGKILL, or by a lost terminal's SIGHUP,
+    runs no clean-up: its processes get SIGTERM from the kernel and stop, instead of
+    living on orphaned with the stack's ports (the next `inferx up`: "port 2379 is in
+    use")."""
+    pid_file = tmp_path / "child.pid"
+    supervisor = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time, pathlib\n"
+            "from inferx.devstack import ManagedProcess\n"
+            f"p = ManagedProcess('worker-0', [sys.executable, '-c', 'import time; time.sleep(120)'], "
+            f"pathlib.Path({str(tmp_path / 'w.log')!r}))\n"
+            "p.start()\n"
+            f"pathlib.Path({str(pid_file)!r}).write_text(str(p.pid))\n"
+            "time.sleep(120)\n",
+        ]
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text():
+            assert supervisor.poll() is None and time.monotonic() < deadline, (
+                "the supervisor did not start it"
+            )
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        assert _running(child)
+        supervisor.kill()
+        supervisor.wait(10)
+        deadline = time.monotonic() + 10
+        while _running(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(child), "the stack's process outlived the one that started it"
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's exit is reaped by init, maybe later)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False

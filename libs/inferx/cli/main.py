@@ -546,18 +546,24 @@ def cmd_policies(args: argparse.Namespace) -> int:
     return 0
 
 
+# Signals that stop a command as Ctrl-C does: a supervisor's or `timeout`'s SIGTERM, and
+# the SIGHUP of a terminal or ssh session that went away.
+_STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
 def _interrupt_on_terminate(signum: int, frame: object) -> None:  # noqa: ARG001
     # Once: a second SIGTERM (`timeout` passing its own on, a supervisor repeating
     # itself) must not break into the clean-up the first one started.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for stopping in _STOPPING_SIGNALS:
+        signal.signal(stopping, signal.SIG_IGN)
     os.kill(os.getpid(), signal.SIGINT)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    # SIGTERM (a supervisor, `timeout`, a CI job's end) stops a command as Ctrl-C does:
-    # its clean-up runs, so a benchmark's local stacks are not left running.
-    previous = signal.signal(signal.SIGTERM, _interrupt_on_terminate)
+    # SIGTERM (a supervisor, `timeout`, a CI job's end) or SIGHUP stops a command as
+    # Ctrl-C does: its clean-up runs, so a benchmark's local stacks are not left running.
+    previous = {stopping: signal.signal(stopping, _interrupt_on_terminate) for stopping in _STOPPING_SIGNALS}
     try:
         result = args.handler(args)
         if isinstance(result, Coroutine):
@@ -576,8 +582,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.stderr.close()
         code = 0
     finally:
-        if signal.getsignal(signal.SIGTERM) is _interrupt_on_terminate:  # not terminated
-            signal.signal(signal.SIGTERM, previous)
+        for stopping, handler in previous.items():
+            if signal.getsignal(stopping) is _interrupt_on_terminate:  # not stopped by it
+                signal.signal(stopping, handler)
     sys.exit(code)
 
 
