@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead_ab import wrapper  # noqa: E402
 
 from inferx.bench.peer import INFERX, MODEL, Environment, EnvSpec, start_environment  # noqa: E402
+from inferx.cli import argtypes  # noqa: E402
 from inferx.sim.profile import EngineProfile  # noqa: E402
 from inferx.stats import percentile  # noqa: E402
 
@@ -64,16 +65,14 @@ def main() -> int:
     )
     parser.add_argument("--a", type=Path, required=True, help="checkout A (its libs/ and services/)")
     parser.add_argument("--b", type=Path, required=True, help="checkout B")
-    parser.add_argument("--count", type=int, default=400, help="timed calls per path (400)")
-    parser.add_argument("--warmup", type=int, default=30, help="calls per path before those (30)")
+    parser.add_argument("--count", type=argtypes.at_least_one, default=400, help="timed calls per path (400)")
+    parser.add_argument("--warmup", type=argtypes.count, default=30, help="calls per path before those (30)")
     parser.add_argument(
         "--process-scheduler",
         action="store_true",
         help="a scheduler process per side (default: the router's embedded scheduler)",
     )
     args = parser.parse_args()
-    if args.count < 1 or args.warmup < 0:
-        parser.error("--count must be at least 1 and --warmup at least 0")
     state = Path(tempfile.mkdtemp(prefix="http-front-ab-"))
     envs: dict[str, Environment] = {}
     try:
