@@ -1,20 +1,23 @@
 """The OpenAI-compatible HTTP front of the router (`--http-port`), served by uvicorn in
 the router process's own event loop.
 
-`POST /v1/chat/completions` and `POST /v1/completions` (each call one model hop of its
-program, run by `program_calls.ProgramCalls` -- the path `Router.CallModel` takes too --
-through the same `SchedulerExecutor` as declared chains' hops, so the scheduler's tiers,
-affinity and deadlines apply), `GET /v1/models` and `GET /v1/models/{model}`. Request
+`POST /v1/chat/completions`, `POST /v1/completions` and `POST /v1/responses` (each call
+one model hop of its program, run by `program_calls.ProgramCalls` -- the path
+`Router.CallModel` takes too -- through the same `SchedulerExecutor` as declared chains'
+hops, so the scheduler's tiers, affinity and deadlines apply; a Responses call is read
+as the chat call it means), `GET /v1/models` and `GET /v1/models/{model}`. Request
 parsing, the chat rendering, program identity, response shapes and error mapping are
-pure code in `inferx.openai_compat`; this module is the I/O around them.
+pure code in `inferx.openai_compat`; this module is the I/O around them, and a
+`ReplyWriter` per API puts a call's reply in that API's shapes.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from functools import partial
+from typing import Any, Protocol
 
 from opentelemetry import context as otel_context
 from starlette.applications import Starlette
@@ -27,7 +30,7 @@ from inferx import telemetry
 from inferx.auth.model import Principal
 from inferx.httpserve import EmbeddedHttpServer
 from inferx.limits import RequestLimits
-from inferx.openai_compat import schema
+from inferx.openai_compat import responses, schema
 from inferx.openai_compat.errors import BodyTooLarge, ModelNotFound
 from inferx.openai_compat.identity import ProgramIdentity, parse_identity
 from inferx.openai_compat.schema import ReplyEvent
@@ -63,6 +66,7 @@ class OpenAIFront:
             routes=[
                 Route("/v1/chat/completions", guarded(self.chat_completions, SERVICE), methods=["POST"]),
                 Route("/v1/completions", guarded(self.completions, SERVICE), methods=["POST"]),
+                Route("/v1/responses", guarded(self.responses, SERVICE), methods=["POST"]),
                 Route("/v1/models", guarded(self.models, SERVICE), methods=["GET"]),
                 # the SDKs' models.retrieve; a model id may hold "/" (meta-llama/...)
                 Route("/v1/models/{model:path}", guarded(self.model, SERVICE), methods=["GET"]),
@@ -91,10 +95,13 @@ class OpenAIFront:
         return JSONResponse(schema.model_card(name, self._created))
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._serve(request, schema.ChatCompletionRequest)
+        return await self._serve(request, _read_chat)
 
     async def completions(self, request: Request) -> Response:
-        return await self._serve(request, schema.CompletionRequest)
+        return await self._serve(request, _read_completion)
+
+    async def responses(self, request: Request) -> Response:
+        return await self._serve(request, _read_responses)
 
     async def _body(self, request: Request) -> bytes:
         """The request body, read no further than --http-max-body-bytes (413 past it)."""
@@ -112,31 +119,23 @@ class OpenAIFront:
 
     # ----- one call -----------------------------------------------------------------
 
-    async def _serve(self, request: Request, kind: type[schema.CallRequest]) -> Response:
+    async def _serve(self, request: Request, read: BodyReader) -> Response:
         who = self._caller(request)
         data = schema.load_object(await self._body(request))
         identity = parse_identity(request.headers, data)  # headers, agentic_context, sessions
-        body = schema.validate_body(kind, data)
+        body, writer_for = read(data)
         call = self._calls.prepare(body)
         reader = self._calls.reader(body)  # before the call: a bad mapping refuses it
         parent = telemetry.context_from_headers(request.headers)  # the caller's traceparent
-        created = int(time.time())
+        writer = writer_for(call, int(time.time()), reader)
         if body.stream:
-            return await self._stream(request, who, identity, call, body, created, reader, parent=parent)
+            return await self._stream(request, who, identity, call, reader, writer, parent=parent)
         result = await unless_client_leaves(
             request, self._calls.call(who, identity, call, reader=reader, parent=parent)
         )
         if result is None:  # the client went away: the call was abandoned (recorded as cancelled)
             return Response(status_code=CLIENT_GONE)
-        done = result.done
-        usage = _usage(done)
-        if isinstance(body, schema.ChatCompletionRequest):
-            reply = schema.chat_reply(call.call_id, created, body.model, reader, done.finish_reason, usage)
-        else:
-            reply = schema.text_completion(
-                call.call_id, created, body.model, done.text, done.finish_reason, usage
-            )
-        return JSONResponse(reply, headers=_call_headers(result))
+        return JSONResponse(writer.whole(result.done), headers=_call_headers(result))
 
     async def _stream(
         self,
@@ -144,13 +143,12 @@ class OpenAIFront:
         who: Principal,
         identity: ProgramIdentity,
         call: Call,
-        body: schema.CallRequest,
-        created: int,
         reader: schema.ReplyReader,
+        writer: ReplyWriter,
         *,
         parent: otel_context.Context | None,
     ) -> Response:
-        """Server-sent events in OpenAI's chunk format. The response starts with the
+        """Server-sent events in the API's stream format. The response starts with the
         first text (or the call's end), so a call refused or failed before producing
         anything still gets its HTTP status; a failure after that is an error event (a
         reply that breaks its tool_choice too: ProgramCalls reads it inside the call, and
@@ -166,36 +164,23 @@ class OpenAIFront:
         if first is None:
             await pieces.aclose()
             return Response(status_code=CLIENT_GONE)
-        model, call_id = body.model, call.call_id
-        chat = isinstance(body, schema.ChatCompletionRequest)
-        object_ = "chat.completion.chunk" if chat else "text_completion"
-        chat_chunks = schema.ChatChunks(call_id, created, model, reader=reader)
-
-        def chunks(event: ReplyEvent | None, reason: str | None) -> list[dict[str, Any]]:
-            if chat:  # the reader read tool calls out of the text as it came
-                return chat_chunks.events([event]) if event is not None else chat_chunks.end(reason or "")
-            text = event.text if isinstance(event, Content) else ""
-            return [schema.text_completion(call_id, created, model, text, reason, None)]
 
         async def events() -> AsyncIterator[str]:
             try:
-                if chat:
-                    yield schema.sse(chat_chunks.start())
+                for event in writer.start():
+                    yield event
                 piece = first
                 try:
                     while not isinstance(piece, CallDone):
-                        for payload in chunks(piece, None):
-                            yield schema.sse(payload)
+                        for event in writer.events([piece]):
+                            yield event
                         piece = await anext(pieces)
                 except Exception as exc:  # ToolChoiceNotFollowed too: what was held back fails the call
-                    yield schema.sse(error_reply_body(exc, SERVICE))
+                    for event in writer.failed(error_reply_body(exc, SERVICE)):
+                        yield event
                     return
-                done = piece.done
-                for payload in chunks(None, done.finish_reason):
-                    yield schema.sse(payload)
-                if body.include_usage:
-                    yield schema.sse(schema.usage_chunk(call_id, created, model, object_, _usage(done)))
-                yield schema.SSE_DONE
+                for event in writer.end(piece.done):
+                    yield event
             finally:
                 await pieces.aclose()  # the client went away: the call is abandoned (its engine call aborted)
 
@@ -204,12 +189,134 @@ class OpenAIFront:
         )
 
 
+# ----- how each API writes its reply ---------------------------------------------------
+
+
+class ReplyWriter(Protocol):
+    """One call's reply in its API's shapes: the whole body, or the stream's events (SSE)."""
+
+    def whole(self, done: HopDone) -> dict[str, Any]: ...
+
+    def start(self) -> list[str]: ...
+
+    def events(self, events: list[ReplyEvent]) -> list[str]: ...
+
+    def end(self, done: HopDone) -> list[str]: ...
+
+    def failed(self, error: dict[str, Any]) -> list[str]: ...
+
+
+WriterFor = Callable[[Call, int, schema.ReplyReader], ReplyWriter]
+BodyReader = Callable[[dict[str, Any]], tuple[schema.CallRequest, WriterFor]]
+
+
+class _ChatWriter:
+    """Chat completions (`chat.completion`, and `chat.completion.chunk`s then [DONE])."""
+
+    object_ = "chat.completion.chunk"
+
+    def __init__(
+        self, body: schema.CallRequest, call: Call, created: int, reader: schema.ReplyReader
+    ) -> None:
+        self._body, self._head, self._reader = body, (call.call_id, created, body.model), reader
+        self._chunks = schema.ChatChunks(*self._head, reader=reader)
+
+    def whole(self, done: HopDone) -> dict[str, Any]:
+        return schema.chat_reply(*self._head, self._reader, done.finish_reason, _usage(done))
+
+    def start(self) -> list[str]:
+        return [schema.sse(self._chunks.start())]
+
+    def events(self, events: list[ReplyEvent]) -> list[str]:
+        return [schema.sse(chunk) for chunk in self._chunks.events(events)]
+
+    def _finish(self, done: HopDone) -> list[dict[str, Any]]:
+        return self._chunks.end(done.finish_reason)
+
+    def end(self, done: HopDone) -> list[str]:
+        out = [schema.sse(chunk) for chunk in self._finish(done)]
+        if self._body.include_usage:
+            out.append(schema.sse(schema.usage_chunk(*self._head, self.object_, _usage(done))))
+        return [*out, schema.SSE_DONE]
+
+    def failed(self, error: dict[str, Any]) -> list[str]:
+        return [schema.sse(error)]
+
+
+class _TextWriter(_ChatWriter):
+    """Text completions (`text_completion`, streamed as the same object per piece)."""
+
+    object_ = "text_completion"
+
+    def whole(self, done: HopDone) -> dict[str, Any]:
+        return schema.text_completion(*self._head, done.text, done.finish_reason, _usage(done))
+
+    def start(self) -> list[str]:
+        return []
+
+    def events(self, events: list[ReplyEvent]) -> list[str]:
+        texts = [event.text for event in events if isinstance(event, Content)]
+        return [schema.sse(schema.text_completion(*self._head, text, None, None)) for text in texts]
+
+    def _finish(self, done: HopDone) -> list[dict[str, Any]]:
+        return [schema.text_completion(*self._head, "", done.finish_reason, None)]
+
+
+class _ResponsesWriter:
+    """The Responses API (a `response`, or its typed events, each named in SSE's
+    `event:` line as OpenAI sends them; no [DONE])."""
+
+    def __init__(
+        self, ask: responses.ResponsesRequest, call: Call, created: int, reader: schema.ReplyReader
+    ) -> None:
+        response_id = "resp_" + call.call_id.rpartition("-")[2]  # the call's own id, as the record has it
+        self._writer, self._reader = responses.ResponseWriter(response_id, created, ask), reader
+
+    def whole(self, done: HopDone) -> dict[str, Any]:
+        return self._writer.whole(self._reader, done.finish_reason, _response_usage(done))
+
+    def start(self) -> list[str]:
+        return _named(self._writer.start())
+
+    def events(self, events: list[ReplyEvent]) -> list[str]:
+        return _named(self._writer.events(events))
+
+    def end(self, done: HopDone) -> list[str]:
+        return _named(self._writer.end(done.finish_reason, _response_usage(done)))
+
+    def failed(self, error: dict[str, Any]) -> list[str]:
+        return _named(self._writer.failed(error["error"]))
+
+
+def _named(events: list[dict[str, Any]]) -> list[str]:
+    return [f"event: {event['type']}\n{schema.sse(event)}" for event in events]
+
+
+def _read_chat(data: dict[str, Any]) -> tuple[schema.CallRequest, WriterFor]:
+    body = schema.validate_body(schema.ChatCompletionRequest, data)
+    return body, partial(_ChatWriter, body)
+
+
+def _read_completion(data: dict[str, Any]) -> tuple[schema.CallRequest, WriterFor]:
+    body = schema.validate_body(schema.CompletionRequest, data)
+    return body, partial(_TextWriter, body)
+
+
+def _read_responses(data: dict[str, Any]) -> tuple[schema.CallRequest, WriterFor]:
+    ask = schema.validate_body(responses.ResponsesRequest, data)
+    return ask.chat_request(), partial(_ResponsesWriter, ask)
+
+
 def _call_headers(result: CallDone) -> dict[str, str]:
     return {WORKER_HEADER: result.done.worker_id, RUN_HEADER: result.run_id}
 
 
 def _usage(done: HopDone) -> dict[str, Any]:
     return schema.usage(done.prompt_tokens, done.completion_tokens, done.cached_prompt_tokens)
+
+
+def _response_usage(done: HopDone) -> dict[str, Any]:
+    return responses.response_usage(done.prompt_tokens, done.completion_tokens, done.cached_prompt_tokens)
 
 
 # The router's HTTP front is the shared embedded uvicorn server (HTTPS with the router's

@@ -30,6 +30,7 @@ from agents import (
     Agent,
     ModelSettings,
     OpenAIChatCompletionsModel,
+    OpenAIResponsesModel,
     RunConfig,
     Runner,
     function_tool,
@@ -148,15 +149,28 @@ class Recorder:
         self.cached: list[int] = []
 
     async def on_response(self, response: httpx.Response) -> None:
-        if response.request.url.path.endswith("/chat/completions"):
+        path = response.request.url.path
+        if path.endswith(("/chat/completions", "/responses")):
             self.programs.append(response.request.headers.get(PROGRAM_HEADER))
             self.workers.append(response.headers.get(WORKER_HEADER, ""))
+        if path.endswith("/chat/completions"):
             await response.aread()
             usage = response.json().get("usage") or {}
             self.cached.append((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        elif path.endswith("/responses") and not response.headers["content-type"].startswith(
+            "text/event-stream"
+        ):
+            await response.aread()
+            usage = response.json().get("usage") or {}
+            self.cached.append((usage.get("input_tokens_details") or {}).get("cached_tokens") or 0)
 
 
-async def test_an_agent_framework_runs_a_tool_calling_loop_as_one_program(agent_stack: LocalStack) -> None:
+@pytest.mark.parametrize("api", ["chat", "responses", "responses-streamed"])
+async def test_an_agent_framework_runs_a_tool_calling_loop_as_one_program(
+    agent_stack: LocalStack, api: str
+) -> None:
+    """The Agents SDK over chat completions, and over the Responses API (its default
+    model class), whole and streamed."""
     set_tracing_disabled(True)  # the SDK would export traces to OpenAI
     called: list[tuple[str, str]] = []
 
@@ -186,17 +200,34 @@ async def test_an_agent_framework_runs_a_tool_calling_loop_as_one_program(agent_
             name="support",
             instructions="You are a support agent. Use the tools to answer.",
             tools=[lookup_order, track_parcel],
-            model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+            model=(
+                OpenAIChatCompletionsModel(model=MODEL, openai_client=client)
+                if api == "chat"
+                else OpenAIResponsesModel(model=MODEL, openai_client=client)
+            ),
             model_settings=ModelSettings(max_tokens=96),
         )
-        result = await Runner.run(
-            agent, "Where is order 7?", max_turns=6, run_config=RunConfig(tracing_disabled=True)
-        )
+        run_config = RunConfig(tracing_disabled=True)
+        if api == "responses-streamed":
+            streamed = Runner.run_streamed(agent, "Where is order 7?", max_turns=6, run_config=run_config)
+            usages = [
+                event.data.response.usage
+                async for event in streamed.stream_events()
+                if event.type == "raw_response_event" and event.data.type == "response.completed"
+            ]
+            recorder.cached = [u.input_tokens_details.cached_tokens for u in usages if u is not None]
+            final_output = streamed.final_output
+        else:
+            final_output = (
+                await Runner.run(agent, "Where is order 7?", max_turns=6, run_config=run_config)
+            ).final_output
 
     assert called == [("lookup_order", "7"), ("track_parcel", "TRK-42")]  # the scripted arguments
-    assert result.final_output == "Order 7 is out for delivery and arrives today."
+    assert final_output == "Order 7 is out for delivery and arrives today."
     assert recorder.programs == [program] * 3  # three model calls, one program
-    assert len(set(recorder.workers)) == 1 and recorder.workers[0], recorder.workers
+    if api != "responses-streamed":  # (a stream has no headers to name its worker by)
+        assert len(set(recorder.workers)) == 1 and recorder.workers[0], recorder.workers
+    assert len(recorder.cached) == 3, recorder.cached
     assert recorder.cached[0] < recorder.cached[1] < recorder.cached[2], recorder.cached
 
 
@@ -430,3 +461,82 @@ def test_a_mapping_with_an_unknown_format_refuses_tool_calls_naming_it(agent_sta
     assert plain.choices[0].message.content == "Hello!"
     with pytest.raises(ValueError, match="unknown tool-call format 'xlam'"):
         agent_stack.load_models({"odd-model": {"pool": "tiny-llama", "tool_call_format": "xlam"}})
+
+
+# ----- the Responses API ------------------------------------------------------------------
+
+RESPONSES_TOOL = {
+    "type": "function",
+    "name": "lookup_order",
+    "description": "Look an order up by its number",
+    "parameters": TOOL_SPEC["function"].get("parameters"),
+}
+
+
+def test_the_responses_api_gives_function_calls(agent_stack: LocalStack) -> None:
+    reply = sdk(agent_stack).responses.create(
+        model=MODEL,
+        instructions="Answer with the tools.",
+        input="Compare orders 8 and 9",
+        tools=[RESPONSES_TOOL],  # type: ignore[list-item]
+        max_output_tokens=96,
+    )
+    assert reply.status == "completed" and reply.id.startswith("resp_")
+    calls = [item for item in reply.output if item.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("lookup_order", {"order_id": "8"}),
+        ("lookup_order", {"order_id": "9"}),
+    ]
+    assert len({c.call_id for c in calls}) == 2 and not reply.output_text
+    assert reply.usage is not None and reply.usage.output_tokens > 0
+
+
+def test_the_responses_stream_helper_assembles_text_and_calls(agent_stack: LocalStack) -> None:
+    with sdk(agent_stack).responses.stream(
+        model=MODEL,
+        input=[{"role": "user", "content": "Where is order 7?"}],
+        tools=[RESPONSES_TOOL],  # type: ignore[list-item]
+        max_output_tokens=96,
+    ) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert final.output_text.strip() == "Let me look that up."
+    calls = [item for item in final.output if item.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("lookup_order", {"order_id": "7"})]
+
+
+def test_a_response_cut_by_max_output_tokens_is_incomplete(agent_stack: LocalStack) -> None:
+    reply = sdk(agent_stack).responses.create(model=MODEL, input="Just say hello", max_output_tokens=1)
+    assert reply.status == "incomplete"
+    assert reply.incomplete_details is not None and reply.incomplete_details.reason == "max_output_tokens"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content[0]",
+        ),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"truncation": "auto"}, "truncation"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"tool_choice": "required"}, "tool_choice"),
+    ],
+)
+def test_a_responses_call_inferx_cannot_serve_is_a_400_naming_the_field(
+    agent_stack: LocalStack, fields: dict, param: str
+) -> None:
+    body = {"model": MODEL, "input": "Just say hello", **fields}
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk(agent_stack).responses.create(**body)
+    assert caught.value.status_code == 400
+    assert isinstance(caught.value.body, dict) and caught.value.body.get("param") == param, caught.value.body
+
+
+def test_a_responses_call_to_an_unknown_model_is_a_404(agent_stack: LocalStack) -> None:
+    with pytest.raises(openai.NotFoundError):
+        sdk(agent_stack).responses.create(model="no-such-model", input="Just say hello")

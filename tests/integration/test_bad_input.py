@@ -902,24 +902,29 @@ CALL_KEYS = [
     "agent_hint",
     "session_id",
     "session_params",
+    # the Responses API's
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "previous_response_id",
+    "text",
+    "include",
+    "truncation",
 ]
 
 
 @st.composite
-def http_bodies(draw: st.DrawFn, chat: bool) -> bytes:
+def http_bodies(draw: st.DrawFn, api: str) -> bytes:
     kind = draw(st.sampled_from(["mutated", "mutated", "mutated", "mutated", "json", "bytes"]))
     if kind == "bytes":
         return draw(st.binary(max_size=300))
     if kind == "json":
         return json.dumps(draw(values)).encode()
     body: dict[str, Any] = {"model": draw(st.sampled_from([MODEL, MODEL, NO_WORKER_MODEL, "nope", ""]))}
-    if chat:
-        body["messages"] = [
-            {"role": "user", "content": draw(st.text(NO_SURROGATES, min_size=1, max_size=30))}
-        ]
-    else:
-        body["prompt"] = draw(st.text(NO_SURROGATES, min_size=1, max_size=30))
-    body["max_tokens"] = draw(st.integers(1, 8))
+    chat, words = api != "completion", draw(st.text(NO_SURROGATES, min_size=1, max_size=30))
+    conversation = "input" if api == "responses" else "messages" if chat else "prompt"
+    body[conversation] = [{"role": "user", "content": words}] if chat else words
+    body["max_output_tokens" if api == "responses" else "max_tokens"] = draw(st.integers(1, 8))
     body["stream"] = draw(st.booleans())
     if kind == "mutated":
         for _ in range(draw(st.sampled_from([0, 0, 1, 2, 3]))):
@@ -927,7 +932,11 @@ def http_bodies(draw: st.DrawFn, chat: bool) -> bytes:
             if mutation == "key":
                 body[draw(st.sampled_from(CALL_KEYS) | text)] = draw(values)
             elif mutation == "number":
-                key = draw(st.sampled_from(["max_tokens", "max_completion_tokens", "temperature", "n"]))
+                key = draw(
+                    st.sampled_from(
+                        ["max_tokens", "max_completion_tokens", "max_output_tokens", "temperature", "n"]
+                    )
+                )
                 body[key] = draw(st.sampled_from(HUGE_NUMBERS) | st.floats())
             elif mutation == "drop" and body:
                 body.pop(draw(st.sampled_from(sorted(body))))
@@ -938,42 +947,51 @@ def http_bodies(draw: st.DrawFn, chat: bool) -> bytes:
                         values, st.lists(st.fixed_dictionaries({"type": values, "text": values}), max_size=2)
                     )
                 )
-                body["messages"] = [*body.get("messages", []), message]
+                if api == "responses" and draw(st.booleans()):  # an item of another kind
+                    item_types = ["function_call", "function_call_output", "reasoning", "item_reference"]
+                    item_keys = st.sampled_from(["call_id", "name", "arguments", "output", "id"])
+                    fields: dict[str, Any] = draw(st.dictionaries(item_keys, values, max_size=4))
+                    message = {"type": draw(st.sampled_from(item_types) | text), **fields}
+                previous = body.get(conversation)
+                body[conversation] = [*(previous if isinstance(previous, list) else []), message]
             elif mutation == "long":
                 size = draw(st.integers(30 * KIB, 34 * KIB))
-                body["prompt" if not chat else "messages"] = (
-                    "z" * size if not chat else [{"role": "user", "content": "z" * size}]
-                )
+                body[conversation] = [{"role": "user", "content": "z" * size}] if chat else "z" * size
     return json.dumps(body, ensure_ascii=draw(st.booleans())).encode()
 
 
-http_calls = st.booleans().flatmap(lambda chat: st.tuples(st.just(chat), http_bodies(chat)))
+HTTP_PATHS = {"chat": "/chat/completions", "completion": "/completions", "responses": "/responses"}
+http_calls = st.sampled_from(sorted(HTTP_PATHS)).flatmap(
+    lambda api: st.tuples(st.just(api), http_bodies(api))
+)
 
 
 @FUZZ
 @given(call=http_calls, headers=identity_headers(), chunked=st.booleans())
 # max_tokens past uint32: was a 500 (the hop could not be encoded); now a 400 naming the limit
 @example(
-    call=(False, b'{"model": "qwen-7b", "prompt": "hi", "max_tokens": 1099511627776}'),
+    call=("completion", b'{"model": "qwen-7b", "prompt": "hi", "max_tokens": 1099511627776}'),
     headers={},
     chunked=False,
 )
 # a JSON escape of a lone surrogate: the prompt could not be encoded for the hop
 @example(
-    call=(True, b'{"model": "qwen-7b", "messages": [{"role": "user", "content": "\\ud800"}]}'),
+    call=("chat", b'{"model": "qwen-7b", "messages": [{"role": "user", "content": "\\ud800"}]}'),
     headers={},
     chunked=False,
 )
 # a body over 4 MiB reached the scheduler, whose gRPC refusal came back as a 429; now a 413
 @example(
-    call=(False, b'{"model": "qwen-7b", "prompt": "' + b"x" * (64 * KIB) + b'"}'), headers={}, chunked=True
+    call=("completion", b'{"model": "qwen-7b", "prompt": "' + b"x" * (64 * KIB) + b'"}'),
+    headers={},
+    chunked=True,
 )
 def test_http_front_never_answers_5xx_but_503(
-    router: Router, call: tuple[bool, bytes], headers: dict[str, str], chunked: bool
+    router: Router, call: tuple[str, bytes], headers: dict[str, str], chunked: bool
 ) -> None:
     router.begin()
-    chat, body = call
-    path = "/chat/completions" if chat else "/completions"
+    api, body = call
+    path = HTTP_PATHS[api]
     content: bytes | Iterator[bytes] = iter([body[:100], body[100:]]) if chunked else body
     with router.http.stream("POST", path, content=content, headers=headers) as reply:
         raw = reply.read()
@@ -993,5 +1011,9 @@ def test_http_front_never_answers_5xx_but_503(
             payload = json.loads(data)
             if "error" in payload:
                 assert payload["error"]["type"] != "server_error", payload
-        assert events[-1] == "[DONE]" or "error" in json.loads(events[-1])
+        if api == "responses":  # typed events, the last one the end (or an error)
+            last = json.loads(events[-1])["type"]
+            assert last in ("response.completed", "response.incomplete", "error"), events[-1]
+        else:
+            assert events[-1] == "[DONE]" or "error" in json.loads(events[-1])
     router.assert_healthy()

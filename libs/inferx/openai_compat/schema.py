@@ -388,7 +388,7 @@ def _param(loc: tuple[int | str, ...]) -> str:
     return out or "body"
 
 
-M = TypeVar("M", bound=CallRequest)
+M = TypeVar("M", bound=BaseModel)
 
 
 def parse_body(model: type[M], raw: bytes) -> M:
