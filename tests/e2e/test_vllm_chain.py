@@ -197,3 +197,71 @@ def test_a_call_without_max_tokens_is_not_cut_at_a_default(vllm_stack: LocalStac
             if pieces >= 80:
                 break
     assert (pieces, finished) == (80, None), f"the reply ended ({finished}) after {pieces} pieces"
+
+
+def test_a_responses_api_loop_runs_on_vllm_through_the_template(
+    vllm_stack: LocalStack, tmp_path: Path
+) -> None:
+    """The Responses API (the Agents SDK's default) on a real vLLM worker: `instructions`
+    and `input` reach the model as the chat they mean, rendered by its own template (the
+    prompt has exactly the template's tokens for the same chat), and the loop's next
+    call -- the first reply's output items sent back with a function result -- extends
+    the first prompt and hits vLLM's prefix cache. Streamed, the events end with
+    `response.completed` (or `.incomplete` at max_output_tokens) carrying the usage."""
+    import openai
+    import transformers
+
+    tool = {
+        "type": "function",
+        "name": "lookup_order",
+        "description": "Look an order up by its number",
+        "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}}},
+    }
+    client = openai.OpenAI(base_url=vllm_stack.router_http_url, api_key="unused", max_retries=0)
+    first = client.responses.create(
+        model="qwen-7b",
+        instructions="You are a support agent.",
+        input="Where is order 7?",
+        tools=[tool],  # type: ignore[list-item]
+        max_output_tokens=8,
+        extra_headers={"X-InferX-Program": "e2e-responses"},
+    )
+    assert first.object == "response" and first.status in {"completed", "incomplete"}
+    assert first.usage is not None and 1 <= first.usage.output_tokens <= 8
+
+    chat_tool = {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(make_tiny_model(tmp_path / "tiny-llama")))
+    rendered = tokenizer.apply_chat_template(
+        [
+            {"role": "system", "content": "You are a support agent."},
+            {"role": "user", "content": "Where is order 7?"},
+        ],
+        tools=[chat_tool],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert isinstance(rendered, str)
+    assert first.usage.input_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
+
+    history: list = [{"role": "user", "content": "Where is order 7?"}]
+    history += [item.model_dump(exclude_none=True) for item in first.output]
+    history += [
+        {"type": "function_call", "call_id": "c1", "name": "lookup_order", "arguments": '{"order_id": "7"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "shipped"},
+    ]
+    stream = client.responses.create(
+        model="qwen-7b",
+        instructions="You are a support agent.",
+        input=history,
+        tools=[tool],  # type: ignore[list-item]
+        max_output_tokens=4,
+        stream=True,
+        extra_headers={"X-InferX-Program": "e2e-responses", "X-InferX-Program-End": "true"},
+    )
+    with stream:
+        events = list(stream)
+    kinds = [event.type for event in events]
+    final = events[-1].response  # type: ignore[union-attr]  # (the terminal event's)
+    assert kinds[0] == "response.created" and kinds[-1] in {"response.completed", "response.incomplete"}
+    assert final.usage is not None and final.usage.input_tokens > first.usage.input_tokens
+    assert final.usage.input_tokens_details.cached_tokens >= 32  # whole 32-token blocks
