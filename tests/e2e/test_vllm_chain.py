@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -249,19 +250,19 @@ def test_a_responses_api_loop_runs_on_vllm_through_the_template(
         {"type": "function_call", "call_id": "c1", "name": "lookup_order", "arguments": '{"order_id": "7"}'},
         {"type": "function_call_output", "call_id": "c1", "output": "shipped"},
     ]
-    stream = client.responses.create(
-        model="qwen-7b",
-        instructions="You are a support agent.",
-        input=history,
-        tools=[tool],  # type: ignore[list-item]
-        max_output_tokens=4,
-        stream=True,
-        extra_headers={"X-InferX-Program": "e2e-responses", "X-InferX-Program-End": "true"},
+    events: list[Any] = list(  # the stream is read to its end (and closed there)
+        client.responses.create(
+            model="qwen-7b",
+            instructions="You are a support agent.",
+            input=history,
+            tools=[tool],  # type: ignore[list-item]
+            max_output_tokens=4,
+            stream=True,
+            extra_headers={"X-InferX-Program": "e2e-responses", "X-InferX-Program-End": "true"},
+        )
     )
-    with stream:
-        events = list(stream)
     kinds = [event.type for event in events]
-    final = events[-1].response  # type: ignore[union-attr]  # (the terminal event's)
+    final = events[-1].response  # the terminal event's
     assert kinds[0] == "response.created" and kinds[-1] in {"response.completed", "response.incomplete"}
     assert final.usage is not None and final.usage.input_tokens > first.usage.input_tokens
     assert final.usage.input_tokens_details.cached_tokens >= 32  # whole 32-token blocks
