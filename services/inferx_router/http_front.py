@@ -31,7 +31,7 @@ from inferx.auth.model import Principal
 from inferx.httpserve import EmbeddedHttpServer
 from inferx.limits import RequestLimits
 from inferx.openai_compat import responses, schema
-from inferx.openai_compat.errors import BodyTooLarge, ModelNotFound
+from inferx.openai_compat.errors import BodyTooLarge, ModelNotFound, ResponseNotKept
 from inferx.openai_compat.identity import ProgramIdentity, parse_identity
 from inferx.openai_compat.schema import ReplyEvent
 from inferx.openai_compat.toolcalls import Content
@@ -67,6 +67,12 @@ class OpenAIFront:
                 Route("/v1/chat/completions", guarded(self.chat_completions, SERVICE), methods=["POST"]),
                 Route("/v1/completions", guarded(self.completions, SERVICE), methods=["POST"]),
                 Route("/v1/responses", guarded(self.responses, SERVICE), methods=["POST"]),
+                # retrieve, delete, cancel, input_items: InferX keeps no responses to find
+                Route(
+                    "/v1/responses/{rest:path}",
+                    guarded(self.stored_response, SERVICE),
+                    methods=["GET", "POST", "DELETE"],
+                ),
                 Route("/v1/models", guarded(self.models, SERVICE), methods=["GET"]),
                 # the SDKs' models.retrieve; a model id may hold "/" (meta-llama/...)
                 Route("/v1/models/{model:path}", guarded(self.model, SERVICE), methods=["GET"]),
@@ -102,6 +108,10 @@ class OpenAIFront:
 
     async def responses(self, request: Request) -> Response:
         return await self._serve(request, _read_responses)
+
+    async def stored_response(self, request: Request) -> Response:
+        self._caller(request)
+        raise ResponseNotKept(request.path_params["rest"].partition("/")[0])
 
     async def _body(self, request: Request) -> bytes:
         """The request body, read no further than --http-max-body-bytes (413 past it)."""

@@ -540,3 +540,16 @@ def test_a_responses_call_inferx_cannot_serve_is_a_400_naming_the_field(
 def test_a_responses_call_to_an_unknown_model_is_a_404(agent_stack: LocalStack) -> None:
     with pytest.raises(openai.NotFoundError):
         sdk(agent_stack).responses.create(model="no-such-model", input="Just say hello")
+
+
+def test_a_stored_response_asked_for_is_a_404_that_says_none_are_kept(agent_stack: LocalStack) -> None:
+    client = sdk(agent_stack)
+    for ask in (
+        lambda: client.responses.retrieve("resp_1"),
+        lambda: client.responses.delete("resp_1"),
+        lambda: client.responses.cancel("resp_1"),
+        lambda: client.responses.input_items.list("resp_1"),
+    ):
+        with pytest.raises(openai.NotFoundError) as caught:
+            ask()
+        assert "keeps no responses" in caught.value.message and "resp_1" in caught.value.message

@@ -60,6 +60,18 @@ class ModelNotFound(NotFound):
         self.code_name = "model_not_found"
 
 
+class ResponseNotKept(NotFound):
+    """A stored response asked for (retrieved, deleted, cancelled, its input listed):
+    InferX's Responses API is stateless, so there is none."""
+
+    def __init__(self, response_id: str) -> None:
+        super().__init__(
+            f"No response with id '{response_id}': InferX keeps no responses (each call sends the"
+            " whole conversation as `input`)"
+        )
+        self.param = "response_id"
+
+
 class ToolChoiceNotFollowed(Internal):
     """The call said tool_choice "required" (or named a function) and the model's reply
     has no such tool call. vLLM enforces tool_choice by constraining decoding; InferX
