@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from inferx.errors import InferxError
-from inferx.openai_compat.errors import error_body, error_reply
+from inferx.openai_compat.errors import ErrorReply, error_body, error_reply
 
 Handler = Callable[[Request], Awaitable[Response]]
 T = TypeVar("T")
@@ -27,18 +27,27 @@ CLIENT_GONE = 499
 log = logging.getLogger("inferx.http")
 
 
-def error_reply_body(exc: BaseException, service: str) -> dict[str, Any]:
-    """The OpenAI error body for `exc` (a streamed call's last SSE event), logging a bug."""
-    return _reply(exc, service).body
+# How an API words an error: OpenAI's shape as it is, or another API's (Anthropic's).
+Shape = Callable[[ErrorReply], ErrorReply]
 
 
-def error_response(exc: BaseException, service: str) -> JSONResponse:
-    reply = _reply(exc, service)
+def openai_shape(reply: ErrorReply) -> ErrorReply:
+    return reply
+
+
+def error_reply_body(exc: BaseException, service: str, shape: Shape = openai_shape) -> dict[str, Any]:
+    """The error body for `exc` (a streamed call's last SSE event), logging a bug."""
+    return shape(_reply(exc, service)).body
+
+
+def error_response(exc: BaseException, service: str, shape: Shape = openai_shape) -> JSONResponse:
+    reply = shape(_reply(exc, service))
     return JSONResponse(reply.body, status_code=reply.status, headers=reply.headers)
 
 
-def guarded(handler: Handler, service: str) -> Handler:
-    """`handler` with every error it raises answered as `error_response` (the one place)."""
+def guarded(handler: Handler, service: str, shape: Shape = openai_shape) -> Handler:
+    """`handler` with every error it raises answered as `error_response` (the one place),
+    in OpenAI's shape unless the API words errors otherwise (`shape`)."""
 
     async def guarded_handler(request: Request) -> Response:
         try:
@@ -46,7 +55,7 @@ def guarded(handler: Handler, service: str) -> Handler:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            return error_response(exc, service)
+            return error_response(exc, service, shape)
 
     return guarded_handler
 
@@ -95,7 +104,7 @@ async def http_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(error_body(message, "invalid_request_error"), status_code=status)
 
 
-def _reply(exc: BaseException, service: str):
+def _reply(exc: BaseException, service: str) -> ErrorReply:
     if not isinstance(exc, InferxError | TimeoutError):
         log.error("unhandled error in the %s's HTTP API", service, exc_info=exc)
     return error_reply(exc, service=service)

@@ -1,14 +1,15 @@
 """The OpenAI-compatible HTTP front of the router (`--http-port`), served by uvicorn in
 the router process's own event loop.
 
-`POST /v1/chat/completions`, `POST /v1/completions` and `POST /v1/responses` (each call
-one model hop of its program, run by `program_calls.ProgramCalls` -- the path
-`Router.CallModel` takes too -- through the same `SchedulerExecutor` as declared chains'
-hops, so the scheduler's tiers, affinity and deadlines apply; a Responses call is read
-as the chat call it means), `GET /v1/models` and `GET /v1/models/{model}`. Request
-parsing, the chat rendering, program identity, response shapes and error mapping are
-pure code in `inferx.openai_compat`; this module is the I/O around them, and a
-`ReplyWriter` per API puts a call's reply in that API's shapes.
+`POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/responses` and Anthropic's
+`POST /v1/messages` (each call one model hop of its program, run by
+`program_calls.ProgramCalls` -- the path `Router.CallModel` takes too -- through the
+same `SchedulerExecutor` as declared chains' hops, so the scheduler's tiers, affinity
+and deadlines apply; a Responses or Messages call is read as the chat call it means),
+`GET /v1/models` and `GET /v1/models/{model}`. Request parsing, the chat rendering,
+program identity, response shapes and error mapping are pure code in
+`inferx.openai_compat`; this module is the I/O around them, and a `ReplyWriter` per API
+puts a call's reply in that API's shapes.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from inferx import telemetry
 from inferx.auth.model import Principal
 from inferx.httpserve import EmbeddedHttpServer
 from inferx.limits import RequestLimits
-from inferx.openai_compat import responses, schema
+from inferx.openai_compat import anthropic, responses, schema
 from inferx.openai_compat.errors import BodyTooLarge, ModelNotFound, ResponseNotKept
 from inferx.openai_compat.identity import ProgramIdentity, parse_identity
 from inferx.openai_compat.schema import ReplyEvent
@@ -67,6 +68,9 @@ class OpenAIFront:
                 Route("/v1/chat/completions", guarded(self.chat_completions, SERVICE), methods=["POST"]),
                 Route("/v1/completions", guarded(self.completions, SERVICE), methods=["POST"]),
                 Route("/v1/responses", guarded(self.responses, SERVICE), methods=["POST"]),
+                Route(
+                    "/v1/messages", guarded(self.messages, SERVICE, anthropic.error_reply), methods=["POST"]
+                ),
                 # retrieve, delete, cancel, input_items: InferX keeps no responses to find
                 Route(
                     "/v1/responses/{rest:path}",
@@ -86,8 +90,12 @@ class OpenAIFront:
         return self._calls.model_names()
 
     def _caller(self, request: Request) -> Principal:
-        """The same bearer tokens as the gRPC API (every role may call a model)."""
-        return self._access.authenticate(request.headers.get("authorization"))
+        """The same bearer tokens as the gRPC API (every role may call a model), in
+        `Authorization: Bearer` or, as Anthropic's SDKs send them, `x-api-key`."""
+        api_key = request.headers.get("x-api-key")
+        return self._access.authenticate(
+            request.headers.get("authorization") or (f"Bearer {api_key}" if api_key else None)
+        )
 
     async def models(self, request: Request) -> Response:
         self._caller(request)
@@ -108,6 +116,9 @@ class OpenAIFront:
 
     async def responses(self, request: Request) -> Response:
         return await self._serve(request, _read_responses)
+
+    async def messages(self, request: Request) -> Response:
+        return await self._serve(request, _read_messages)
 
     async def stored_response(self, request: Request) -> Response:
         self._caller(request)
@@ -186,7 +197,7 @@ class OpenAIFront:
                             yield event
                         piece = await anext(pieces)
                 except Exception as exc:  # ToolChoiceNotFollowed too: what was held back fails the call
-                    for event in writer.failed(error_reply_body(exc, SERVICE)):
+                    for event in writer.failed(exc):
                         yield event
                     return
                 for event in writer.end(piece.done):
@@ -213,7 +224,7 @@ class ReplyWriter(Protocol):
 
     def end(self, done: HopDone) -> list[str]: ...
 
-    def failed(self, error: dict[str, Any]) -> list[str]: ...
+    def failed(self, exc: BaseException) -> list[str]: ...
 
 
 WriterFor = Callable[[Call, int, schema.ReplyReader], ReplyWriter]
@@ -249,8 +260,8 @@ class _ChatWriter:
             out.append(schema.sse(schema.usage_chunk(*self._head, self.object_, _usage(done))))
         return [*out, schema.SSE_DONE]
 
-    def failed(self, error: dict[str, Any]) -> list[str]:
-        return [schema.sse(error)]
+    def failed(self, exc: BaseException) -> list[str]:
+        return [schema.sse(error_reply_body(exc, SERVICE))]
 
 
 class _TextWriter(_ChatWriter):
@@ -294,8 +305,34 @@ class _ResponsesWriter:
     def end(self, done: HopDone) -> list[str]:
         return _named(self._writer.end(done.finish_reason, _response_usage(done)))
 
-    def failed(self, error: dict[str, Any]) -> list[str]:
-        return _named(self._writer.failed(error["error"]))
+    def failed(self, exc: BaseException) -> list[str]:
+        return _named(self._writer.failed(error_reply_body(exc, SERVICE)["error"]))
+
+
+class _MessagesWriter:
+    """Anthropic's Messages API (a `message`, or its events, named in SSE's `event:`
+    line as Anthropic sends them; errors in Anthropic's shape)."""
+
+    def __init__(
+        self, ask: anthropic.MessagesRequest, call: Call, created: int, reader: schema.ReplyReader
+    ) -> None:
+        message_id = "msg_" + call.call_id.rpartition("-")[2]  # the call's own id, as the record has it
+        self._writer, self._reader = anthropic.MessageWriter(message_id, ask.model), reader
+
+    def whole(self, done: HopDone) -> dict[str, Any]:
+        return self._writer.whole(self._reader, done.finish_reason, _message_usage(done))
+
+    def start(self) -> list[str]:
+        return _named(self._writer.start())
+
+    def events(self, events: list[ReplyEvent]) -> list[str]:
+        return _named(self._writer.events(events))
+
+    def end(self, done: HopDone) -> list[str]:
+        return _named(self._writer.end(done.finish_reason, bool(self._reader.calls), _message_usage(done)))
+
+    def failed(self, exc: BaseException) -> list[str]:
+        return _named(self._writer.failed(error_reply_body(exc, SERVICE, anthropic.error_reply)))
 
 
 def _named(events: list[dict[str, Any]]) -> list[str]:
@@ -312,6 +349,11 @@ def _read_completion(data: dict[str, Any]) -> tuple[schema.CallRequest, WriterFo
     return body, partial(_TextWriter, body)
 
 
+def _read_messages(data: dict[str, Any]) -> tuple[schema.CallRequest, WriterFor]:
+    ask = schema.validate_body(anthropic.MessagesRequest, data)
+    return ask.chat_request(), partial(_MessagesWriter, ask)
+
+
 def _read_responses(data: dict[str, Any]) -> tuple[schema.CallRequest, WriterFor]:
     ask = schema.validate_body(responses.ResponsesRequest, data)
     return ask.chat_request(), partial(_ResponsesWriter, ask)
@@ -323,6 +365,10 @@ def _call_headers(result: CallDone) -> dict[str, str]:
 
 def _usage(done: HopDone) -> dict[str, Any]:
     return schema.usage(done.prompt_tokens, done.completion_tokens, done.cached_prompt_tokens)
+
+
+def _message_usage(done: HopDone) -> dict[str, Any]:
+    return anthropic.message_usage(done.prompt_tokens, done.completion_tokens, done.cached_prompt_tokens)
 
 
 def _response_usage(done: HopDone) -> dict[str, Any]:

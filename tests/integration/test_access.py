@@ -246,6 +246,12 @@ async def test_http_front_takes_the_same_tokens(stack: LocalStack, admin_token: 
         assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
         good = await http.get(f"{url}/models", headers={"authorization": f"Bearer {admin_token}"})
         assert good.status_code == 200 and good.json()["data"]
+        # Anthropic's SDKs send the key as x-api-key; their errors come in Anthropic's shape.
+        body = {"model": "no-such-model", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+        refused = await http.post(f"{url}/messages", json=body, headers={"x-api-key": "ixt_nope"})
+        assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+        known = await http.post(f"{url}/messages", json=body, headers={"x-api-key": admin_token})
+        assert known.status_code == 404 and known.json()["error"]["type"] == "not_found_error"  # past auth
 
 
 async def test_a_tenants_programs_are_its_own(stack: LocalStack, admin_token: str) -> None:

@@ -21,7 +21,9 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -553,3 +555,120 @@ def test_a_stored_response_asked_for_is_a_404_that_says_none_are_kept(agent_stac
         with pytest.raises(openai.NotFoundError) as caught:
             ask()
         assert "keeps no responses" in caught.value.message and "resp_1" in caught.value.message
+
+
+# ----- Anthropic's Messages API -------------------------------------------------------------
+
+ANTHROPIC_TOOL = {
+    "name": "lookup_order",
+    "description": "Look an order up by its number",
+    "input_schema": TOOL_SPEC["function"].get("parameters"),
+}
+
+
+def claude(stack: LocalStack, **headers: str) -> anthropic.Anthropic:
+    base = stack.router_http_url.removesuffix("/v1")  # the SDK adds /v1/messages
+    return anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, default_headers=headers)
+
+
+def test_an_anthropic_sdk_loop_runs_as_one_program_with_a_growing_cache(agent_stack: LocalStack) -> None:
+    """A hand-written Claude-style loop (tool_use -> tool_result -> ...) through the
+    `anthropic` SDK: the scripted tool calls come back as tool_use blocks, the calls are
+    one program on one worker, and each call reads more of its prompt from the cache."""
+    client = claude(agent_stack, **{PROGRAM_HEADER: f"claude-{uuid.uuid4().hex[:8]}"})
+    system: list[Any] = [
+        {"type": "text", "text": "x-anthropic-billing-header: cch=1234;"},
+        {"type": "text", "text": "Help."},
+    ]
+    messages: list[Any] = [{"role": "user", "content": "Where is order 7?"}]
+    results = {
+        "lookup_order": "Order 7 was shipped with tracking number TRK-42.",
+        "track_parcel": "Parcel TRK-42 is out for delivery.",
+    }
+    tools: list[Any] = [ANTHROPIC_TOOL, {**ANTHROPIC_TOOL, "name": "track_parcel"}]
+    replies, workers = [], []
+    for _ in range(3):
+        raw = client.messages.with_raw_response.create(
+            model=MODEL, max_tokens=96, system=system, messages=messages, tools=tools
+        )
+        reply = raw.parse()
+        replies.append(reply)
+        workers.append(raw.headers.get(WORKER_HEADER))
+        uses = [block for block in reply.content if block.type == "tool_use"]
+        if not uses:
+            break
+        messages.append({"role": "assistant", "content": [block.model_dump() for block in reply.content]})
+        messages.append(
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": use.id, "content": results[use.name]}
+                    for use in uses
+                ],
+            }
+        )
+    assert [r.stop_reason for r in replies] == ["tool_use", "tool_use", "end_turn"]
+    first_use = next(block for block in replies[0].content if block.type == "tool_use")
+    assert (first_use.name, first_use.input) == ("lookup_order", {"order_id": "7"})
+    assert (
+        replies[0].content[0].type == "text" and replies[0].content[0].text.strip() == "Let me look that up."
+    )
+    assert replies[-1].content[0].type == "text"
+    assert replies[-1].content[0].text == "Order 7 is out for delivery and arrives today."
+    assert len(set(workers)) == 1 and workers[0], workers
+    cached = [r.usage.cache_read_input_tokens or 0 for r in replies]
+    assert cached[0] < cached[1] < cached[2], cached
+
+
+def test_the_anthropic_stream_helper_assembles_text_and_tool_use(agent_stack: LocalStack) -> None:
+    with claude(agent_stack).messages.stream(
+        model=MODEL,
+        max_tokens=96,
+        messages=[{"role": "user", "content": "Where is order 7?"}],
+        tools=[ANTHROPIC_TOOL],  # type: ignore[list-item]
+    ) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert [block.type for block in final.content] == ["text", "tool_use"]
+    assert final.content[1].input == {"order_id": "7"}  # type: ignore[union-attr]
+    assert final.stop_reason == "tool_use" and final.usage.output_tokens > 0
+
+
+def test_an_anthropic_reply_cut_at_max_tokens_says_so(agent_stack: LocalStack) -> None:
+    reply = claude(agent_stack).messages.create(
+        model=MODEL, max_tokens=1, messages=[{"role": "user", "content": "Just say hello"}]
+    )
+    assert reply.stop_reason == "max_tokens"
+
+
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        ({"top_k": 5}, "top_k"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            "messages[0].content[0].type",
+        ),
+        ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools[0].type"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
+    ],
+)
+def test_an_anthropic_call_inferx_cannot_serve_is_a_400_in_anthropics_shape(
+    agent_stack: LocalStack, fields: dict, error: str
+) -> None:
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude(agent_stack).messages.create(  # the fields over the body (the SDK would refuse some)
+            model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "hi"}], extra_body=fields
+        )
+    assert isinstance(caught.value.body, dict) and caught.value.body["type"] == "error"
+    assert caught.value.body["error"]["type"] == "invalid_request_error"
+    assert caught.value.body["error"]["message"].startswith(f"{error}: "), caught.value.body
+
+
+def test_an_anthropic_call_to_an_unknown_model_is_a_404(agent_stack: LocalStack) -> None:
+    with pytest.raises(anthropic.NotFoundError):
+        claude(agent_stack).messages.create(
+            model="no-such-model", max_tokens=8, messages=[{"role": "user", "content": "hi"}]
+        )

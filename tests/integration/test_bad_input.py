@@ -925,6 +925,17 @@ def http_bodies(draw: st.DrawFn, api: str) -> bytes:
     conversation = "input" if api == "responses" else "messages" if chat else "prompt"
     body[conversation] = [{"role": "user", "content": words}] if chat else words
     body["max_output_tokens" if api == "responses" else "max_tokens"] = draw(st.integers(1, 8))
+    if api == "anthropic" and draw(st.booleans()):  # Anthropic's blocks
+        kinds = st.sampled_from(["text", "tool_use", "tool_result", "thinking", "image"]) | text
+        block_keys = st.sampled_from(["text", "id", "name", "input", "tool_use_id", "content", "thinking"])
+        blocks = st.lists(
+            st.builds(
+                lambda kind, fields: {"type": kind, **fields}, kinds, st.dictionaries(block_keys, values)
+            ),
+            max_size=3,
+        )
+        role = draw(st.sampled_from(["user", "assistant"]))
+        body["messages"] = [*body["messages"], {"role": role, "content": draw(blocks)}]
     body["stream"] = draw(st.booleans())
     if kind == "mutated":
         for _ in range(draw(st.sampled_from([0, 0, 1, 2, 3]))):
@@ -960,7 +971,12 @@ def http_bodies(draw: st.DrawFn, api: str) -> bytes:
     return json.dumps(body, ensure_ascii=draw(st.booleans())).encode()
 
 
-HTTP_PATHS = {"chat": "/chat/completions", "completion": "/completions", "responses": "/responses"}
+HTTP_PATHS = {
+    "chat": "/chat/completions",
+    "completion": "/completions",
+    "responses": "/responses",
+    "anthropic": "/messages",
+}
 http_calls = st.sampled_from(sorted(HTTP_PATHS)).flatmap(
     lambda api: st.tuples(st.just(api), http_bodies(api))
 )
@@ -1003,17 +1019,22 @@ def test_http_front_never_answers_5xx_but_503(
     assert status < 500 or status in allowed_5xx, (status, raw[:500])
     if status >= 400:
         error = json.loads(raw)["error"]
-        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+        if api == "anthropic":  # Anthropic's shape
+            assert set(error) == {"message", "type"} and error["message"] and error["type"] != "api_error"
+        else:
+            assert set(error) == {"message", "type", "param", "code"} and error["message"]
     elif reply.headers["content-type"].startswith("text/event-stream"):
         events = [line[6:] for line in raw.decode().splitlines() if line.startswith("data: ")]
         assert events, raw[:500]
         for data in events[:-1]:
             payload = json.loads(data)
             if "error" in payload:
-                assert payload["error"]["type"] != "server_error", payload
+                assert payload["error"]["type"] not in ("server_error", "api_error"), payload
         if api == "responses":  # typed events, the last one the end (or an error)
             last = json.loads(events[-1])["type"]
             assert last in ("response.completed", "response.incomplete", "error"), events[-1]
+        elif api == "anthropic":
+            assert json.loads(events[-1])["type"] in ("message_stop", "error"), events[-1]
         else:
             assert events[-1] == "[DONE]" or "error" in json.loads(events[-1])
     router.assert_healthy()
