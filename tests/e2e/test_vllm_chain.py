@@ -266,3 +266,79 @@ def test_a_responses_api_loop_runs_on_vllm_through_the_template(
     assert kinds[0] == "response.created" and kinds[-1] in {"response.completed", "response.incomplete"}
     assert final.usage is not None and final.usage.input_tokens > first.usage.input_tokens
     assert final.usage.input_tokens_details.cached_tokens >= 32  # whole 32-token blocks
+
+
+def test_an_anthropic_messages_loop_runs_on_vllm_through_the_template(
+    vllm_stack: LocalStack, tmp_path: Path
+) -> None:
+    """Anthropic's Messages API on a real vLLM worker: `system` and `messages` reach the
+    model as the chat they mean, rendered by its own template (input plus cache-read
+    tokens are exactly the template's tokens for the same chat), and the next call -- the
+    reply's blocks sent back with a tool_result -- hits vLLM's prefix cache."""
+    import anthropic
+    import transformers
+
+    tool: dict[str, Any] = {
+        "name": "lookup_order",
+        "description": "Look an order up by its number",
+        "input_schema": {"type": "object", "properties": {"order_id": {"type": "string"}}},
+    }
+    client = anthropic.Anthropic(
+        base_url=vllm_stack.router_http_url.removesuffix("/v1"),
+        api_key="unused",
+        max_retries=0,
+        default_headers={"X-InferX-Program": "e2e-anthropic"},
+    )
+    messages: list[Any] = [{"role": "user", "content": "Where is order 7?"}]
+    first = client.messages.create(
+        model="qwen-7b",
+        system="You are a support agent.",
+        messages=messages,
+        tools=[tool],  # type: ignore[list-item]
+        max_tokens=8,
+    )
+    assert first.type == "message" and first.stop_reason in {"end_turn", "max_tokens", "tool_use"}
+    assert 1 <= first.usage.output_tokens <= 8
+
+    chat_tool = {
+        "type": "function",
+        "function": {
+            "name": tool["name"],
+            "description": tool["description"],
+            "parameters": tool["input_schema"],
+        },
+    }
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(make_tiny_model(tmp_path / "tiny-llama")))
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "You are a support agent."}, *messages],
+        tools=[chat_tool],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert isinstance(rendered, str)
+    prompt_tokens = first.usage.input_tokens + (first.usage.cache_read_input_tokens or 0)
+    assert prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
+
+    messages += [
+        {
+            "role": "assistant",
+            "content": [
+                *[block.model_dump() for block in first.content if block.type == "text"],
+                {"type": "tool_use", "id": "toolu_1", "name": "lookup_order", "input": {"order_id": "7"}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "shipped"}],
+        },
+    ]
+    with client.messages.stream(
+        model="qwen-7b",
+        system="You are a support agent.",
+        messages=messages,
+        tools=[tool],  # type: ignore[list-item]
+        max_tokens=4,
+        extra_headers={"X-InferX-Program-End": "true"},
+    ) as stream:
+        final = stream.get_final_message()
+    assert (final.usage.cache_read_input_tokens or 0) >= 32  # whole 32-token blocks
