@@ -101,7 +101,8 @@ def test_tools_choices_and_formats_are_the_chat_ones() -> None:
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"conversation": "conv_1"}, "conversation"),
         ({"prompt": {"id": "pmpt_1"}}, "prompt"),
-        ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"include": ["message.output_text.logprobs"]}, "include"),
+        ({"include": ["reasoning.encrypted_content", "everything"]}, "include"),
         ({"truncation": "auto"}, "truncation"),
         ({"background": True}, "background"),
         ({"top_logprobs": 2}, "top_logprobs"),
@@ -142,7 +143,7 @@ def test_accepted_fields_that_change_nothing() -> None:
         user="u",
         reasoning={"effort": "low"},
         truncation="disabled",
-        include=[],
+        include=["reasoning.encrypted_content", "file_search_call.results"],
         stream_options={"include_obfuscation": False},
     )
     assert body["messages"] == [{"role": "user", "content": "hi"}]

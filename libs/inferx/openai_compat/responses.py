@@ -32,7 +32,19 @@ from inferx.openai_compat.toolcalls import Content, ToolCall
 INPUT_ITEMS = ("message", "function_call", "function_call_output", "reasoning")
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
-# `include` values InferX can honour: none asks for anything it could not give.
+# `include` values OpenAI defines. All but the log probabilities are vacuous here (InferX
+# runs no built-in tools, and earlier reasoning is not sent back to the model, so
+# `reasoning.encrypted_content` -- what stateless clients such as Codex ask for -- has
+# nothing to carry): accepted. The log probabilities are refused.
+INCLUDABLE = (
+    "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url",
+    "file_search_call.results",
+    "message.input_image.image_url",
+    "reasoning.encrypted_content",
+    "web_search_call.action.sources",
+    "web_search_call.results",
+)
 _STATELESS = "InferX keeps no responses: send the whole conversation as `input`"
 
 
@@ -81,7 +93,12 @@ class ResponsesRequest(BaseModel):
     @field_validator("include")
     @classmethod
     def _nothing_extra(cls, value: Any) -> Any:
-        return _refuse(value, lambda v: not v, "InferX's replies carry no extra data to include")
+        for index, name in enumerate(value or []):
+            if name == "message.output_text.logprobs":
+                raise ValueError(f"[{index}]: not supported: InferX's engines return no log probabilities")
+            if name not in INCLUDABLE:
+                raise ValueError(f"[{index}]: unknown value {name!r}")
+        return value
 
     @field_validator("truncation")
     @classmethod
