@@ -2,8 +2,11 @@
 --peer`'s measurement, without the peer) between two checkouts: two environments side
 by side (etcd, InferX's services with the router's `--http-port`, one SIMULATED sim
 worker at a very high --sim-speed serving HTTP itself), sequential one-token chat calls
-alternating A-direct, A-InferX, B-direct, B-InferX (the order reversed every other
-round), so both sides see the same background load.
+round by round over A-direct, A-InferX, B-direct and B-InferX in a new random order each
+round, so both sides see the same background load and no path is always next to the
+same one. (A fixed alternation, reversed every other round, put each side's calls of
+one path back to back every other round and favoured side B's front by ~0.3 ms in an
+A/A run.)
 
     python benchmarks/http_front_ab.py --a /path/to/main --b . [--count 400] [--warmup 30] \\
         [--process-scheduler]
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import sys
 import tempfile
 import time
@@ -47,9 +51,11 @@ async def measure(envs: dict[str, Environment], count: int, warmup: int) -> dict
         paths.append((f"{side} direct", env.worker_urls[0], {}))
         paths.append((f"{side} InferX", env.fronts[INFERX], {"X-InferX-Program": f"ab-{side}"}))
     latencies: dict[str, list[float]] = {name: [] for name, _, _ in paths}
+    order = random.Random(0)
     async with httpx.AsyncClient(timeout=30) as client:
         for i in range(warmup + count):
-            for name, base, headers in paths if i % 2 else reversed(paths):
+            order.shuffle(paths)  # no path always next to (and warmed by) the same one
+            for name, base, headers in paths:
                 started = time.perf_counter()
                 reply = await client.post(f"{base}/v1/chat/completions", json=body, headers=headers)
                 if reply.status_code != 200:

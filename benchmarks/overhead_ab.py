@@ -39,6 +39,7 @@ import asyncio
 import json
 import math
 import os
+import random
 import sys
 import tempfile
 import time
@@ -215,11 +216,14 @@ async def measure(stacks: list[LocalStack], sides: list[SideResult], args: argpa
         for side in sides:
             side.paths = {name: PathResult() for name in names}
         # Sequential: every path, A and B alternating call by call.
+        # A new random order of every (path, side) each round: no call always follows the
+        # same one (a fixed alternation favours whichever side repeats a path back to back).
+        shuffled = random.Random(0)
+        pairs = [(name, k) for name in names for k in (0, 1)]
         for i in range(args.warmup + args.count):
-            order = [0, 1] if i % 2 == 0 else [1, 0]
-            for name in names:
-                for k in order:
-                    await timed(calls[k][name][1], sides[k].paths[name], keep=i >= args.warmup)
+            shuffled.shuffle(pairs)
+            for name, k in pairs:
+                await timed(calls[k][name][1], sides[k].paths[name], keep=i >= args.warmup)
             if i % 50 == 0:
                 print(f"sequential {i}/{args.warmup + args.count}", file=sys.stderr)
         # Closed loop: blocks alternating A and B; CPU and pool calls on the longest chain.

@@ -42,6 +42,7 @@ import json
 import math
 import os
 import platform
+import random
 import shutil
 import subprocess
 import sys
@@ -347,7 +348,8 @@ async def measure_overhead(
     fronts: dict[str, tuple[str, Identity]], count: int, warmup: int, progress: ProgressFactory
 ) -> list[PathLatency]:
     """`fronts`: name -> (base URL, identity). Sequential one-token calls, the paths
-    interleaved call by call."""
+    interleaved call by call, in a new random order each round (no path always after
+    the same one)."""
     paths = {name: PathLatency(name) for name in fronts}
     body = {"model": MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
     program = TraceChain(
@@ -363,8 +365,11 @@ async def measure_overhead(
     async with http_client(30.0) as client:
         with progress("added latency (sequential calls)", (warmup + count) * len(fronts)) as advance:
             done = 0
+            order, names = random.Random(0), list(fronts)
             for i in range(warmup + count):
-                for name, (base, kind) in fronts.items():
+                order.shuffle(names)
+                for name in names:
+                    base, kind = fronts[name]
                     headers, extra = identity(kind, program, i, 60.0)
                     started = time.perf_counter()
                     try:
