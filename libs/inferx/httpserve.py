@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -31,6 +32,52 @@ def listen_socket(host: str, port: int) -> socket.socket:
     )
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
+
+
+class _CoalescingTransport:
+    """A connection's transport that sends a response's headers with its body: uvicorn
+    writes them apart, and on a TCP_NODELAY socket each write is a send of its own (two
+    packets, two wake-ups of the client). A write is held until the next one, which sends
+    both at once, or until the end of the event loop's turn (`call_soon`) when none
+    follows: a body written in the same turn as its headers (every whole response, a
+    stream's first piece) goes out with them and no later than before."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._pending: list[bytes] = []
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self._pending.append(bytes(data))
+        if len(self._pending) > 1:
+            self._flush()
+        else:
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        if self._pending and not self._transport.is_closing():
+            self._transport.write(b"".join(self._pending))
+        self._pending.clear()
+
+    def close(self) -> None:
+        self._flush()  # what was written before the close goes out before it
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._pending.clear()
+        self._transport.abort()
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + sum(map(len, self._pending))
+
+    def __getattr__(self, name: str) -> Any:  # everything else is the transport's
+        return getattr(self._transport, name)
+
+
+class _CoalescingHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol writing through a `_CoalescingTransport`."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(_CoalescingTransport(transport))  # type: ignore[arg-type]
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -72,6 +119,7 @@ class EmbeddedHttpServer:
             log_level="warning",
             access_log=False,
             lifespan="off",
+            http=_CoalescingHttpToolsProtocol,
             timeout_graceful_shutdown=int(self._drain_timeout_s) or None,
             ssl_certfile=str(self._certfile) if self._certfile else None,
             ssl_keyfile=str(self._keyfile) if self._keyfile else None,
