@@ -17,13 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 from inferx.openai_compat.errors import ErrorReply, InvalidField
 from inferx.openai_compat.reasoning import Reasoning
 from inferx.openai_compat.schema import (
-    MAX_STOP_SEQUENCES,
     ChatCompletionRequest,
     ReplyEvent,
     ReplyReader,
     _not_a_bool,
     _refuse,
-    validate_body,
+    chat_request_from,
 )
 from inferx.openai_compat.toolcalls import Content, ToolCall
 
@@ -93,37 +92,24 @@ class MessagesRequest(BaseModel):
 
     def chat_request(self) -> ChatCompletionRequest:
         """The same call as a chat completion; InvalidField naming this API's fields."""
-        chat: dict[str, Any] = {
+        one_call = (self.tool_choice or {}).get("disable_parallel_tool_use") is True
+        chat = {
             "model": self.model,
             "messages": _messages(self.system, self.messages),
             "max_tokens": self.max_tokens,
             "stream": self.stream,
-        }
-        choice = self.tool_choice or {}
-        optional = {
             "stop": self.stop_sequences,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "tools": _chat_tools(self.tools) if self.tools is not None else None,
             "tool_choice": _chat_tool_choice(self.tool_choice),
-            "parallel_tool_calls": False if choice.get("disable_parallel_tool_use") is True else None,
+            "parallel_tool_calls": False if one_call else None,
             "response_format": _response_format(self.output_config),
         }
-        chat.update({key: value for key, value in optional.items() if value is not None})
-        if len(self.stop_sequences or []) > MAX_STOP_SEQUENCES:  # (the chat check names `stop`)
-            raise InvalidField(
-                "stop_sequences", f"at most {MAX_STOP_SEQUENCES}, got {len(self.stop_sequences or [])}"
-            )
-        try:
-            return validate_body(ChatCompletionRequest, chat)
-        except InvalidField as exc:  # what is left to check, named as this API names it
-            raise InvalidField(_messages_param(exc.param), exc.message.split(": ", 1)[-1]) from None
-
-
-def _messages_param(chat_param: str) -> str:
-    if chat_param.startswith("messages"):
-        return "messages"
-    return {"stop": "stop_sequences", "response_format": "output_config.format"}.get(chat_param, chat_param)
+        return chat_request_from(
+            chat,
+            {"messages": "messages", "stop": "stop_sequences", "response_format": "output_config.format"},
+        )
 
 
 def _blocks(value: Any, param: str) -> list[dict[str, Any]]:
@@ -349,12 +335,7 @@ class MessageWriter:
 
     def whole(self, reader: ReplyReader, engine_reason: str, usage: dict[str, Any]) -> dict[str, Any]:
         """The message of a call whose reader read the reply to its end (not streamed)."""
-        read: list[ReplyEvent] = []
-        if reader.reasoning:
-            read.append(Reasoning(reader.reasoning))
-        if reader.content:
-            read.append(Content(reader.content))
-        self.events([*read, *reader.calls])
+        self.events(reader.read())
         self._close()
         return self.message(stop_reason(engine_reason, bool(reader.calls)), usage)
 

@@ -24,7 +24,7 @@ from inferx.openai_compat.schema import (
     ReplyReader,
     _not_a_bool,
     _refuse,
-    validate_body,
+    chat_request_from,
 )
 from inferx.openai_compat.toolcalls import Content, ToolCall
 
@@ -118,12 +118,10 @@ class ResponsesRequest(BaseModel):
 
     def chat_request(self) -> ChatCompletionRequest:
         """The same call as a chat completion; InvalidField naming this API's fields."""
-        chat: dict[str, Any] = {
+        chat = {
             "model": self.model,
             "messages": _messages(self.instructions, self.input),
             "stream": self.stream,
-        }
-        optional = {
             "max_tokens": self.max_output_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -132,17 +130,9 @@ class ResponsesRequest(BaseModel):
             "parallel_tool_calls": self.parallel_tool_calls,
             "response_format": _response_format(self.text),
         }
-        chat.update({key: value for key, value in optional.items() if value is not None})
-        try:
-            return validate_body(ChatCompletionRequest, chat)
-        except InvalidField as exc:  # what is left to check, named as this API names it
-            raise InvalidField(_responses_param(exc.param), exc.message.split(": ", 1)[-1]) from None
-
-
-def _responses_param(chat_param: str) -> str:
-    if chat_param.startswith("messages"):
-        return "input"
-    return {"max_tokens": "max_output_tokens", "response_format": "text.format"}.get(chat_param, chat_param)
+        return chat_request_from(
+            chat, {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+        )
 
 
 def _text(value: Any, param: str) -> str:
@@ -355,12 +345,7 @@ class ResponseWriter:
 
     def whole(self, reader: ReplyReader, engine_reason: str, usage: dict[str, Any]) -> dict[str, Any]:
         """The object of a call whose reader read the reply to its end (not streamed)."""
-        read: list[ReplyEvent] = []
-        if reader.reasoning:
-            read.append(Reasoning(reader.reasoning))
-        if reader.content:
-            read.append(Content(reader.content))
-        self.events([*read, *reader.calls])
+        self.events(reader.read())
         self.end(engine_reason, usage)
         return self.response("incomplete" if engine_reason == "length" else "completed", usage)
 

@@ -425,6 +425,18 @@ def validate_body(model: type[M], data: dict[str, Any]) -> M:
         raise InvalidField(_param(tuple(first["loc"])), message) from None
 
 
+def chat_request_from(fields: dict[str, Any], names: dict[str, str]) -> ChatCompletionRequest:
+    """A chat completion request for another API's call (the Responses and Messages
+    APIs are read as the chat call they mean): `fields` in chat terms, None for not set.
+    InvalidField names the field as that API names it (`names`: chat field -> theirs;
+    `names["messages"]` for any message field)."""
+    try:
+        return validate_body(ChatCompletionRequest, {k: v for k, v in fields.items() if v is not None})
+    except InvalidField as exc:
+        theirs = names["messages"] if exc.param.startswith("messages") else names.get(exc.param, exc.param)
+        raise InvalidField(theirs, exc.message.split(": ", 1)[-1]) from None
+
+
 # ----- responses --------------------------------------------------------------------
 
 
@@ -506,6 +518,13 @@ class ReplyReader:
     def feed(self, piece: str) -> list[ReplyEvent]:
         self._text.append(piece)
         return self._answer(self._splitter.feed(piece) if self._splitter else [piece], final=False)
+
+    def read(self) -> list[ReplyEvent]:
+        """What the reply said, once read to its end, as one event of each kind in the
+        order a reply says them: the thinking, the content, the tool calls."""
+        thinking = [Reasoning(self.reasoning)] if self.reasoning else []
+        content = [Content(self.content)] if self.content else []
+        return [*thinking, *content, *self.calls]
 
     def finish(self) -> list[ReplyEvent]:
         """The rest, once the reply has ended (ToolChoiceNotFollowed: see the class)."""
