@@ -77,6 +77,9 @@ class RequestLimits:
     max_nodes: int = 256
     max_output_tokens: int = 16_384
     http_max_body_bytes: int = 4 * MIB
+    # max_tokens of a program call that sets none (0: none, the reply runs until the
+    # model stops or its context is full, as on OpenAI and vLLM)
+    default_output_tokens: int = 0
 
     def check_inputs(self, inputs: Mapping[str, str]) -> None:
         """RunChain's inputs: how many, and their total size (names and values, UTF-8)."""

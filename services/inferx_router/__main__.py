@@ -135,6 +135,14 @@ class RouterSettings(ServiceSettings):
         description="max_tokens a model node (PutChain, ValidateChain) or a program call (HTTP, CallModel) "
         "may ask for",
     )
+    default_max_output_tokens: int = Field(
+        RequestLimits.default_output_tokens,
+        ge=0,
+        le=MAX_UINT32,
+        description="max_tokens of a program call (HTTP, CallModel) that sets none; 0 = none: the reply runs "
+        "until the model stops or its context is full, as on OpenAI and vLLM (vLLM's "
+        "--override-generation-config max_new_tokens does the same); at most --max-output-tokens",
+    )
     http_max_body_bytes: int = Field(
         RequestLimits.http_max_body_bytes,
         gt=0,
@@ -163,6 +171,15 @@ class RouterSettings(ServiceSettings):
         return value
 
     @model_validator(mode="after")
+    def _default_within_the_limit(self) -> RouterSettings:
+        if self.default_max_output_tokens > self.max_output_tokens:
+            raise ValueError(
+                f"--default-max-output-tokens {self.default_max_output_tokens} is over "
+                f"--max-output-tokens {self.max_output_tokens}"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _embedded_only(self) -> RouterSettings:
         if not self.embedded_scheduler and (self.scheduler_flags or self.scheduler_port):
             raise ValueError("--scheduler-flags and --scheduler-port need --embedded-scheduler")
@@ -176,6 +193,7 @@ class RouterSettings(ServiceSettings):
             max_config_bytes=self.max_config_bytes,
             max_nodes=self.max_nodes,
             max_output_tokens=self.max_output_tokens,
+            default_output_tokens=self.default_max_output_tokens,
             http_max_body_bytes=self.http_max_body_bytes,
         )
 

@@ -129,7 +129,9 @@ class ProgramCalls:
             raise TypeError(type(body).__name__)
         if not prompt:
             raise InvalidField("prompt", "empty")
-        tokens, param = body.output_tokens(), body.output_tokens_param()  # 0: not set, the engine caps it
+        # 0: not set: --default-max-output-tokens, else none (the engine caps it at the context)
+        tokens = body.output_tokens() or self._request_limits.default_output_tokens
+        param = body.output_tokens_param()
         if problem := self._request_limits.output_tokens_problem(param, tokens):  # --max-output-tokens
             raise InvalidField(param, problem.removeprefix(f"{param}: "))
         prefix_id, prefix_tokens = shared_prefix(head)

@@ -45,6 +45,7 @@ LIMITS = {
     "--max-config-bytes": 16 * KIB,
     "--max-nodes": 12,
     "--max-output-tokens": 64,
+    "--default-max-output-tokens": 5,
     "--http-max-body-bytes": 32 * KIB,
 }
 MODEL = "qwen-7b"
@@ -244,6 +245,17 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
 
 
 # ----- each limit, through gRPC and HTTP -------------------------------------------------
+
+
+def test_a_call_without_max_tokens_gets_the_routers_default(router: Router) -> None:
+    """--default-max-output-tokens bounds a call that sets no max_tokens (the sim
+    engine's own natural end, 64 tokens, is further); one that sets its own is its own."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    unset = router.http.post("/chat/completions", json=chat).json()
+    assert unset["choices"][0]["finish_reason"] == "length"
+    assert unset["usage"]["completion_tokens"] == LIMITS["--default-max-output-tokens"]
+    own = router.http.post("/chat/completions", json={**chat, "max_tokens": 7}).json()
+    assert own["usage"]["completion_tokens"] == 7
 
 
 def test_each_limit_names_itself_through_grpc_and_http(router: Router) -> None:

@@ -19,7 +19,7 @@ from inferx.chain.validate import MAX_CONFIG_CHARS, ChainConfigError, load_chain
 from inferx.errors import InvalidArgument, fit_status_message
 from inferx.limits import KIB, MAX_STORED_CHAIN_BYTES, MIB, LimitExceeded, RequestLimits, format_bytes
 from inferx.openai_compat.errors import BodyTooLarge, error_reply
-from inferx.openai_compat.schema import CompletionRequest, parse_body
+from inferx.openai_compat.schema import ChatCompletionRequest, CompletionRequest, parse_body
 from inferx.pools import PoolDirectory
 from inferx.server import _decoder
 from inferx.settings import ServiceSettings, load_settings
@@ -319,6 +319,38 @@ def test_the_router_takes_each_limit_as_a_flag_with_the_documented_defaults() ->
     settings = load_settings(RouterSettings, "inferx-router", flags)
     assert settings.max_request_bytes == 2048
     assert settings.request_limits == RequestLimits(10, 2, 100, 4, 5, 50)
+
+
+def test_a_default_for_calls_without_max_tokens_within_the_limit() -> None:
+    flags = ["--max-output-tokens=5", "--default-max-output-tokens=3"]
+    assert load_settings(RouterSettings, "inferx-router", flags).request_limits.default_output_tokens == 3
+
+
+def test_a_default_over_the_limit_is_refused_at_start(capsys) -> None:
+    with pytest.raises(SystemExit):
+        load_settings(
+            RouterSettings, "inferx-router", ["--max-output-tokens=5", "--default-max-output-tokens=6"]
+        )
+    assert "--default-max-output-tokens 6 is over --max-output-tokens 5" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("default", [0, 6])
+def test_a_program_call_without_max_tokens_gets_the_default(default: int) -> None:
+    limits = RequestLimits(max_output_tokens=8, default_output_tokens=default)
+    directory = PoolDirectory()
+    directory.model_to_pool = {"m": "pool"}
+    calls = ProgramCalls(
+        directory,
+        NoScheduler(),
+        access=AccessControl(None),
+        quotas=TenantQuotas(),
+        default_timeout_s=5,
+        book=ProgramBook(RunStore()),
+        request_limits=limits,
+    )
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert calls.prepare(ChatCompletionRequest.model_validate(chat)).max_tokens == default  # 0: not set
+    assert calls.prepare(ChatCompletionRequest.model_validate({**chat, "max_tokens": 2})).max_tokens == 2
 
 
 @pytest.mark.parametrize(
