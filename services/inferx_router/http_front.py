@@ -29,6 +29,7 @@ from starlette.routing import Route
 
 from inferx import telemetry
 from inferx.auth.model import Principal
+from inferx.errors import NotFound
 from inferx.httpserve import EmbeddedHttpServer
 from inferx.limits import RequestLimits
 from inferx.openai_compat import anthropic, responses, schema
@@ -70,6 +71,12 @@ class OpenAIFront:
                 Route("/v1/responses", guarded(self.responses, SERVICE), methods=["POST"]),
                 Route(
                     "/v1/messages", guarded(self.messages, SERVICE, anthropic.error_reply), methods=["POST"]
+                ),
+                # count_tokens (and whatever else Anthropic adds there): a 404 in Anthropic's shape
+                Route(
+                    "/v1/messages/{rest:path}",
+                    guarded(self.not_served, SERVICE, anthropic.error_reply),
+                    methods=["GET", "POST", "DELETE"],
                 ),
                 # retrieve, delete, cancel, input_items: InferX keeps no responses to find
                 Route(
@@ -119,6 +126,10 @@ class OpenAIFront:
 
     async def messages(self, request: Request) -> Response:
         return await self._serve(request, _read_messages)
+
+    async def not_served(self, request: Request) -> Response:
+        self._caller(request)
+        raise NotFound(f"{request.method} {request.url.path}: not served by InferX")
 
     async def stored_response(self, request: Request) -> Response:
         self._caller(request)

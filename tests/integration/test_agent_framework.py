@@ -672,3 +672,9 @@ def test_an_anthropic_call_to_an_unknown_model_is_a_404(agent_stack: LocalStack)
         claude(agent_stack).messages.create(
             model="no-such-model", max_tokens=8, messages=[{"role": "user", "content": "hi"}]
         )
+
+
+def test_count_tokens_is_a_404_in_anthropics_shape(agent_stack: LocalStack) -> None:
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        claude(agent_stack).messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert isinstance(caught.value.body, dict) and caught.value.body["error"]["type"] == "not_found_error"

@@ -155,7 +155,11 @@ def test_accepted_fields_that_change_nothing() -> None:
                     {
                         "role": "user",
                         "content": [
-                            {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image"}]}
+                            {
+                                "type": "tool_result",
+                                "tool_use_id": "t",
+                                "content": [{"type": "search_result"}],
+                            }
                         ],
                     }
                 ]
@@ -169,6 +173,8 @@ def test_accepted_fields_that_change_nothing() -> None:
         ({"tools": [{"input_schema": {}}]}, "tools[0].name"),
         ({"tool_choice": {"type": "tool"}}, "tool_choice.name"),
         ({"tool_choice": {"type": "any"}}, "tool_choice"),  # (no tools: nothing to choose)
+        ({"tool_choice": {"type": ["auto"]}}, "tool_choice.type"),  # (was a 500: unhashable)
+        ({"messages": [{"role": "user", "content": []}]}, "messages[0].content"),
         ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format"),
         ({"stop_sequences": [""]}, "stop_sequences"),
         ({"stop_sequences": ["x"] * 17}, "stop_sequences"),
@@ -258,3 +264,35 @@ def test_errors_in_anthropics_shape_keep_their_status(error: Exception, status: 
         and reply.body["error"]["type"] == kind
         and reply.body["error"]["message"]
     )
+
+
+def test_a_tool_results_image_is_a_line_saying_it_was_left_out() -> None:
+    """Claude Code's Read of a picture: the session goes on (the block stays in every
+    later call), the model told the image is not shown."""
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
+    result = {
+        "type": "tool_result",
+        "tool_use_id": "t1",
+        "content": [{"type": "text", "text": "a.png:"}, image],
+    }
+    out = chat(messages=[{"role": "user", "content": [result]}])["messages"]
+    assert out == [
+        {
+            "role": "tool",
+            "tool_call_id": "t1",
+            "content": "a.png:\n[image left out: this model reads text only]",
+        }
+    ]
+
+
+def test_an_assistant_turn_that_only_thought_stays_a_turn() -> None:
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": ""}]},
+        {"role": "user", "content": "well?"},
+    ]
+    assert [m["role"] for m in chat(messages=messages)["messages"]] == ["user", "assistant", "user"]
+
+
+def test_a_limit_on_the_output_names_max_tokens() -> None:
+    assert ask().chat_request().output_tokens_param() == "max_tokens"

@@ -226,3 +226,7 @@ def test_a_failure_after_the_stream_started_is_an_error_event() -> None:
     )
     parsed = EVENT.validate_python(event)
     assert parsed.type == "error" and parsed.message == "worker lost" and parsed.sequence_number == 2
+
+
+def test_a_limit_on_the_output_names_max_output_tokens() -> None:
+    assert ask(max_output_tokens=9).chat_request().output_tokens_param() == "max_output_tokens"

@@ -34,6 +34,8 @@ BILLING_HEADER = "x-anthropic-billing-header"
 # Blocks that hold an earlier reply's thinking: left out of the chat, as chat templates
 # leave out earlier reasoning.
 THINKING_BLOCKS = ("thinking", "redacted_thinking")
+# Kinds of part in a tool result that are not text (see _tool_result_text).
+NON_TEXT_RESULTS = ("image", "document")
 
 # Anthropic's error types by HTTP status (what its SDKs read; anything else: api_error).
 ERROR_TYPES = {
@@ -145,15 +147,21 @@ def _system(system: str | list[Any] | None) -> str:
 
 
 def _tool_result_text(block: dict[str, Any], param: str) -> str:
+    """A tool result's text. An image or document in it (Claude Code's Read of a picture)
+    becomes a line saying one was left out: the client put it there, not the user, and
+    it stays in every later call of the session, so refusing it would refuse the whole
+    session from then on."""
     content = block.get("content")
     if content is None:
         return ""
     texts = []
     for index, part in enumerate(_blocks(content, f"{param}.content")):
-        if part.get("type") != "text":
-            raise InvalidField(
-                f"{param}.content[{index}].type", f"only text is supported, got {part.get('type')!r}"
-            )
+        kind = part.get("type")
+        if kind in NON_TEXT_RESULTS:
+            texts.append(f"[{kind} left out: this model reads text only]")
+            continue
+        if kind != "text":
+            raise InvalidField(f"{param}.content[{index}].type", f"only text is supported, got {kind!r}")
         texts.append(_text_of(part, f"{param}.content[{index}]"))
     return "\n".join(texts)
 
@@ -174,7 +182,10 @@ def _messages(system: str | list[Any] | None, given: list[Any]) -> list[dict[str
             raise InvalidField(f"{param}.role", f"expected one of {', '.join(ROLES)}, got {role!r}")
         texts: list[str] = []
         calls: list[dict[str, Any]] = []
-        for number, block in enumerate(_blocks(message.get("content"), f"{param}.content")):
+        blocks = _blocks(message.get("content"), f"{param}.content")
+        if not blocks:
+            raise InvalidField(f"{param}.content", "no content blocks")
+        for number, block in enumerate(blocks):
             where, kind = f"{param}.content[{number}]", block.get("type")
             if kind == "text":
                 texts.append(_text_of(block, where))
@@ -189,7 +200,9 @@ def _messages(system: str | list[Any] | None, given: list[Any]) -> list[dict[str
                 )
             elif kind not in THINKING_BLOCKS or role != "assistant":
                 raise InvalidField(f"{where}.type", f"{kind!r} blocks are not supported in a {role} message")
-        if texts or calls:  # (a user turn of tool results alone is those tool messages)
+        # A user turn of tool results alone is those tool messages; an assistant turn that
+        # only thought stays a turn (templates want the roles to alternate).
+        if texts or calls or role == "assistant":
             turn: dict[str, Any] = {"role": role, "content": "".join(texts) if texts or not calls else None}
             if calls:
                 turn["tool_calls"] = calls
@@ -240,7 +253,7 @@ def _chat_tool_choice(choice: dict[str, Any] | None) -> str | dict[str, Any] | N
         if not isinstance(name, str) or not name:
             raise InvalidField("tool_choice.name", "expected a non-empty string")
         return {"type": "function", "function": {"name": name}}
-    chat = {"auto": "auto", "any": "required", "none": "none"}.get(kind)  # type: ignore[arg-type]
+    chat = {"auto": "auto", "any": "required", "none": "none"}.get(kind) if isinstance(kind, str) else None
     if chat is None:
         raise InvalidField("tool_choice.type", f"expected one of auto, any, tool, none, got {kind!r}")
     return chat

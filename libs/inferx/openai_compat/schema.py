@@ -11,6 +11,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictBool,
     ValidationError,
     ValidationInfo,
@@ -217,6 +218,9 @@ class CallRequest(BaseModel):
 
 class ChatCompletionRequest(CallRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    # For a call of another API read as a chat call (`chat_request_from`): what that API
+    # calls the chat fields, so later errors name its fields (chat field -> theirs).
+    _field_names: dict[str, str] = PrivateAttr(default_factory=dict)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -298,7 +302,8 @@ class ChatCompletionRequest(CallRequest):
         return self.max_completion_tokens or self.max_tokens or 0
 
     def output_tokens_param(self) -> str:
-        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+        field = "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+        return self._field_names.get(field, field)
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -431,10 +436,12 @@ def chat_request_from(fields: dict[str, Any], names: dict[str, str]) -> ChatComp
     InvalidField names the field as that API names it (`names`: chat field -> theirs;
     `names["messages"]` for any message field)."""
     try:
-        return validate_body(ChatCompletionRequest, {k: v for k, v in fields.items() if v is not None})
+        request = validate_body(ChatCompletionRequest, {k: v for k, v in fields.items() if v is not None})
     except InvalidField as exc:
         theirs = names["messages"] if exc.param.startswith("messages") else names.get(exc.param, exc.param)
         raise InvalidField(theirs, exc.message.split(": ", 1)[-1]) from None
+    request._field_names = names
+    return request
 
 
 # ----- responses --------------------------------------------------------------------
