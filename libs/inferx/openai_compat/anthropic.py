@@ -18,7 +18,7 @@ from inferx.openai_compat.errors import ErrorReply, InvalidField
 from inferx.openai_compat.reasoning import Reasoning
 from inferx.openai_compat.schema import (
     ChatCompletionRequest,
-    ReplyEvent,
+    ReplyItems,
     ReplyReader,
     _not_a_bool,
     _refuse,
@@ -300,7 +300,7 @@ def _arguments(call: ToolCall) -> dict[str, Any]:
     return arguments if isinstance(arguments, dict) else {}
 
 
-class MessageWriter:
+class MessageWriter(ReplyItems):
     """One call's `message`, built from what its `ReplyReader` reads, and the events of
     its stream on the way (Anthropic's order: `message_start`; per content block
     `content_block_start`, its deltas, `content_block_stop`; `message_delta` with the
@@ -326,17 +326,6 @@ class MessageWriter:
 
     def start(self) -> list[dict[str, Any]]:
         return [{"type": "message_start", "message": self.message(None, message_usage(0, 0, 0))}]
-
-    def events(self, events: list[ReplyEvent]) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        for event in events:
-            if isinstance(event, Content | Reasoning):
-                if event.text:
-                    out += self._text(event)
-            else:
-                out += self._close()
-                out += self._tool_use(event)
-        return out
 
     def end(self, engine_reason: str, called: bool, usage: dict[str, Any]) -> list[dict[str, Any]]:
         delta = {"stop_reason": stop_reason(engine_reason, called), "stop_sequence": None}
@@ -388,7 +377,7 @@ class MessageWriter:
         self._open = None
         return [{"type": "content_block_stop", "index": len(self._blocks) - 1}]
 
-    def _tool_use(self, call: ToolCall) -> list[dict[str, Any]]:
+    def _call(self, call: ToolCall) -> list[dict[str, Any]]:
         block = {"type": "tool_use", "id": call.id, "name": call.name, "input": _arguments(call)}
         self._blocks.append(block)
         index = len(self._blocks) - 1

@@ -20,7 +20,7 @@ from inferx.openai_compat.errors import InvalidField
 from inferx.openai_compat.reasoning import Reasoning
 from inferx.openai_compat.schema import (
     ChatCompletionRequest,
-    ReplyEvent,
+    ReplyItems,
     ReplyReader,
     _not_a_bool,
     _refuse,
@@ -271,7 +271,7 @@ def response_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: in
     }
 
 
-class ResponseWriter:
+class ResponseWriter(ReplyItems):
     """One call's `response` object, built from what its `ReplyReader` reads, and the
     events of its stream on the way (OpenAI's order: `response.created` and
     `.in_progress`; per output item `output_item.added`, its content part's or
@@ -325,17 +325,6 @@ class ResponseWriter:
             self._event("response.created", response=snapshot),
             self._event("response.in_progress", response=snapshot),
         ]
-
-    def events(self, events: list[ReplyEvent]) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        for event in events:
-            if isinstance(event, Content | Reasoning):
-                if event.text:
-                    out += self._text(event)
-            else:
-                out += self._close()
-                out += self._function_call(event)
-        return out
 
     def end(self, engine_reason: str, usage: dict[str, Any]) -> list[dict[str, Any]]:
         """The events that close the stream, once the reader has finished."""
@@ -407,7 +396,7 @@ class ResponseWriter:
             self._event("response.output_item.done", output_index=where["output_index"], item=dict(item)),
         ]
 
-    def _function_call(self, call: ToolCall) -> list[dict[str, Any]]:
+    def _call(self, call: ToolCall) -> list[dict[str, Any]]:
         index = len(self._items)
         item = {
             "id": _new_id("fc"),

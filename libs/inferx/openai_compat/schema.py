@@ -562,6 +562,33 @@ class ReplyReader:
         return events
 
 
+class ReplyItems:
+    """What the Responses and Messages writers share: a reply's events as the items (or
+    content blocks) of one output, text of one kind written into one item until
+    something else comes, each tool call an item of its own. Subclasses write each
+    kind of item in their API's events."""
+
+    def events(self, events: list[ReplyEvent]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for event in events:
+            if isinstance(event, Content | Reasoning):
+                if event.text:
+                    out += self._text(event)
+            else:
+                out += self._close()
+                out += self._call(event)
+        return out
+
+    def _text(self, event: Content | Reasoning) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def _close(self) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def _call(self, call: ToolCall) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+
 def reply_reader(
     body: CallRequest, tool_format: str = DEFAULT_FORMAT, reasoning_parser: str = ""
 ) -> ReplyReader:
