@@ -35,6 +35,14 @@ from inferx_router.tool_cache import TieredCache
 log = logging.getLogger("inferx.router.tools")
 
 SESSION_MEMORY = "session_memory"
+# Bounds on session memory. A chain whose output holds its own recall (a
+# memory_retrieval node as a sink) would otherwise remember ever larger turns, each
+# holding the ones before: geometric growth, until a run's events pass what gRPC
+# clients take (4 MiB by default). A turn's output is kept to MAX_TURN_OUTPUT_BYTES, a
+# recall to MAX_RECALL_BYTES (the newest turns first, at least one); what is cut says
+# so in the text.
+MAX_TURN_OUTPUT_BYTES = 64 * 1024
+MAX_RECALL_BYTES = 1024 * 1024
 
 
 STALE_TTL_S = 86_400.0  # how long the last good result stays usable as a degraded answer
@@ -87,6 +95,23 @@ def cache_key(tool: str, version: str, arguments: dict[str, Any], *, tenant: str
 
 def stale_key(key: str) -> str:
     return f"stale:{key}"
+
+
+def bounded_turn(turn: dict[str, Any]) -> bytes:
+    """A turn as session memory keeps it: JSON, its output cut until it takes at most
+    MAX_TURN_OUTPUT_BYTES there (escapes counted), with a note of how much was left out
+    (its inputs are bounded by --max-input-bytes)."""
+    output = str(turn.get("output", ""))
+    room = MAX_TURN_OUTPUT_BYTES - 100  # (the note)
+    kept, size = output, len(json.dumps(output).encode())
+    while size > room:  # shrinks every time: size > room
+        kept = kept[: len(kept) * room // size]
+        size = len(json.dumps(kept).encode())
+    if kept != output:
+        output = (
+            f"{kept}[... {len(output.encode()) - len(kept.encode()):,} bytes of this turn's output left out]"
+        )
+    return json.dumps({**turn, "output": output}).encode()
 
 
 def memory_key(session_id: str, tenant: str = DEFAULT_TENANT) -> str:
@@ -288,7 +313,7 @@ class ToolRouter:
     ) -> None:
         """Append a finished turn to the session's memory (kept in the cache service)."""
         if session_id:
-            await self.cache.append(memory_key(session_id, tenant), json.dumps(turn).encode(), ttl_s)
+            await self.cache.append(memory_key(session_id, tenant), bounded_turn(turn), ttl_s)
 
     # ----- built-in tools -----------------------------------------------------------
 
@@ -310,5 +335,12 @@ class ToolRouter:
         values = await self.cache.get_list(memory_key(call.session_id, call.tenant))
         if values is None:
             raise Unavailable("session memory needs the cache service, which cannot be reached")
-        turns = [json.loads(v) for v in values]
-        return turns[-int(limit) :] if limit else turns
+        recent = values[-int(limit) :] if limit else values
+        kept: list[Any] = []
+        size = 0
+        for value in reversed(recent):  # the newest first, up to MAX_RECALL_BYTES
+            size += len(value)
+            if size > MAX_RECALL_BYTES and kept:
+                break
+            kept.append(json.loads(value))
+        return kept[::-1]
