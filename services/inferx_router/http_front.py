@@ -37,7 +37,15 @@ from inferx.openai_compat.errors import BodyTooLarge, ModelNotFound, ResponseNot
 from inferx.openai_compat.identity import ProgramIdentity, parse_identity
 from inferx.openai_compat.schema import ReplyEvent
 from inferx.openai_compat.toolcalls import Content
-from inferx.openai_http import CLIENT_GONE, error_reply_body, guarded, http_error, unless_client_leaves
+from inferx.openai_http import (
+    CLIENT_GONE,
+    Shape,
+    error_reply_body,
+    guarded,
+    http_error,
+    openai_shape,
+    unless_client_leaves,
+)
 from inferx_router.access import AccessControl
 from inferx_router.hops import HopDone
 from inferx_router.program_calls import CallDone, ProgramCalls
@@ -294,18 +302,42 @@ class _TextWriter(_ChatWriter):
         return [schema.text_completion(*self._head, "", done.finish_reason, None)]
 
 
-class _ResponsesWriter:
-    """The Responses API (a `response`, or its typed events, each named in SSE's
-    `event:` line as OpenAI sends them; no [DONE])."""
+class ItemsWriter(Protocol):
+    """A pure writer of an API whose reply is a list of items or content blocks
+    (`responses.ResponseWriter`, `anthropic.MessageWriter`)."""
+
+    def whole(
+        self, reader: schema.ReplyReader, engine_reason: str, usage: dict[str, Any]
+    ) -> dict[str, Any]: ...
+
+    def start(self) -> list[dict[str, Any]]: ...
+
+    def events(self, events: list[ReplyEvent]) -> list[dict[str, Any]]: ...
+
+    def end(self, engine_reason: str, usage: dict[str, Any]) -> list[dict[str, Any]]: ...
+
+    def failed(self, body: dict[str, Any]) -> list[dict[str, Any]]: ...
+
+
+class _ItemsReplyWriter:
+    """The Responses API and Anthropic's Messages API: a reply, or its typed events,
+    each named in SSE's `event:` line as OpenAI and Anthropic send them (no [DONE]);
+    errors in the API's own shape."""
 
     def __init__(
-        self, ask: responses.ResponsesRequest, call: Call, created: int, reader: schema.ReplyReader
+        self,
+        writer: ItemsWriter,
+        reader: schema.ReplyReader,
+        usage: Callable[[int, int, int], dict[str, Any]],
+        shape: Shape,
     ) -> None:
-        response_id = "resp_" + call.call_id.rpartition("-")[2]  # the call's own id, as the record has it
-        self._writer, self._reader = responses.ResponseWriter(response_id, created, ask), reader
+        self._writer, self._reader, self._usage, self._shape = writer, reader, usage, shape
+
+    def _usage_of(self, done: HopDone) -> dict[str, Any]:
+        return self._usage(done.prompt_tokens, done.completion_tokens, done.cached_prompt_tokens)
 
     def whole(self, done: HopDone) -> dict[str, Any]:
-        return self._writer.whole(self._reader, done.finish_reason, _response_usage(done))
+        return self._writer.whole(self._reader, done.finish_reason, self._usage_of(done))
 
     def start(self) -> list[str]:
         return _named(self._writer.start())
@@ -314,36 +346,15 @@ class _ResponsesWriter:
         return _named(self._writer.events(events))
 
     def end(self, done: HopDone) -> list[str]:
-        return _named(self._writer.end(done.finish_reason, _response_usage(done)))
+        return _named(self._writer.end(done.finish_reason, self._usage_of(done)))
 
     def failed(self, exc: BaseException) -> list[str]:
-        return _named(self._writer.failed(error_reply_body(exc, SERVICE)["error"]))
+        return _named(self._writer.failed(error_reply_body(exc, SERVICE, self._shape)))
 
 
-class _MessagesWriter:
-    """Anthropic's Messages API (a `message`, or its events, named in SSE's `event:`
-    line as Anthropic sends them; errors in Anthropic's shape)."""
-
-    def __init__(
-        self, ask: anthropic.MessagesRequest, call: Call, created: int, reader: schema.ReplyReader
-    ) -> None:
-        message_id = "msg_" + call.call_id.rpartition("-")[2]  # the call's own id, as the record has it
-        self._writer, self._reader = anthropic.MessageWriter(message_id, ask.model), reader
-
-    def whole(self, done: HopDone) -> dict[str, Any]:
-        return self._writer.whole(self._reader, done.finish_reason, _message_usage(done))
-
-    def start(self) -> list[str]:
-        return _named(self._writer.start())
-
-    def events(self, events: list[ReplyEvent]) -> list[str]:
-        return _named(self._writer.events(events))
-
-    def end(self, done: HopDone) -> list[str]:
-        return _named(self._writer.end(done.finish_reason, bool(self._reader.calls), _message_usage(done)))
-
-    def failed(self, exc: BaseException) -> list[str]:
-        return _named(self._writer.failed(error_reply_body(exc, SERVICE, anthropic.error_reply)))
+def _own_id(call: Call) -> str:
+    """The call's own id, as its record has it (chatcmpl-<hex>: the hex)."""
+    return call.call_id.rpartition("-")[2]
 
 
 def _named(events: list[dict[str, Any]]) -> list[str]:
@@ -362,12 +373,22 @@ def _read_completion(data: dict[str, Any]) -> tuple[schema.CallRequest, WriterFo
 
 def _read_messages(data: dict[str, Any]) -> tuple[schema.CallRequest, WriterFor]:
     ask = schema.validate_body(anthropic.MessagesRequest, data)
-    return ask.chat_request(), partial(_MessagesWriter, ask)
+
+    def writer_for(call: Call, created: int, reader: schema.ReplyReader) -> ReplyWriter:
+        writer = anthropic.MessageWriter(f"msg_{_own_id(call)}", ask.model)
+        return _ItemsReplyWriter(writer, reader, anthropic.message_usage, anthropic.error_reply)
+
+    return ask.chat_request(), writer_for
 
 
 def _read_responses(data: dict[str, Any]) -> tuple[schema.CallRequest, WriterFor]:
     ask = schema.validate_body(responses.ResponsesRequest, data)
-    return ask.chat_request(), partial(_ResponsesWriter, ask)
+
+    def writer_for(call: Call, created: int, reader: schema.ReplyReader) -> ReplyWriter:
+        writer = responses.ResponseWriter(f"resp_{_own_id(call)}", created, ask)
+        return _ItemsReplyWriter(writer, reader, responses.response_usage, openai_shape)
+
+    return ask.chat_request(), writer_for
 
 
 def _call_headers(result: CallDone) -> dict[str, str]:
@@ -376,14 +397,6 @@ def _call_headers(result: CallDone) -> dict[str, str]:
 
 def _usage(done: HopDone) -> dict[str, Any]:
     return schema.usage(done.prompt_tokens, done.completion_tokens, done.cached_prompt_tokens)
-
-
-def _message_usage(done: HopDone) -> dict[str, Any]:
-    return anthropic.message_usage(done.prompt_tokens, done.completion_tokens, done.cached_prompt_tokens)
-
-
-def _response_usage(done: HopDone) -> dict[str, Any]:
-    return responses.response_usage(done.prompt_tokens, done.completion_tokens, done.cached_prompt_tokens)
 
 
 # The router's HTTP front is the shared embedded uvicorn server (HTTPS with the router's

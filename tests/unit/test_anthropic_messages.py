@@ -205,7 +205,7 @@ def test_a_streamed_reply_is_anthropics_event_sequence() -> None:
         *out.start(),
         *out.events([Reasoning("Let me think."), Content("Look"), Content("ing.")]),
         *out.events([call]),
-        *out.end("stop", True, USAGE),
+        *out.end("stop", USAGE),
     ]
     for event in events:
         EVENT.validate_python(event)  # every event is one of the SDK's types

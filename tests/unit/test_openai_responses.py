@@ -222,7 +222,7 @@ def test_a_failure_after_the_stream_started_is_an_error_event() -> None:
     out = writer()
     out.start()
     (event,) = out.failed(
-        {"message": "worker lost", "type": "server_error", "param": None, "code": "unavailable"}
+        {"error": {"message": "worker lost", "type": "server_error", "param": None, "code": "unavailable"}}
     )
     parsed = EVENT.validate_python(event)
     assert parsed.type == "error" and parsed.message == "worker lost" and parsed.sequence_number == 2

@@ -327,8 +327,12 @@ class MessageWriter(ReplyItems):
     def start(self) -> list[dict[str, Any]]:
         return [{"type": "message_start", "message": self.message(None, message_usage(0, 0, 0))}]
 
-    def end(self, engine_reason: str, called: bool, usage: dict[str, Any]) -> list[dict[str, Any]]:
-        delta = {"stop_reason": stop_reason(engine_reason, called), "stop_sequence": None}
+    @property
+    def _called(self) -> bool:
+        return any(block["type"] == "tool_use" for block in self._blocks)
+
+    def end(self, engine_reason: str, usage: dict[str, Any]) -> list[dict[str, Any]]:
+        delta = {"stop_reason": stop_reason(engine_reason, self._called), "stop_sequence": None}
         return [
             *self._close(),
             {"type": "message_delta", "delta": delta, "usage": usage},
@@ -339,7 +343,7 @@ class MessageWriter(ReplyItems):
         """The message of a call whose reader read the reply to its end (not streamed)."""
         self.events(reader.read())
         self._close()
-        return self.message(stop_reason(engine_reason, bool(reader.calls)), usage)
+        return self.message(stop_reason(engine_reason, self._called), usage)
 
     def failed(self, error: dict[str, Any]) -> list[dict[str, Any]]:
         """The stream's last event when the call fails after it started (`error`:

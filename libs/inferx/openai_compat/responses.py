@@ -419,9 +419,10 @@ class ResponseWriter(ReplyItems):
             self._event("response.output_item.done", output_index=index, item=dict(item)),
         ]
 
-    def failed(self, error: dict[str, Any]) -> list[dict[str, Any]]:
-        """The stream's last event when the call fails after it started (`error` holds
-        OpenAI's error fields: message, type, param, code)."""
+    def failed(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+        """The stream's last event when the call fails after it started (`body`: OpenAI's
+        error body, `{"error": {"message", "type", "param", "code"}}`)."""
+        error = body["error"]
         return [
             self._event(
                 "error", code=error.get("code"), message=error.get("message"), param=error.get("param")
