@@ -119,6 +119,9 @@ class EmbeddedHttpServer:
             log_level="warning",
             access_log=False,
             lifespan="off",
+            # Nothing reads a caller's address, so X-Forwarded-* need no rewriting of the
+            # scope on every request (uvicorn's ProxyHeadersMiddleware, on by default).
+            proxy_headers=False,
             http=_CoalescingHttpToolsProtocol,
             timeout_graceful_shutdown=int(self._drain_timeout_s) or None,
             ssl_certfile=str(self._certfile) if self._certfile else None,
