@@ -28,7 +28,7 @@ from inferx.metric_children import child
 from inferx.partitions import PartitionElector
 from inferx.pools import no_worker_message
 from inferx.scheduling.engine_fit import EngineSample
-from inferx.scheduling.queue import QueueFull, Rejected
+from inferx.scheduling.queue import QueuedHop, QueueFull, Rejected
 from inferx.scheduling.views import HopView, Tier
 from inferx.v1 import (
     common_pb2,
@@ -303,11 +303,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             # (issue #16: ~90 us of a program call's wall time on a 2-core box). It
             # still runs before any hop submitted after this reply: their tasks start
             # later in the same queue.
-            asyncio.get_running_loop().call_soon(
-                self._dispatcher.finished, hop, outcome.context_tokens, outcome.service_s, outcome.engine
-            )
-            if view.kv_retention_s is not None:  # what the policy made of the client's hint
-                metrics.KV_RETENTION_HINTS.labels(pool, hop.retention_hint or "not_applied").inc()
+            asyncio.get_running_loop().call_soon(self._hop_ended, hop, view, outcome)
+
+    def _hop_ended(self, hop: QueuedHop, view: HopView, outcome: _HopOutcome) -> None:
+        self._dispatcher.finished(hop, outcome.context_tokens, outcome.service_s, outcome.engine)
+        if view.kv_retention_s is not None:  # what the policy made of the client's hint (on_finish)
+            metrics.KV_RETENTION_HINTS.labels(view.pool, hop.retention_hint or "not_applied").inc()
 
     def _next_hops(self, view: HopView, request: scheduler_pb2.HopRequest) -> list[HopView]:
         def pool_of(model: str) -> str | None:

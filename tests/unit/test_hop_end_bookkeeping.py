@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 
+from prometheus_client import REGISTRY
+
 from inferx import hopstream
 from inferx.discovery import ChannelPool
 from inferx.pools import PoolDirectory
@@ -68,10 +70,11 @@ def scheduler() -> tuple[hopstream.LocalPeer, HopDispatcher, Engine]:
     return hopstream.LocalPeer(servicer.SubmitHop, hopstream.HOPS), dispatcher, engine
 
 
-def hop(hop_id: str) -> scheduler_pb2.HopRequest:
-    return scheduler_pb2.HopRequest(
-        model="m", prompt="hello", context=common_pb2.HopContext(run_id="r", hop_id=hop_id)
-    )
+def hop(hop_id: str, kv_retention_s: float | None = None) -> scheduler_pb2.HopRequest:
+    context = common_pb2.HopContext(run_id="r", hop_id=hop_id)
+    if kv_retention_s is not None:
+        context.kv_retention_s = kv_retention_s
+    return scheduler_pb2.HopRequest(model="m", prompt="hello", context=context)
 
 
 def running_on_w1(dispatcher: HopDispatcher) -> int:
@@ -122,3 +125,18 @@ async def test_a_queued_hop_is_dispatched_once_the_running_one_is_booked_as_ende
     done = await asyncio.wait_for(asyncio.gather(first, second), timeout=2.0)
     assert [e.kind for e in done[1]] == [Event.KIND_DISPATCHED, Event.KIND_FINISHED]
     assert engine.requests == ["h1", "h2"]
+
+
+def hints(outcome: str) -> float:
+    labels = {"pool": "m", "outcome": outcome}
+    return REGISTRY.get_sample_value("inferx_scheduler_kv_retention_hints_total", labels) or 0.0
+
+
+async def test_a_retention_hint_is_counted_as_the_policy_took_it_at_the_hops_end() -> None:
+    # What the policy made of the hint is known only once it booked the hop's end: counted
+    # then, not as "not_applied" before it.
+    peer, _, _ = scheduler()
+    before = hints("released"), hints("not_applied")
+    [event async for event in peer.call(hop("h1", kv_retention_s=0), timeout=5.0)]
+    await asyncio.sleep(0)
+    assert (hints("released"), hints("not_applied")) == (before[0] + 1, before[1])
