@@ -20,16 +20,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from inferx.bench.peer import INFERX, MODEL, EnvSpec, start_environment
+from http_front_ab import interleaved  # noqa: E402
+
+from inferx.bench.peer import INFERX, EnvSpec, start_environment
 from inferx.cli import argtypes
 from inferx.devstack import free_port, port_in_use
 from inferx.sim.profile import EngineProfile
@@ -98,25 +99,6 @@ def serve_floor(worker: str, port: int) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, loop="uvloop", http="httptools", log_level="warning")
 
 
-async def measure(
-    paths: list[tuple[str, str, dict[str, str]]], count: int, warmup: int
-) -> dict[str, list[float]]:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
-    latencies: dict[str, list[float]] = {name: [] for name, _, _ in paths}
-    order = random.Random(0)
-    async with httpx.AsyncClient(timeout=30) as client:
-        for i in range(warmup + count):
-            order.shuffle(paths)
-            for name, base, headers in paths:
-                started = time.perf_counter()
-                reply = await client.post(f"{base}/v1/chat/completions", json=body, headers=headers)
-                if reply.status_code != 200:
-                    raise SystemExit(f"{name}: http {reply.status_code}: {reply.text[:200]}")
-                if i >= warmup:
-                    latencies[name].append((time.perf_counter() - started) * 1000)
-    return latencies
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -156,7 +138,7 @@ def main() -> int:
         paths += [
             (name, url, {"X-Session-ID": "floor"}) for name, url in env.fronts.items() if name != INFERX
         ]
-        latencies = asyncio.run(measure(paths, args.count, args.warmup))
+        latencies = asyncio.run(interleaved(paths, args.count, args.warmup))
     finally:
         if floor is not None:
             floor.terminate()

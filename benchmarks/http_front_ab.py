@@ -44,12 +44,21 @@ def pct(samples: list[float], q: float) -> float:
     return percentile(samples, q, method="nearest-rank")
 
 
+CallPath = tuple[str, str, dict[str, str]]  # name, base URL, headers
+
+
 async def measure(envs: dict[str, Environment], count: int, warmup: int) -> dict[str, list[float]]:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
-    paths: list[tuple[str, str, dict[str, str]]] = []
+    paths: list[CallPath] = []
     for side, env in envs.items():
         paths.append((f"{side} direct", env.worker_urls[0], {}))
         paths.append((f"{side} InferX", env.fronts[INFERX], {"X-InferX-Program": f"ab-{side}"}))
+    return await interleaved(paths, count, warmup)
+
+
+async def interleaved(paths: list[CallPath], count: int, warmup: int) -> dict[str, list[float]]:
+    """Sequential one-token chat calls, one per path per round in a new random order; the
+    latencies (ms) after `warmup` rounds, by path name."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
     latencies: dict[str, list[float]] = {name: [] for name, _, _ in paths}
     order = random.Random(0)
     async with httpx.AsyncClient(timeout=30) as client:
