@@ -171,7 +171,10 @@ def _registered(
     """What the most of `model`'s workers register in `field_name` (tool_call_format,
     reasoning_parser; ties by name), None when none does. FailedPrecondition naming one
     this router does not know (a newer worker's), never a silent default."""
-    named = Counter(value for w in workers if (value := getattr(w, field_name)))
+    values = [value for w in workers if (value := getattr(w, field_name))]
+    if not values:  # the common case, on every call's path: no Counter to build
+        return None
+    named = Counter(values)
     for name in named:
         if name not in known:
             what = field_name.replace("_", " ").replace("tool call", "tool-call")
@@ -179,7 +182,7 @@ def _registered(
                 f"a worker of model '{model}' registers {what} {name!r}, which this router does not "
                 f"know ({', '.join(known)}); set the model mapping's {field_name}"
             )
-    return min(named, key=lambda name: (-named[name], name)) if named else None
+    return min(named, key=lambda name: (-named[name], name))
 
 
 def no_worker_message(model: str, pool: str) -> str:

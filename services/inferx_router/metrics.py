@@ -120,8 +120,8 @@ def program_label(name: str) -> str:
 
 def observe_program_call(name: str, tenant: str, result: router_pb2.NodeFinished) -> None:
     observe_node(program_label(name), PROGRAM_CALL_NODE, result)
-    TENANT_TOKENS.labels(tenant, "prompt").inc(result.usage.prompt_tokens)
-    TENANT_TOKENS.labels(tenant, "completion").inc(result.usage.completion_tokens)
+    child(TENANT_TOKENS, tenant, "prompt").inc(result.usage.prompt_tokens)
+    child(TENANT_TOKENS, tenant, "completion").inc(result.usage.completion_tokens)
 
 
 def observe_program_end(

@@ -148,6 +148,18 @@ class _Given:
     kv_retention_s: float | None = None
 
 
+_SAYS_NOTHING = _Given()  # shared: a frozen dataclass costs microseconds to build per call
+
+
+def _first(attr: str, *sources: _Given) -> Any:
+    """The first source's `attr` that says something (None when none does)."""
+    for source in sources:
+        value = getattr(source, attr)
+        if value is not None:
+            return value
+    return None
+
+
 def _inferx_headers(get: Callable[[str], str | None]) -> tuple[_Given, str | None]:
     program = get(PROGRAM) or None
     if program is not None:
@@ -175,6 +187,8 @@ def _inferx_headers(get: Callable[[str], str | None]) -> tuple[_Given, str | Non
         except ValueError:
             raise InvalidField(KV_RETENTION, f"expected a number of seconds, got {raw!r}") from None
         retention_s = check_retention_s(KV_RETENTION, retention_s)
+    if program is None and tier is None and deadline_ms is None and end is None and retention_s is None:
+        return _SAYS_NOTHING, name
     given = _Given(
         program_id=program, tier=tier, deadline_ms=deadline_ms, end=end, kv_retention_s=retention_s
     )
@@ -200,7 +214,7 @@ def _session_headers(get: Callable[[str], str | None]) -> _Given:
         else:
             parent_id = None
         return _Given(program_id=program, parent=parent_id)
-    return _Given()
+    return _SAYS_NOTHING
 
 
 # ----- body fields -----------------------------------------------------------------------------
@@ -384,7 +398,7 @@ def _body_session(body: Mapping[str, Any]) -> _Given:
         return _Given(program_id=_id_value("session_params.session_id", params["session_id"]))
     if body.get("session_id") is not None:
         return _Given(program_id=_id_value("session_id", body["session_id"]))
-    return _Given()
+    return _SAYS_NOTHING
 
 
 # ----- all together ----------------------------------------------------------------------------
@@ -399,34 +413,30 @@ def parse_identity(headers: Mapping[str, str], body: Mapping[str, Any] | None = 
 
     own, name = _inferx_headers(get)
     body = body or {}
-    context = _agentic_context(body) or _Given()
-    hint = _agent_hint(body) or _Given()
+    context = _agentic_context(body) or _SAYS_NOTHING
+    hint = _agent_hint(body) or _SAYS_NOTHING
     sessions = _session_headers(get)
     in_body = _body_session(body)
-
-    def first(attr: str, *sources: _Given) -> Any:
-        return next((getattr(s, attr) for s in sources if getattr(s, attr) is not None), None)
-
-    program = first("program_id", own, context, hint, sessions, in_body) or ""
-    end = first("end", own, context, hint)
+    program = _first("program_id", own, context, hint, sessions, in_body) or ""
+    end = _first("end", own, context, hint)
     if end and not program:
         param = PROGRAM_END if own.end else "agentic_context.expected_resume"
         raise InvalidField(
             param, f"needs a program ({PROGRAM} or a session): a call without one is a program of one hop"
         )
-    priority = first("priority", context)
-    parent = first("parent", context, hint, sessions) or ""
+    priority = _first("priority", context)
+    parent = _first("parent", context, hint, sessions) or ""
     if parent == program:
         parent = ""
     return ProgramIdentity(
         program_id=program,
-        tier=first("tier", own, context) or Tier.STANDARD,
-        deadline_ms=first("deadline_ms", own, context),
+        tier=_first("tier", own, context) or Tier.STANDARD,
+        deadline_ms=_first("deadline_ms", own, context),
         program_end=bool(end) and bool(program),
         name=name or DEFAULT_PROGRAM_NAME,
         parent_program_id=parent if program else "",
         priority=DEFAULT_PRIORITY if priority is None else priority_rank(priority),
-        kv_retention_s=first("kv_retention_s", own, context) if program else None,
+        kv_retention_s=_first("kv_retention_s", own, context) if program else None,
     )
 
 
