@@ -65,6 +65,40 @@ def test_the_hold_is_never_longer_than_the_bound_and_is_an_observed_gap_or_zero(
         assert seconds == 0.0 or seconds in gaps
 
 
+def expected_cost(gaps: list[float], hold_s: float, capacity: int, rate: float) -> float:
+    """The module docstring's price of holding for `hold_s`, straight from its definition
+    (GPU-seconds per token): E[min(g, T)] / capacity + P(T < g < inf) / rate."""
+    held = sum(min(gap, hold_s) for gap in gaps) / len(gaps)  # an end (inf) is held the whole T
+    missed = sum(1 for gap in gaps if hold_s < gap < math.inf) / len(gaps)
+    return held / capacity + missed / rate
+
+
+@given(
+    st.lists(
+        st.one_of(st.floats(0.0, 1_000.0), st.sampled_from([0.0, 0.5, 2.0, 20.0, math.inf])),
+        min_size=1,
+        max_size=80,
+    ),
+    st.sampled_from([1_000, 60_000, 450_000, 2_000_000]),
+    st.sampled_from([1_000.0, 15_000.0, 50_000.0]),
+    st.sampled_from([5.0, 60.0, 600.0, math.inf]),
+)
+def test_the_hold_is_the_cheapest_choice_by_the_prices_definition(
+    gaps: list[float], capacity: int, rate: float, max_hold_s: float
+) -> None:
+    """Whatever the pricing loop does to be fast, its choice costs what the cheapest of
+    the candidates (0, or an observed gap within the bound) costs by the definition;
+    ties (equal gaps, round numbers) may go either way."""
+    gaps = sorted(gaps)
+    seconds = hold_seconds(
+        gaps, kv_capacity_tokens=capacity, prefill_tokens_per_s=rate, max_hold_s=max_hold_s
+    )
+    candidates = [0.0] + [gap for gap in gaps if gap <= max_hold_s and gap < math.inf]
+    assert seconds in candidates
+    cheapest = min(expected_cost(gaps, t, capacity, rate) for t in candidates)
+    assert expected_cost(gaps, seconds, capacity, rate) == pytest.approx(cheapest, rel=1e-9, abs=1e-15)
+
+
 def test_programs_that_end_without_saying_so_shorten_the_hold() -> None:
     inf = math.inf
     short = [2.0] * 10

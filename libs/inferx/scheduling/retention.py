@@ -132,17 +132,23 @@ def hold_seconds(
         return min(break_even_s, max_hold_s)
     n = len(gaps)
     returning = bisect.bisect_left(gaps, math.inf)  # sorted: the ended ones (inf) are last
-    best_t, best_cost = 0.0, returning / n / prefill_tokens_per_s  # T = 0: re-prefill all that return
-    prefix_sum = 0.0
-    for i, t in enumerate(gaps):
-        if t > max_hold_s:
-            break
-        prefix_sum += t  # gaps[0..i] end within T = t
-        expected_hold = (prefix_sum + t * (n - i - 1)) / n  # E[min(g, t)]
-        missed = (returning - i - 1) / n  # P(t < g < inf): let go, back later, re-prefilled
-        cost = expected_hold / kv_capacity_tokens + missed / prefill_tokens_per_s
-        if cost < best_cost:
-            best_t, best_cost = t, cost
+    # The holds to choose from: 0, or an observed gap within the bound (never an end's inf).
+    within = min(bisect.bisect_right(gaps, max_hold_s), returning)
+    # In units of 1/(n * capacity) GPU-seconds per token, holding for T = gaps[i] costs
+    #   sum(gaps[:i+1]) + gaps[i] * (n - i - 1)   (n * E[min(g, T)]: token-seconds held)
+    #   + (returning - i - 1) * break_even_s       (the re-prefills of those back after T).
+    # Less (returning - 1) * break_even_s for every T, that is break_even_s for T = 0, and
+    # from one candidate to the next it grows by (gaps[i] - gaps[i-1]) * (n - i) less one
+    # break_even_s: a few operations per gap (the scheduler prices on every hop's finish).
+    best_t = previous = 0.0
+    best = cost = break_even_s
+    still_away = n  # gaps not yet ended at the previous candidate: n - i
+    for t in gaps[:within]:
+        cost += (t - previous) * still_away - break_even_s
+        still_away -= 1
+        previous = t
+        if cost < best:
+            best_t, best = t, cost
     return best_t
 
 
