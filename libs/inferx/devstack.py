@@ -206,7 +206,14 @@ def wait_serving(proc: ManagedProcess, timeout_s: float, service: str = "") -> f
             if not proc.alive():
                 raise StackError(f"{proc.name} exited during start-up; its log ends with:\n{proc.log_tail()}")
             try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+                # wait_for_ready: the call itself drives the channel's reconnection. Under
+                # grpc's polling I/O (every `inferx` command's, `inferx.grpc_io`) a sync
+                # channel whose first connect was refused connects again only while some
+                # thread polls it, which a fail-fast call that fails at once does not:
+                # ~15 s per service for servers up in one (tests/unit/test_wait_serving.py).
+                reply = stub.Check(
+                    health_pb2.HealthCheckRequest(service=service), timeout=1.0, wait_for_ready=True
+                )
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return time.monotonic() - started
             except grpc.RpcError:
