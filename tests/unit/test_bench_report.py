@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -307,6 +308,19 @@ def test_results_file_refuses_a_directory(tmp_path: Path) -> None:
 
     with pytest.raises(InvalidArgument, match="is a directory"):
         ResultsFile(tmp_path)
+
+
+def test_results_file_refuses_a_device_it_would_replace(tmp_path: Path) -> None:
+    # The write replaces the file (atomically): given /dev/null, it would have put the
+    # results where the device was.
+    from inferx.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="not a regular file"):
+        ResultsFile(Path("/dev/null"))
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(InvalidArgument, match="not a regular file"):
+        ResultsFile(fifo)
 
 
 def test_comparison_round_trips_through_json() -> None:

@@ -63,6 +63,8 @@ class ResultsFile:
             raise InvalidArgument(f"--results {path}: cannot create {path.parent}: {exc.strerror}") from None
         if path.is_dir():
             raise InvalidArgument(f"--results {path}: is a directory; give a file name")
+        if path.exists() and not path.is_file():  # /dev/null: replaced by the write, not written to
+            raise InvalidArgument(f"--results {path}: not a regular file; give a file name")
 
     def write(self, data: dict[str, Any]) -> None:
         """Raises InferxError if the file cannot be written (the caller decides whether

@@ -564,6 +564,10 @@ def main(argv: list[str] | None = None) -> None:
     # SIGTERM (a supervisor, `timeout`, a CI job's end) or SIGHUP stops a command as
     # Ctrl-C does: its clean-up runs, so a benchmark's local stacks are not left running.
     previous = {stopping: signal.signal(stopping, _interrupt_on_terminate) for stopping in _STOPPING_SIGNALS}
+    # They become a SIGINT, which a shell starts its background jobs with ignored (and
+    # asyncio.run then leaves alone): give it Python's handler, or SIGTERM stops nothing.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         result = args.handler(args)
         if isinstance(result, Coroutine):
