@@ -160,8 +160,8 @@ def observe_tenant_run(tenant: str, finished: router_pb2.ChainFinished) -> int:
     TENANT_RUNS.labels(tenant, finished.status).inc()
     prompt = sum(hop.usage.prompt_tokens for hop in finished.hops)
     completion = sum(hop.usage.completion_tokens for hop in finished.hops)
-    TENANT_TOKENS.labels(tenant, "prompt").inc(prompt)
-    TENANT_TOKENS.labels(tenant, "completion").inc(completion)
+    child(TENANT_TOKENS, tenant, "prompt").inc(prompt)
+    child(TENANT_TOKENS, tenant, "completion").inc(completion)
     return prompt + completion
 
 
