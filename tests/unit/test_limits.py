@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 from inferx import MAX_UINT32
@@ -293,6 +295,45 @@ def test_a_lone_surrogate_in_a_body_is_a_400_not_a_500() -> None:
     with pytest.raises(InvalidArgument, match="lone UTF-16 surrogate"):
         parse_body(CompletionRequest, b'{"model": "m", "prompt": "\\ud800"}')
     assert parse_body(CompletionRequest, b'{"model": "m", "prompt": "\\ud83d\\ude00"}').prompt == "\U0001f600"
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        '{"model": "m", "prompt": "\ud800"}'.encode("utf-8", "surrogatepass"),  # raw bytes, no escape
+        '{"model": "m", "prompt": "\udfff"}'.encode("utf-16", "surrogatepass"),
+        '{"model": "m", "prompt": "\udc00"}'.encode("utf-32-le", "surrogatepass"),
+    ],
+    ids=["utf-8 bytes", "utf-16", "utf-32"],
+)
+def test_a_lone_surrogate_without_an_escape_is_refused_too(raw: bytes) -> None:
+    """json.loads decodes bytes with 'surrogatepass': a surrogate written as raw bytes
+    reaches the decoded body without any \\u escape (load_object spares bodies with
+    neither from the full check)."""
+    with pytest.raises(InvalidArgument, match="lone UTF-16 surrogate"):
+        parse_body(CompletionRequest, raw)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    # hypothesis's characters() never draws a surrogate: mix them in
+    text=st.lists(st.one_of(st.characters(), st.integers(0xD800, 0xDFFF).map(chr)), max_size=6).map("".join),
+    encoding=st.sampled_from(["utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-32", "utf-32-be"]),
+    ascii_escapes=st.booleans(),
+)
+def test_a_body_is_refused_exactly_when_it_holds_a_surrogate(
+    text: str, encoding: str, ascii_escapes: bool
+) -> None:
+    body = json.dumps({"model": "m", "prompt": text}, ensure_ascii=ascii_escapes)
+    raw = body.encode(encoding, "surrogatepass")
+    # What the body says, decoded (a pair written as two escapes, or as UTF-16 units, is
+    # one character; one written as UTF-8 bytes stays two lone surrogates).
+    decoded = json.loads(raw)["prompt"]
+    if any(0xD800 <= ord(c) <= 0xDFFF for c in decoded):
+        with pytest.raises(InvalidArgument, match="lone UTF-16 surrogate"):
+            parse_body(CompletionRequest, raw)
+    else:
+        assert parse_body(CompletionRequest, raw).prompt == decoded
 
 
 def test_body_too_large_maps_to_413() -> None:
