@@ -26,6 +26,8 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from inferx.openai_compat import json_text
+
 # Where a model directory keeps its template: transformers >= 4.43 writes
 # chat_template.jinja, older ones a "chat_template" key in tokenizer_config.json.
 TEMPLATE_FILE = "chat_template.jinja"
@@ -175,9 +177,11 @@ class Chat:
         """ValueError naming what is wrong when `raw` is not {"messages": [{...}, ...],
         "tools": [{...}, ...], "tool_choice": "auto" | {...}} (tools, tool_choice optional)."""
         try:
-            value = json.loads(raw)
+            value = json_text.loads(raw)
         except ValueError as exc:
             raise ValueError(f"chat_json: not JSON ({exc})") from None
+        except RecursionError:
+            raise ValueError("chat_json: nested too deeply") from None
         if not isinstance(value, dict):
             raise ValueError("chat_json: expected a JSON object")
         messages, tools = value.get("messages"), value.get("tools")

@@ -30,7 +30,7 @@ from inferx.openai_compat import schema
 from inferx.openai_compat.errors import InvalidField, ModelNotFound, ToolChoiceNotFollowed
 from inferx.openai_compat.identity import MAX_DEADLINE_MS, ProgramIdentity, identity_of_fields
 from inferx.openai_compat.reasoning import Reasoning
-from inferx.openai_compat.render import chat_json, render_chat, shared_head
+from inferx.openai_compat.render import chat_json, render_chat_and_head
 from inferx.openai_compat.schema import ReplyEvent, ReplyReader
 from inferx.openai_compat.toolcalls import DEFAULT_FORMAT, Content, ToolCall
 from inferx.pools import PoolDirectory
@@ -120,9 +120,9 @@ class ProgramCalls:
         chat = ""  # a chat call's messages and tools, for the worker's chat template
         head = ""  # what other programs of the same agent send first too
         if isinstance(body, schema.ChatCompletionRequest):
-            prompt, prefix = render_chat(body.messages, body.tools, body.tool_choice), "chatcmpl"
+            prompt, head = render_chat_and_head(body.messages, body.tools, body.tool_choice)
+            prefix = "chatcmpl"
             chat = chat_json(body.messages, body.tools, body.tool_choice)
-            head = shared_head(body.messages, body.tools)
         elif isinstance(body, schema.CompletionRequest):  # a bare prompt: no structure to name a head by
             prompt, prefix = body.prompt_text, "cmpl"
         else:  # pragma: no cover - the two request kinds are all there is

@@ -37,6 +37,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from inferx.openai_compat import json_text
 from inferx.openai_compat.schema import ChatMessage
 
 GENERATION_MARK = "<|assistant|>\n"
@@ -79,8 +80,8 @@ def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
         return call
     try:
-        arguments = json.loads(function["arguments"])
-    except ValueError:
+        arguments = json_text.loads(function["arguments"])
+    except (ValueError, RecursionError):
         return call  # not JSON: the template gets the text as it came
     if not isinstance(arguments, dict):
         return call
@@ -100,7 +101,7 @@ def chat_json(
         chat["tools"] = list(tools)
     if tool_choice is not None:
         chat["tool_choice"] = tool_choice
-    return json.dumps(chat, ensure_ascii=False, separators=(",", ":"))
+    return json_text.dumps(chat)
 
 
 def render_chat(
@@ -120,10 +121,34 @@ def shared_head(messages: Sequence[ChatMessage], tools: Sequence[dict[str, Any]]
     """What the rendering starts with that other programs of the same agent send too:
     the tool specs and the leading system (or developer) messages, not the conversation
     after them. "" when there is neither."""
+    return _head(_rendered(messages[: _system_count(messages)], tools))
+
+
+def render_chat_and_head(
+    messages: Sequence[ChatMessage],
+    tools: Sequence[dict[str, Any]] | None = None,
+    tool_choice: str | dict[str, Any] | None = None,
+) -> tuple[str, str]:
+    """(`render_chat`, `shared_head`) of one call, rendering the head once: it is the
+    rendering's first lines (a long agent call's tools and instructions, ~35 us to
+    render again)."""
+    count = _system_count(messages)
+    head = _rendered(messages[:count], tools)
+    lines = head + _rendered(messages[count:], None)
+    if tool_choice is not None:
+        lines.append("<|tool_choice|>")
+        lines.append(tool_choice if isinstance(tool_choice, str) else _json(tool_choice))
+    return "\n".join(lines) + "\n" + GENERATION_MARK, _head(head)
+
+
+def _system_count(messages: Sequence[ChatMessage]) -> int:
     count = 0
     while count < len(messages) and messages[count].role in SYSTEM_ROLES:
         count += 1
-    lines = _rendered(messages[:count], tools)
+    return count
+
+
+def _head(lines: list[str]) -> str:
     return "\n".join(lines) + "\n" if lines else ""
 
 
