@@ -270,6 +270,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 prompt=request.prompt,
                 sampling=request.sampling,
                 chat_json=request.chat_json,  # a chat for the worker's template, passed on as it came
+                # The context's blocks only for a policy that reads them (exact prefix).
+                skip_context_blocks=not self._dispatcher.reads_prompt_blocks,
             )
             # The hop's output, kept (for a policy that reads contexts) to tell which
             # later prompts start with this hop's context.

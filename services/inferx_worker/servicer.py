@@ -65,6 +65,7 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServicer):
             priority=request.context.priority,
             templated=templated,
             chat=chat,
+            context_blocks=not request.skip_context_blocks,
         )
         started = time.perf_counter()
         first_token_at: float | None = None

@@ -141,6 +141,16 @@ async def test_consumer_stopping_early_aborts_the_request(engine: VllmEngine):
     assert engine.num_unfinished_requests() == 0
 
 
+async def test_no_context_blocks_for_a_caller_that_reads_none(engine: VllmEngine):
+    """GenerateRequest.skip_context_blocks (a scheduler not placing by exact prefix):
+    the finished chunk carries no blocks, and nothing hashed the context for them."""
+    prompt = " ".join(f"Ticket {n}: the parcel arrived damaged and was replaced." for n in range(10))
+    request = EngineRequest("kv-skip-1", prompt, max_tokens=2, context_blocks=False)
+    final = (await collect(engine, request))[-1]
+    assert final.finished and final.prompt_tokens > 3 * engine.capacity().block_size
+    assert final.context_blocks == ()
+
+
 async def test_kv_events_report_the_blocks_a_request_cached(engine: VllmEngine):
     """vLLM's own BlockStored events (its ZMQ publisher, relayed) arrive at the worker's
     hub keyed as the finished request reports its context: so the scheduler's index

@@ -38,6 +38,9 @@ class EngineRequest:
     # a prompt, and for a chat the context guard cut): an engine whose `sends_chats()`
     # sends it instead of the prompt.
     chat: Chat | None = None
+    # Report the context's blocks on the last chunk (EngineChunk.context_blocks); off when
+    # the caller does not read them (GenerateRequest.skip_context_blocks).
+    context_blocks: bool = True
 
 
 @dataclass(frozen=True)

@@ -387,7 +387,9 @@ class SimEngine(Engine):
                 cached_prompt_tokens=sim.cached_tokens,
                 context_blocks=tuple(
                     (seg.key, seg.tokens) for seg in (*prompt_segments, *output_segments) if seg.key
-                ),
+                )
+                if request.context_blocks
+                else (),
             )
         finally:
             self._streams.pop(request.request_id, None)

@@ -308,7 +308,11 @@ class VllmEngine(Engine):
                         prompt_tokens=len(out.prompt_token_ids or ()),
                         completion_tokens=completion_tokens,
                         cached_prompt_tokens=int(out.num_cached_tokens or 0),
-                        context_blocks=self._context_blocks(out.prompt_token_ids, output_ids),
+                        context_blocks=(
+                            self._context_blocks(out.prompt_token_ids, output_ids)
+                            if request.context_blocks
+                            else ()
+                        ),
                     )
                     return
                 if text:
