@@ -9,7 +9,14 @@ one path back to back every other round and favoured side B's front by ~0.3 ms i
 A/A run.)
 
     python benchmarks/http_front_ab.py --a /path/to/main --b . [--count 400] [--warmup 30] \\
-        [--process-scheduler]
+        [--process-scheduler] [--long-chat]
+
+--long-chat sends an agent's long call instead of a one-word chat: 61 messages (a system
+prompt, 20 rounds of question, tool call and tool result) and 8 tool specs, 35 KB of
+JSON, where the front's per-call cost grows with the body (reading, validating and
+rendering it, the worker request). Besides latency, each side's router CPU per InferX
+call is reported (the router process's CPU time over the run, from /proc, over its
+calls): a steadier figure than latency on a shared box.
 
 Each side's services run with PYTHONPATH set to that checkout's `libs` and `services`
 (generated stubs included: run `make proto` in both first); the client (this process)
@@ -22,11 +29,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import random
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -47,18 +57,53 @@ def pct(samples: list[float], q: float) -> float:
 CallPath = tuple[str, str, dict[str, str]]  # name, base URL, headers
 
 
-async def measure(envs: dict[str, Environment], count: int, warmup: int) -> dict[str, list[float]]:
+def long_chat() -> dict[str, Any]:
+    """An agent's long call (see --long-chat)."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are an agent. " * 50}]
+    for i in range(20):
+        call = {"name": "search", "arguments": json.dumps({"query": "x" * 50})}
+        messages += [
+            {"role": "user", "content": "question line\n" * 40},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": f"c{i}", "type": "function", "function": call}],
+            },
+            {"role": "tool", "tool_call_id": f"c{i}", "content": "result data " * 60},
+        ]
+    parameters = {"type": "object", "properties": {"query": {"type": "string"}}}
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": f"tool{i}", "description": "does things " * 10, "parameters": parameters},
+        }
+        for i in range(8)
+    ]
+    return {"model": MODEL, "messages": messages, "tools": tools, "max_tokens": 1}
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's CPU time so far (user + system), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(
+    envs: dict[str, Environment], count: int, warmup: int, body: dict[str, Any] | None = None
+) -> dict[str, list[float]]:
     paths: list[CallPath] = []
     for side, env in envs.items():
         paths.append((f"{side} direct", env.worker_urls[0], {}))
         paths.append((f"{side} InferX", env.fronts[INFERX], {"X-InferX-Program": f"ab-{side}"}))
-    return await interleaved(paths, count, warmup)
+    return await interleaved(paths, count, warmup, body)
 
 
-async def interleaved(paths: list[CallPath], count: int, warmup: int) -> dict[str, list[float]]:
-    """Sequential one-token chat calls, one per path per round in a new random order; the
-    latencies (ms) after `warmup` rounds, by path name."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+async def interleaved(
+    paths: list[CallPath], count: int, warmup: int, body: dict[str, Any] | None = None
+) -> dict[str, list[float]]:
+    """Sequential one-token chat calls (`body`, else a one-word chat), one per path per
+    round in a new random order; the latencies (ms) after `warmup` rounds, by path name."""
+    body = body or {"model": MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
     latencies: dict[str, list[float]] = {name: [] for name, _, _ in paths}
     order = random.Random(0)
     async with httpx.AsyncClient(timeout=30) as client:
@@ -87,6 +132,7 @@ def main() -> int:
         action="store_true",
         help="a scheduler process per side (default: the router's embedded scheduler)",
     )
+    parser.add_argument("--long-chat", action="store_true", help="an agent's 35 KB call (see above)")
     args = parser.parse_args()
     state = Path(tempfile.mkdtemp(prefix="http-front-ab-"))
     envs: dict[str, Environment] = {}
@@ -101,7 +147,12 @@ def main() -> int:
                 python=wrapper(root, state, side),
             )
             envs[side] = start_environment(state / side, spec)
-        latencies = asyncio.run(measure(envs, args.count, args.warmup))
+        routers = {side: env.stack.services["router"].pid for side, env in envs.items()}
+        before = {side: cpu_seconds(pid) for side, pid in routers.items()}
+        latencies = asyncio.run(
+            measure(envs, args.count, args.warmup, long_chat() if args.long_chat else None)
+        )
+        cpu = {side: cpu_seconds(pid) - before[side] for side, pid in routers.items()}
     finally:
         for env in envs.values():
             env.stop()
@@ -112,7 +163,8 @@ def main() -> int:
         direct, front = latencies[f"{side} direct"], latencies[f"{side} InferX"]
         print(
             f"{side}: InferX adds {pct(front, 50) - pct(direct, 50):.2f} ms p50, "
-            f"{pct(front, 99) - pct(direct, 99):.2f} ms p99"
+            f"{pct(front, 99) - pct(direct, 99):.2f} ms p99; router CPU "
+            f"{cpu[side] / (args.count + args.warmup) * 1e6:.0f} us per call"
         )
     return 0
 

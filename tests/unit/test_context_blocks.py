@@ -8,60 +8,19 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from inferx import hopstream
-from inferx.discovery import ChannelPool
-from inferx.pools import PoolDirectory
 from inferx.server import ErrorMappingInterceptor
-from inferx.tls import Transport
-from inferx.v1 import common_pb2, scheduler_pb2, worker_pb2, worker_pb2_grpc
-from inferx_scheduler.dispatcher import HopDispatcher
-from inferx_scheduler.servicer import SchedulerServicer
+from inferx.v1 import worker_pb2, worker_pb2_grpc
 from inferx_worker.engines.sim_engine import SimEngine, SimParams
 from inferx_worker.servicer import ModelWorkerServicer
-
-WORKER = common_pb2.WorkerInfo(worker_id="w1", pool="m", address="w1:1", max_concurrency=4)
-
-
-class Health:
-    def hop_succeeded(self, worker_id: str) -> None:
-        pass
-
-    def hop_failed(self, worker_id: str) -> None:
-        pass
+from tests.unit.test_hop_end_bookkeeping import hop, scheduler
 
 
 @pytest.mark.parametrize("exact_prefix", [False, True])
 async def test_the_scheduler_asks_for_the_blocks_only_when_its_policy_reads_them(exact_prefix: bool) -> None:
-    asked: list[bool] = []
-
-    async def generate(request: worker_pb2.GenerateRequest, context):
-        asked.append(request.skip_context_blocks)
-        yield worker_pb2.GenerateChunk(
-            text="ok",
-            finished=True,
-            finish_reason="stop",
-            usage=common_pb2.TokenUsage(prompt_tokens=3, completion_tokens=1),
-            worker_id="w1",
-        )
-
-    directory = PoolDirectory()
-    directory.workers_by_pool = {"m": {"w1": WORKER}}
-    dispatcher = HopDispatcher(directory, 16, policy_options={"exact_prefix": exact_prefix})
+    peer, dispatcher, engine = scheduler(exact_prefix=exact_prefix)
     assert dispatcher.reads_prompt_blocks == exact_prefix
-    servicer = SchedulerServicer(
-        dispatcher,
-        None,  # type: ignore[arg-type]  # no memory-pool: reserve_kv is off
-        ChannelPool(Transport.plaintext()),
-        reserve_kv=False,
-        health=Health(),  # type: ignore[arg-type]
-    )
-    servicer.worker_streams.serve_locally(WORKER.address, generate)
-    peer = hopstream.LocalPeer(servicer.SubmitHop, hopstream.HOPS)
-    hop = scheduler_pb2.HopRequest(
-        model="m", prompt="hello", context=common_pb2.HopContext(run_id="r", hop_id="h")
-    )
-    [event async for event in peer.call(hop, timeout=5.0)]
-    assert asked == [not exact_prefix]
+    [event async for event in peer.call(hop("h1"), timeout=5.0)]
+    assert engine.skipped_blocks == [not exact_prefix]
 
 
 @pytest.mark.parametrize("skip", [False, True])

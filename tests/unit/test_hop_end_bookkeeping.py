@@ -41,9 +41,11 @@ class Engine:
         self.gate = asyncio.Event()
         self.gate.set()
         self.requests: list[str] = []
+        self.skipped_blocks: list[bool] = []  # each request's skip_context_blocks
 
     async def generate(self, request: worker_pb2.GenerateRequest, context):
         self.requests.append(request.context.hop_id)
+        self.skipped_blocks.append(request.skip_context_blocks)
         await self.gate.wait()
         yield worker_pb2.GenerateChunk(
             text="ok",
@@ -54,10 +56,10 @@ class Engine:
         )
 
 
-def scheduler() -> tuple[hopstream.LocalPeer, HopDispatcher, Engine]:
+def scheduler(**policy_options: object) -> tuple[hopstream.LocalPeer, HopDispatcher, Engine]:
     directory = PoolDirectory()
     directory.workers_by_pool = {"m": {"w1": WORKER}}
-    dispatcher = HopDispatcher(directory, 16)
+    dispatcher = HopDispatcher(directory, 16, policy_options=policy_options)
     servicer = SchedulerServicer(
         dispatcher,
         None,  # type: ignore[arg-type]  # no memory-pool: reserve_kv is off
