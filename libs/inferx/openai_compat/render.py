@@ -110,11 +110,7 @@ def render_chat(
     tool_choice: str | dict[str, Any] | None = None,
 ) -> str:
     """The prompt for `messages`, ending with the generation mark."""
-    lines = _rendered(messages, tools)
-    if tool_choice is not None:
-        lines.append("<|tool_choice|>")
-        lines.append(tool_choice if isinstance(tool_choice, str) else _json(tool_choice))
-    return "\n".join(lines) + "\n" + GENERATION_MARK
+    return render_chat_and_head(messages, tools, tool_choice)[0]
 
 
 def shared_head(messages: Sequence[ChatMessage], tools: Sequence[dict[str, Any]] | None = None) -> str:
