@@ -308,8 +308,8 @@ def test_a_lone_surrogate_in_a_body_is_a_400_not_a_500() -> None:
 )
 def test_a_lone_surrogate_without_an_escape_is_refused_too(raw: bytes) -> None:
     """json.loads decodes bytes with 'surrogatepass': a surrogate written as raw bytes
-    reaches the decoded body without any \\u escape (load_object spares bodies with
-    neither from the full check)."""
+    reaches the decoded body without any \\u escape (orjson refuses these bodies; the
+    `json` reading they fall back to lets them through to load_object's check)."""
     with pytest.raises(InvalidArgument, match="lone UTF-16 surrogate"):
         parse_body(CompletionRequest, raw)
 
