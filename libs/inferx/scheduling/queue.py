@@ -14,7 +14,7 @@ import bisect
 import itertools
 from collections import deque
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol, cast, runtime_checkable
 
 from inferx.scheduling.engine_fit import EngineSample
@@ -224,7 +224,7 @@ class DispatchQueue:
             views = self._views[pool]
             old = views.get(worker_id)
             if old is not None:
-                views.replace(replace(old, in_flight=in_flight, kv_in_flight=kv))
+                views.replace(old.with_load(in_flight, kv))
 
     def plan_ahead(self, view: HopView, until: float, now: float) -> str | None:
         """Hold room in `view.pool` for a chain's coming hop (the policy decides where)."""
@@ -351,7 +351,13 @@ class DispatchQueue:
         self._in_flight[hop.worker_id] = max(0, count - 1)
         kv = self._kv_in_flight.get(hop.worker_id, 0)
         if engine is not None:  # the KV beside it, as it started and as it ends
-            hop.engine_sample = replace(engine, kv_in_flight=(hop.kv_at_dispatch + kv) // 2)
+            hop.engine_sample = EngineSample(  # built directly: `replace` costs ~5 us per hop
+                engine.prefill_tokens,
+                engine.ttft_s,
+                engine.output_tokens,
+                engine.decode_s,
+                kv_in_flight=(hop.kv_at_dispatch + kv) // 2,
+            )
         self._kv_in_flight[hop.worker_id] = max(0, kv - hop.view.kv_tokens)
         self._load_changed(hop.worker_id)
         state = self._pools.get(hop.pool)
