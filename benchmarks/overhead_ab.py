@@ -5,11 +5,12 @@ figures move by 20%+ from run to run; the difference between A and B does not).
 
     python benchmarks/overhead_ab.py --a /path/to/main --b . [--hops 4] [--count 300] \\
         [--warmup 30] [--concurrency 16] [--load-calls 1000] [--rounds 4] [--insecure] \\
-        [--embedded a|b] [--final-only a|b] [--json FILE]
+        [--embedded a|b] [--final-only a|b] [--batch-events a|b] [--json FILE]
 
 `--final-only b`: side B's chain calls ask for their result alone
 (`RunChainRequest.final_only`), e.g. `--a . --b . --final-only b` measures what the
-node events cost on one checkout.
+node events cost on one checkout; `--batch-events b`: side B's chain calls ask for the
+events that are ready together in one message (`RunChainRequest.batch_events`).
 
 `--embedded b`: side B's router runs the scheduler in its own process
 (`inferx-router --embedded-scheduler`), e.g. `--a . --b . --embedded b` compares the
@@ -200,6 +201,7 @@ async def measure(stacks: list[LocalStack], sides: list[SideResult], args: argpa
     try:
         for side, stack in zip(sides, stacks, strict=True):
             final_only = side.name.lower() in args.final_only
+            batched = side.name.lower() in args.batch_events
             worker = stack.transport.aio_channel(stack.workers[0].address, options=options)
             router = stack.transport.aio_channel(stack.router_address, options=options)
             channels += [worker, router]
@@ -207,7 +209,7 @@ async def measure(stacks: list[LocalStack], sides: list[SideResult], args: argpa
             plan = {DIRECT: (1, direct_call(worker_pb2_grpc.ModelWorkerStub(worker)))}
             for n in sorted({1, args.hops}):
                 stub = router_pb2_grpc.RouterStub(router)
-                plan[path_name(n)] = (n, chain_call(stub, n, metadata, final_only=final_only))
+                plan[path_name(n)] = (n, chain_call(stub, n, metadata, final_only=final_only, batched=batched))
             calls.append(plan)
         for plan in calls:
             for _, call in plan.values():
@@ -348,6 +350,13 @@ def main() -> int:
         default=[],
         help="that side's chain calls ask for chain_finished alone (RunChainRequest.final_only)",
     )
+    parser.add_argument(
+        "--batch-events",
+        choices=["a", "b"],
+        action="append",
+        default=[],
+        help="that side's chain calls ask for their events batched (RunChainRequest.batch_events)",
+    )
     parser.add_argument("--json", type=Path, help="write the raw samples here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="overhead-ab-") as tmp:
@@ -364,6 +373,8 @@ def main() -> int:
                     side.root += " (embedded scheduler)"
                 if side.name.lower() in args.final_only:
                     side.root += " (final_only)"
+                if side.name.lower() in args.batch_events:
+                    side.root += " (batch_events)"
                 stacks.append(start_stack(side_state, python, args.hops, args.speed, args.insecure, embedded))
             asyncio.run(measure(stacks, sides, args))
         finally:

@@ -103,9 +103,14 @@ class InferxClient:
         session_id: str = "",
         tier: common_pb2.Tier = common_pb2.TIER_UNSPECIFIED,
         final_only: bool = False,
+        batch_events: bool = True,
     ) -> AsyncIterator[router_pb2.RunEvent]:
         """The run's events: node_started / node_finished per node, then chain_finished
-        (every hop's result is in it too); `final_only`: chain_finished alone."""
+        (every hop's result is in it too); `final_only`: chain_finished alone.
+
+        `batch_events` (RunChainRequest.batch_events) asks the router to send the events
+        that are ready together in one message; they are yielded here one by one, as
+        they would be without it (each without `following`)."""
         request = router_pb2.RunChainRequest(
             chain=chain,
             inputs=inputs or {},
@@ -114,10 +119,18 @@ class InferxClient:
             session_id=session_id,
             tier=tier,
             final_only=final_only,
+            batch_events=batch_events,
         )
         try:
             async for event in self._stub.RunChain(request, timeout=self._timeout_s, metadata=self._metadata):
-                yield event
+                if event.following:
+                    following = list(event.following)
+                    del event.following[:]
+                    yield event
+                    for queued in following:
+                        yield queued
+                else:
+                    yield event
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, target=f"the router at {self.address}") from None
 

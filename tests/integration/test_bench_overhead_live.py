@@ -1,5 +1,5 @@
 """`inferx bench --overhead` end to end, kept short: it starts its own stack (etcd, the
-services, one sim worker), measures the four paths and prints JSON. No timing is
+services, one sim worker), measures the five paths and prints JSON. No timing is
 asserted: only the shape of the report and that every call succeeded."""
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ def test_overhead_measures_direct_1_hop_and_n_hop_with_every_call_ok(tmp_path: P
     assert report["kind"] == "overhead"
     summary = report["summary"]
     paths = summary["paths"]
-    assert [(p["name"], p["hops"], p["final_only"]) for p in paths] == [
-        ("direct", 1, False),
-        ("1-hop", 1, False),
-        ("3-hop", 3, False),
-        ("3-hop final", 3, True),
+    assert [(p["name"], p["hops"], p["batched"], p["final_only"]) for p in paths] == [
+        ("direct", 1, False, False),
+        ("1-hop", 1, False, False),
+        ("3-hop", 3, False, False),
+        ("3-hop batched", 3, True, False),
+        ("3-hop final", 3, False, True),
     ]
     for path in paths:
         assert path["errors"] == 0, path
@@ -39,7 +40,7 @@ def test_overhead_measures_direct_1_hop_and_n_hop_with_every_call_ok(tmp_path: P
         assert path["calls_per_s"] > 0 and path["hops_per_s"] == pytest.approx(
             path["calls_per_s"] * path["hops"]
         )
-    direct, one, three, _ = paths
+    direct, one, three, _, _ = paths
     assert direct["added_per_hop_p50_ms"] is None  # the reference itself: no added cost (null in JSON)
     assert one["added_per_hop_p50_ms"] == pytest.approx(one["p50_ms"] - direct["p50_ms"])
     assert three["per_hop_p50_ms"] == pytest.approx(three["p50_ms"] / 3)
@@ -47,5 +48,5 @@ def test_overhead_measures_direct_1_hop_and_n_hop_with_every_call_ok(tmp_path: P
     # The raw samples reached the file, every closed-loop call counted.
     saved = json.loads(results.read_text())
     assert saved["complete"] is True and saved["kind"] == "overhead"
-    assert [len(p["latencies_ms"]) for p in saved["paths"]] == [12, 12, 12, 12]
-    assert [p["load_calls"] for p in saved["paths"]] == [16, 16, 16, 16]
+    assert [len(p["latencies_ms"]) for p in saved["paths"]] == [12] * 5
+    assert [p["load_calls"] for p in saved["paths"]] == [16] * 5

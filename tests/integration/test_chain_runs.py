@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from inferx.client import InferxClient
 from inferx.devstack import LocalStack
 from inferx.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from inferx.v1 import router_pb2, router_pb2_grpc
 from tests.polling import poll_until
 
 pytestmark = pytest.mark.integration
@@ -72,6 +73,32 @@ async def test_final_only_run_sends_one_event_with_every_hop(sim_stack: LocalSta
     async with InferxClient(sim_stack.router_address) as client:
         result = await client.chain_result("customer_service_agent", QUERY)
     assert result.status == "ok" and len(result.hops) == 3
+
+
+def event_labels(events) -> list[tuple[str, str]]:
+    kinds = [e.WhichOneof("event") for e in events]
+    return [(kind, getattr(getattr(e, kind), "node_id", "")) for e, kind in zip(events, kinds, strict=True)]
+
+
+async def test_batched_events_arrive_in_fewer_messages_and_the_client_unpacks_them(
+    sim_stack: LocalStack,
+) -> None:
+    """RunChainRequest.batch_events over the wire: every event of the unbatched stream, in
+    its order, in fewer messages; InferxClient.run_chain (batching by default) yields them
+    one by one, each without `following`."""
+    unbatched = await run_to_end(sim_stack, "customer_service_agent", QUERY, batch_events=False)
+    assert not any(e.following for e in unbatched)
+    async with grpc.aio.insecure_channel(sim_stack.router_address) as channel:
+        request = router_pb2.RunChainRequest(chain="customer_service_agent", inputs=QUERY, batch_events=True)
+        messages = [m async for m in router_pb2_grpc.RouterStub(channel).RunChain(request, timeout=60)]
+    batched = [e for m in messages for e in (m, *m.following)]
+    assert event_labels(batched) == event_labels(unbatched)
+    assert len(messages) < len(batched)
+    assert all(e.run_id == messages[0].run_id for e in batched)
+    assert batched[-1].chain_finished.status == "ok", batched[-1].chain_finished.error
+    unpacked = await run_to_end(sim_stack, "customer_service_agent", QUERY)
+    assert event_labels(unpacked) == event_labels(unbatched)
+    assert not any(e.following for e in unpacked)
 
 
 async def test_cacheable_tool_result_is_served_from_cache_the_second_time(

@@ -20,6 +20,7 @@ from inferx_router import runner
 from inferx_router.chain_store import StoredVersion
 from inferx_router.hops import HopDone, ModelHop, NextHop
 from inferx_router.runner import ChainRun
+from inferx_router.servicer import _gather_following
 from inferx_router.tools import ResolvedTool, ToolCall, ToolResult, ToolRouter
 
 
@@ -389,6 +390,51 @@ async def test_final_only_sends_chain_finished_alone() -> None:
     assert [e.WhichOneof("event") for e in events[:-1]] == ["chain_finished"]
     assert events[0].chain_finished == finished
     assert [(h.node_id, h.status) for h in finished.hops] == [("a", "error"), ("b", "skipped"), ("c", "ok")]
+
+
+async def batched_messages(stored) -> list:
+    """The messages RunChain sends for one run with batch_events: its stream loop, with
+    the servicer's `_gather_following`, over a real ChainRun's event queue; each hop takes
+    5 ms, as a real one takes a round trip."""
+    executor = FakeExecutor()
+    for node_id in stored.config.node_ids:
+        executor.script[node_id] = [0.005]
+    run = make_run(stored, executor)
+    task = asyncio.create_task(run.run())
+    messages = []
+    while (event := await run.events.get()) is not None:
+        messages.append(event)
+        if await _gather_following(run.events, event):
+            break
+    await task
+    return messages
+
+
+def labels(events) -> list[tuple[str, str]]:
+    kinds = [e.WhichOneof("event") for e in events]
+    return [(kind, getattr(getattr(e, kind), "node_id", "")) for e, kind in zip(events, kinds, strict=True)]
+
+
+def flat(messages) -> list[tuple[str, str]]:
+    assert all(not e.following for message in messages for e in message.following)  # one level
+    return labels([e for message in messages for e in (message, *message.following)])
+
+
+async def test_batched_events_are_every_event_in_order_in_fewer_messages() -> None:
+    """batch_events: a node's finish, its successor's start and the chain's end travel
+    together; flattened, the stream is the unbatched one (same events, same order)."""
+    stored = chain(m("a", "m1"), m("b", "m2", depends_on=["a"]), m("c", "m3", depends_on=["b"]))
+    run = make_run(stored, FakeExecutor())
+    await finish(run)
+    expected = labels(drain(run)[:-1])
+    messages = await batched_messages(stored)
+    assert flat(messages) == expected
+    # started a | finished a, started b | finished b, started c | finished c, chain_finished
+    assert [len(message.following) for message in messages] == [0, 1, 1, 1]
+    # A join: both parents' finishes come before the child's start, whatever the grouping.
+    order = flat(await batched_messages(chain(*PARALLEL)))
+    assert order[-1] == ("chain_finished", "")
+    assert order.index(("node_started", "z")) > max(order.index(("node_finished", n)) for n in "xy")
 
 
 async def test_sink_outputs_are_joined_and_the_turn_remembered() -> None:

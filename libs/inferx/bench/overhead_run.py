@@ -111,14 +111,16 @@ def chain_call(
     hops: int,
     metadata: tuple[tuple[str, str], ...] | None = None,
     final_only: bool = False,
+    batched: bool = False,
 ) -> Call:
-    request = router_pb2.RunChainRequest(chain=chain_name(hops), final_only=final_only)
+    request = router_pb2.RunChainRequest(chain=chain_name(hops), final_only=final_only, batch_events=batched)
 
     async def call() -> None:
         finished = None
-        async for event in stub.RunChain(request, timeout=CALL_TIMEOUT_S, metadata=metadata):
-            if event.HasField("chain_finished"):
-                finished = event.chain_finished
+        async for message in stub.RunChain(request, timeout=CALL_TIMEOUT_S, metadata=metadata):
+            for event in (message, *message.following):
+                if event.HasField("chain_finished"):
+                    finished = event.chain_finished
         if finished is None:
             raise CallFailed("RunChain ended without chain_finished")
         if finished.status != "ok":
@@ -205,7 +207,8 @@ async def measure(
     progress: ProgressFactory,
     on_path: Callable[[PathSamples], None] = lambda p: None,
 ) -> list[PathSamples]:
-    """direct, 1-hop, N-hop, N-hop final, in that order; `on_path` gets each as soon as it is done."""
+    """direct, 1-hop, N-hop, N-hop batched, N-hop final, in that order; `on_path` gets each
+    as soon as it is done."""
     channel_options = [("grpc.max_receive_message_length", 64 << 20)]
     done: list[PathSamples] = []
     # The stack's own certificate for both (the worker requires one; the router's public
@@ -220,6 +223,8 @@ async def measure(
         plan: list[tuple[PathSamples, Call]] = [(PathSamples(DIRECT, 1), direct_call(worker_stub))]
         for hops in sorted({1, options.hops}):
             plan.append((PathSamples(path_name(hops), hops), chain_call(router_stub, hops, metadata)))
+        batched = PathSamples(path_name(options.hops, batched=True), options.hops, batched=True)
+        plan.append((batched, chain_call(router_stub, options.hops, metadata, batched=True)))
         final = PathSamples(path_name(options.hops, final_only=True), options.hops, final_only=True)
         plan.append((final, chain_call(router_stub, options.hops, metadata, final_only=True)))
         for samples, call in plan:

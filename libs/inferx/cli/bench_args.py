@@ -146,7 +146,8 @@ def _overhead_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="start a local stack with one SIMULATED sim worker (--speed, default 10000: engine "
         "time ~0) and measure side by side a direct worker Generate, a 1-hop and an N-hop chain "
-        "through the router (and the N-hop chain asking for its result alone, final_only): "
+        "through the router (and the N-hop chain with its events batched, batch_events, and "
+        "asking for its result alone, final_only): "
         "latency, added latency per hop, throughput",
     )
     group.add_argument("--hops", type=int, default=4, help="--overhead: hops of the long chain (4)")
