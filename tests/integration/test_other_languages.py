@@ -43,6 +43,12 @@ def test_node_client_runs_the_example_chain(sim_stack: LocalStack, node_client: 
     )
     assert result.returncode == 0, result.stderr
     events = [json.loads(line) for line in result.stdout.splitlines()]
+    # It asks for batched events and prints them unpacked: every node's start and finish.
+    assert all("following" not in event for event in events)
+    seen = [(e["event"], e[e["event"]].get("node_id", "")) for e in events]
+    nodes = ["intent_recognition", "knowledge_retrieval", "response_generation"]
+    assert sorted(seen[:-1]) == sorted((kind, n) for kind in ("node_started", "node_finished") for n in nodes)
+    assert all(seen.index(("node_started", n)) < seen.index(("node_finished", n)) for n in nodes)
     finished = events[-1]["chain_finished"]
     assert finished["status"] == "ok"
     assert [h["node_id"] for h in finished["hops"]] == [

@@ -1,4 +1,4 @@
-// Run an InferX chain from Node.js and print each event as one JSON line.
+// Run an InferX chain from Node.js and print each of its events as one JSON line.
 // Usage: node run_chain.js ROUTER_HOST:PORT CHAIN KEY=VALUE...
 // With INFERX_TLS_CA=ca.pem the call is TLS, verifying the router against that CA (what
 // `make run` serves: .inferx/tls/ca.pem); with INFERX_TOKEN it sends
@@ -39,8 +39,14 @@ for (const pair of pairs) {
   inputs[pair.slice(0, at)] = pair.slice(at + 1);
 }
 
-const call = client.RunChain({ chain, inputs }, metadata);
-call.on("data", (event) => console.log(JSON.stringify(event)));
+// batch_events: the router sends the events that are ready together in one message, the
+// rest in `following`; printed one by one, they are the same events in the same order.
+const call = client.RunChain({ chain, inputs, batch_events: true }, metadata);
+call.on("data", (message) => {
+  for (const event of [message, ...message.following]) {
+    console.log(JSON.stringify({ ...event, following: undefined }));
+  }
+});
 call.on("error", (err) => {
   console.error(`${grpc.status[err.code]}: ${err.details}`);
   process.exit(1);
