@@ -123,14 +123,12 @@ class InferxClient:
         )
         try:
             async for event in self._stub.RunChain(request, timeout=self._timeout_s, metadata=self._metadata):
-                if event.following:
-                    following = list(event.following)
+                following = list(event.following)
+                if following:
                     del event.following[:]
-                    yield event
-                    for queued in following:
-                        yield queued
-                else:
-                    yield event
+                yield event
+                for queued in following:
+                    yield queued
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, target=f"the router at {self.address}") from None
 
