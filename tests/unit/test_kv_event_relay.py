@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
+# A plain import, not importorskip: `make test` installs vLLM (or its CPU build, the same
+# module), so a missing or moved module must fail here rather than skip (issue #45).
+import vllm.distributed.kv_events as events_mod
 
 from inferx.scheduling.prefix_index import CLEARED, REMOVED, STORED, KvEvent, PrefixIndex, chain_keys
 from inferx_worker import kv_events
@@ -72,7 +74,6 @@ async def test_the_sim_engine_publishes_what_its_cache_stores_and_reports_contex
 
 
 def test_translate_keys_vllm_blocks_by_token_ids() -> None:
-    events_mod = pytest.importorskip("vllm.distributed.kv_events")
     from inferx.scheduling.prefix_index import EngineKeyMap
 
     tokens = list(range(100, 164))
@@ -124,7 +125,6 @@ def test_translate_keys_vllm_blocks_by_token_ids() -> None:
 async def test_the_relay_reads_vllms_zmq_stream(tmp_path) -> None:
     """vLLM's publisher frames (topic, 8-byte sequence, msgpack KVEventBatch) on a real
     ZMQ PUB socket reach the hub re-keyed; a gap in the sequence clears the picture."""
-    events_mod = pytest.importorskip("vllm.distributed.kv_events")
     import msgspec
     import zmq
     import zmq.asyncio
