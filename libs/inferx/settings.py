@@ -1,18 +1,71 @@
 """Typed service configuration: one pydantic-settings object per service, read from
-command-line flags and `INFERX_*` environment variables (flags win), printed at start."""
+command-line flags, `INFERX_*` environment variables and a YAML file (`--config`), in
+that order of precedence over the defaults, and printed at start.
+
+The file's keys are the settings' names, as in docs/configuration.md (generated from
+these classes by `inferx.settings_doc`): `max_bytes`, or the flag's spelling without its
+dashes, `max-bytes`. A key the service does not take, a missing or unreadable file, or
+one that is not a mapping is an error naming the file (and the key), never ignored.
+"""
 
 from __future__ import annotations
 
+import difflib
+import os
 import sys
-from typing import TypeVar
+from collections.abc import Sequence
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any, TypeVar
 
+import yaml
 from pydantic import Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    CliSettingsSource,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 from inferx.etcd import parse_endpoint
 from inferx.tls import ETCD_FLAGS, Security, TlsError, TlsFiles, check_server_name
 
 S = TypeVar("S", bound="TransportSettings")
+
+#: the environment variable naming the config file when --config does not
+CONFIG_ENV = "INFERX_CONFIG"
+
+
+class ConfigError(ValueError):
+    """Settings that cannot be used: one line per problem, each naming the flag, or the
+    file and its key, that is wrong (without the program's name)."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = list(problems)
+
+
+# The file read for the settings class being built now (parse_settings): a source of
+# that class alone, so settings built meanwhile for another class (the router's
+# embedded scheduler, validating --scheduler-flags) never see another service's file.
+_FILE_VALUES: ContextVar[tuple[type[BaseSettings], dict[str, Any]] | None] = ContextVar(
+    "inferx_config_file", default=None
+)
+
+
+class ConfigFileSource(PydanticBaseSettingsSource):
+    """The values of the --config file, below flags and environment, above defaults."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: __call__ gives the file's values whole
+
+    def __call__(self) -> dict[str, Any]:
+        loaded = _FILE_VALUES.get()
+        if loaded is None or loaded[0] is not self.settings_cls:
+            return {}
+        return dict(loaded[1])
 
 
 class TransportSettings(BaseSettings):
@@ -28,6 +81,11 @@ class TransportSettings(BaseSettings):
         extra="ignore",
     )
 
+    config: str = Field(
+        "",
+        description=f"YAML file of settings, keyed by these settings' names (snake_case, or the flags' "
+        f"kebab-case spelling); flags and INFERX_* variables win over it (also ${CONFIG_ENV})",
+    )
     etcd: str = Field("127.0.0.1:2379", description="etcd endpoint HOST:PORT")
     tls_ca: str = Field("", description="CA bundle (PEM) that issued every peer's certificate (mutual TLS)")
     tls_cert: str = Field("", description="this process's certificate chain (PEM), server and client")
@@ -52,6 +110,25 @@ class TransportSettings(BaseSettings):
     etcd_server_name: str = Field(
         "", description="verify etcd's certificate against this DNS name instead of the host of --etcd"
     )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Flags come before all of these (pydantic-settings puts the CLI source first),
+        # the defaults after: flags > keyword arguments > INFERX_* > --config file > defaults.
+        return (
+            init_settings,
+            env_settings,
+            dotenv_settings,
+            file_secret_settings,
+            ConfigFileSource(settings_cls),
+        )
 
     @field_validator("etcd")
     @classmethod
@@ -174,21 +251,143 @@ class ServiceSettings(TransportSettings):
 
 
 def load_settings(cls: type[S], prog: str, argv: list[str] | None = None) -> S:
-    """Parse flags + env into `cls`; on bad input print one line per problem and exit 2."""
+    """Parse flags + env + --config file into `cls`; on bad input print one line per
+    problem and exit 2."""
     args = sys.argv[1:] if argv is None else argv
-    _set_prog(cls, prog)
     try:
-        return CliApp.run(cls, cli_args=args, cli_settings_source=None)
-    except ValidationError as exc:
-        for err in exc.errors():
-            if err["loc"]:
-                field = "--" + "-".join(str(p) for p in err["loc"]).replace("_", "-")
-                print(f"{prog}: error: {field}: {err['msg']}", file=sys.stderr)
-            else:  # a rule across flags: its message names them
-                print(f"{prog}: error: {err['msg'].removeprefix('Value error, ')}", file=sys.stderr)
+        return parse_settings(cls, prog, args)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"{prog}: error: {problem}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
-def _set_prog(cls: type[BaseSettings], prog: str) -> None:
-    # CliApp takes the program name from the model config; set it per service.
-    cls.model_config["cli_prog_name"] = prog
+def parse_settings(cls: type[S], prog: str, argv: Sequence[str], *, config_env: bool = True) -> S:
+    """`argv` (flags), the INFERX_* environment and the config file (--config, else
+    $INFERX_CONFIG where `config_env`) as `cls`. ConfigError, one line per problem,
+    for bad values or a bad file; argparse's SystemExit(2) for flags it cannot parse."""
+    cli: CliSettingsSource[S] = CliSettingsSource(
+        cls, cli_prog_name=prog, case_sensitive=cls.model_config.get("case_sensitive", False)
+    )
+    cli(args=list(argv))
+    given = cli()
+    path = str(given.get("config") or "")
+    if not path and config_env:
+        path = _config_from_env()
+    values = read_config_file(cls, path) if path else {}
+    token = _FILE_VALUES.set((cls, values))
+    try:
+        settings = cls(_cli_settings_source=cli)
+    except ValidationError as exc:
+        raise ConfigError(_problems(cls, exc, set(given), path, values)) from None
+    finally:
+        _FILE_VALUES.reset(token)
+    settings.config = path  # the file read (an INFERX_CONFIG left unread by config_env is not)
+    return settings
+
+
+def _config_from_env() -> str:
+    # As pydantic-settings reads INFERX_* (case_sensitive off): any case.
+    for name, value in os.environ.items():
+        if name.upper() == CONFIG_ENV and value:
+            return value
+    return ""
+
+
+def config_keys(cls: type[BaseSettings]) -> dict[str, str]:
+    """Every key a config file of `cls` may have -> the setting it sets: each setting's
+    name and its flag's spelling (kebab-case), except `config` itself."""
+    keys: dict[str, str] = {}
+    for name in cls.model_fields:
+        if name != "config":
+            keys[name] = keys[name.replace("_", "-")] = name
+    return keys
+
+
+def read_config_file(cls: type[BaseSettings], path: str) -> dict[str, Any]:
+    """The settings a YAML config file gives `cls`, by setting name (values unvalidated:
+    `cls` validates them with its other sources). ConfigError naming the file and each
+    key it does not take, or why it cannot be read."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError([f"config file {path}: no such file"]) from None
+    except IsADirectoryError:
+        raise ConfigError([f"config file {path}: is a directory, not a file"]) from None
+    except UnicodeDecodeError:
+        raise ConfigError([f"config file {path}: not UTF-8 text"]) from None
+    except OSError as exc:
+        raise ConfigError([f"config file {path}: cannot read it: {exc.strerror or exc}"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"config file {path}: not valid YAML: {_yaml_problem(exc)}"]) from None
+    if data is None:  # empty, or comments only
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            [f"config file {path}: must be a mapping of settings (key: value), not {_kind(data)}"]
+        )
+    keys = config_keys(cls)
+    values: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
+    problems = []
+    for key, value in data.items():
+        name = keys.get(key) if isinstance(key, str) else None
+        if name is None:
+            problems.append(f"config file {path}: unknown key {key!r}{_did_you_mean(key, keys)}")
+        elif name in values:
+            problems.append(f"config file {path}: {spelled[name]!r} and {key!r} are the same setting")
+        else:
+            values[name], spelled[name] = value, key
+    if problems:
+        raise ConfigError(problems)
+    return values
+
+
+def _did_you_mean(key: object, keys: dict[str, str]) -> str:
+    if key == "config":
+        return " (a config file cannot name another)"
+    close = difflib.get_close_matches(str(key), [k for k in keys if "-" not in k], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else " (docs/configuration.md lists the keys)"
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        return f"line {mark.line + 1}, column {mark.column + 1}: {exc.problem}"
+    return " ".join(str(exc).split())
+
+
+def _kind(data: object) -> str:
+    if isinstance(data, list):
+        return "a list"
+    return f"a single value ({data!r})"
+
+
+def _problems(
+    cls: type[BaseSettings],
+    exc: ValidationError,
+    flags: set[str],
+    path: str,
+    values: dict[str, Any],
+) -> list[str]:
+    """One line per error, naming where the bad value came from: its flag (or its
+    INFERX_* variable, as --flag), or the config file and key."""
+    env: set[str] | None = None
+    problems = []
+    for err in exc.errors():
+        if not err["loc"]:  # a rule across settings: its message names them
+            problems.append(err["msg"].removeprefix("Value error, "))
+            continue
+        field = str(err["loc"][0])
+        if field in values and field not in flags:
+            if env is None:
+                env = set(EnvSettingsSource(cls)())
+            if field not in env:
+                where = ".".join(str(p) for p in err["loc"])
+                problems.append(f"config file {path}: {where}: {err['msg']}")
+                continue
+        flag = "--" + "-".join(str(p) for p in err["loc"]).replace("_", "-")
+        problems.append(f"{flag}: {err['msg']}")
+    return problems

@@ -26,12 +26,9 @@ from __future__ import annotations
 
 import shlex
 
-from pydantic import ValidationError
-from pydantic_settings import CliApp
-
 from inferx.hopstream import StreamPool
 from inferx.server import ServiceInstance, ServiceRuntime, StartupError, start_embedded
-from inferx.settings import ServiceSettings
+from inferx.settings import ConfigError, ServiceSettings, parse_settings
 from inferx_scheduler.__main__ import SchedulerComponent
 from inferx_scheduler.__main__ import build as build_scheduler
 from inferx_scheduler.config import SchedulerSettings
@@ -69,23 +66,20 @@ PROG = "inferx-router --scheduler-flags"
 
 
 def parse_scheduler_flags(flags: str) -> SchedulerSettings:
-    """`--scheduler-flags` as `inferx-scheduler` would read them; ValueError naming the
-    problem (a flag it does not take, a bad value) -- checked when the router starts."""
+    """`--scheduler-flags` as `inferx-scheduler` would read them (a `--config FILE` among
+    them included; $INFERX_CONFIG is the router's, not read here); ValueError naming the
+    problem (a flag it does not take, a bad value, a bad file) -- checked when the router
+    starts."""
     try:
         argv = shlex.split(flags)
     except ValueError as exc:
         raise ValueError(f"cannot split into flags: {exc}") from None
-    SchedulerSettings.model_config["cli_prog_name"] = PROG
     try:
-        return CliApp.run(SchedulerSettings, cli_args=argv, cli_settings_source=None)
+        return parse_settings(SchedulerSettings, PROG, argv, config_env=False)
     except SystemExit:  # argparse said why on stderr (an unknown flag, a missing value)
         raise ValueError(f"not flags of inferx-scheduler: {flags!r} (see above)") from None
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"--{'-'.join(str(part) for part in err['loc']).replace('_', '-')}: {err['msg']}"
-            for err in exc.errors()
-        )
-        raise ValueError(problems) from None
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def scheduler_settings(router: ServiceSettings, flags: str, port: int) -> SchedulerSettings:
