@@ -91,7 +91,9 @@ class InferxClient:
         try:
             return await method(request, timeout=timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc, target=f"the router at {self.address}") from None
+            raise from_rpc_error(
+                exc, target=f"the router at {self.address}", plaintext=self.transport.insecure
+            ) from None
 
     async def run_chain(
         self,
@@ -130,7 +132,9 @@ class InferxClient:
                 for queued in following:
                     yield queued
         except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc, target=f"the router at {self.address}") from None
+            raise from_rpc_error(
+                exc, target=f"the router at {self.address}", plaintext=self.transport.insecure
+            ) from None
 
     async def chain_result(
         self,
@@ -225,7 +229,9 @@ class InferxClient:
             ):
                 yield event
         except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc, target=f"the router at {self.address}") from None
+            raise from_rpc_error(
+                exc, target=f"the router at {self.address}", plaintext=self.transport.insecure
+            ) from None
 
     async def put_chain(
         self,

@@ -332,6 +332,14 @@ class LocalStack:
         return f"127.0.0.1:{self.ports.router}"
 
     @property
+    def router_addresses(self) -> list[str]:
+        """Every router this stack started, the first one first."""
+        started = [
+            p.address for name, p in self.services.items() if name == "router" or name.startswith("router-")
+        ]
+        return started or [self.router_address]
+
+    @property
     def scheduler_address(self) -> str:
         """The (first) scheduler: its process, or the one inside the router."""
         if "scheduler" in self.services:
@@ -659,6 +667,9 @@ class LocalStack:
         its --router is this router and it is given no --token/--tls-ca)."""
         info = {
             "router": self.router_address,
+            # every router this stack started (`--replicas`): each is its router, with
+            # its CA and token (the CLI matches --router against all of them)
+            "routers": self.router_addresses,
             "tls_ca": str(self.tls.ca) if self.tls is not None else None,
             "token_file": str(self.token_file) if self.admin_token else None,
             "http": self.router_http_url or None,

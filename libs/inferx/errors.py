@@ -120,8 +120,33 @@ class NoOwner(Unavailable):
         super().__init__(message, owner_address="")
 
 
-def from_rpc_error(error: grpc.aio.AioRpcError | grpc.RpcError, *, target: str = "") -> InferxError:
-    """Convert a failed call into the typed exception for its status code."""
+def _unreachable_hint(details: str, plaintext: bool | None) -> str:
+    """Why a connection failed, where its text tells: a TLS client at a plaintext port
+    (the server answers the handshake with plain HTTP/2: WRONG_VERSION_NUMBER), a
+    plaintext client at a TLS port (the server closes the socket), else not running."""
+    lowered = details.lower()
+    if "wrong_version_number" in lowered or (
+        plaintext is False and "handshake" in lowered and "ssl" in lowered
+    ):
+        return (
+            "the TLS handshake failed: it looks like a plaintext (--insecure) port, and this "
+            "client speaks TLS (drop --tls-ca / INFERX_TLS_CA, or start it with TLS)"
+        )
+    if "socket closed" in lowered and plaintext is not False:
+        return (
+            "it closed the connection: it looks like a TLS port, and this client speaks plaintext "
+            "(give --tls-ca / INFERX_TLS_CA, the CA that issued its certificate)"
+        )
+    return "is it running?"
+
+
+def from_rpc_error(
+    error: grpc.aio.AioRpcError | grpc.RpcError, *, target: str = "", plaintext: bool | None = None
+) -> InferxError:
+    """Convert a failed call into the typed exception for its status code. `target`:
+    what was called, named when it cannot be reached; `plaintext`: whether the caller
+    spoke plaintext (None: not known), to tell a TLS/plaintext mismatch from a service
+    that is not running."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = (error.details() if hasattr(error, "details") else None) or str(code)
     retry_after = None
@@ -136,7 +161,7 @@ def from_rpc_error(error: grpc.aio.AioRpcError | grpc.RpcError, *, target: str =
         elif key == OWNER_KEY:
             owner = str(value)
     if code == grpc.StatusCode.UNAVAILABLE and target and "failed to connect" in details.lower():
-        details = f"cannot reach {target}: is it running? ({details})"
+        details = f"cannot reach {target}: {_unreachable_hint(details, plaintext)} ({details})"
     if owner is not None and code == grpc.StatusCode.FAILED_PRECONDITION:
         return NotOwner(details, owner_address=owner)
     if owner is not None and code == grpc.StatusCode.UNAVAILABLE:

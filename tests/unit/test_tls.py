@@ -376,6 +376,68 @@ def test_cli_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (args.token, args.tls_ca) == ("flag", "/flag.pem")
 
 
+def test_cli_uses_the_local_stacks_ca_and_token_for_every_router_it_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`inferx up --replicas 2`: the second router (50151) is the stack's router too (issue #45)."""
+    from types import SimpleNamespace
+
+    from inferx.devstack import LocalStack, StackPorts
+
+    monkeypatch.chdir(tmp_path)
+    stack = LocalStack(tmp_path / ".inferx", StackPorts())
+    stack.admin_token = "ixt_0123456789abcdef_" + "y" * 43
+    stack.token_file.parent.mkdir(parents=True, exist_ok=True)
+    stack.token_file.write_text(stack.admin_token + "\n")
+    for name, port in (("router", 50051), ("scheduler", 50052), ("router-1", 50151)):
+        stack.services[name] = SimpleNamespace(address=f"127.0.0.1:{port}")  # type: ignore[assignment]
+    stack.write_stack_file()
+    assert json.loads(stack.stack_file.read_text())["routers"] == ["127.0.0.1:50051", "127.0.0.1:50151"]
+    assert stack.tls_ca is not None
+    for router in ("127.0.0.1:50051", "127.0.0.1:50151", "localhost:50151"):
+        found = connect.resolve(_args(router=router))
+        assert (found.tls_ca, found.token) == (str(stack.tls_ca), stack.admin_token), router
+    assert connect.resolve(_args(router="127.0.0.1:50052")) == connect.Connection("127.0.0.1:50052")
+
+
+async def test_a_tls_plaintext_mismatch_is_named_not_is_it_running(pki: TlsFiles) -> None:
+    """A plaintext client at a TLS port, a TLS client at a plaintext port, and a port
+    nobody serves: each says which it is (issue #45)."""
+    import grpc
+
+    from inferx.client import InferxClient
+    from inferx.devstack import free_port
+    from inferx.errors import Unavailable
+
+    async def failure(tls_server: bool, tls_client: bool) -> str:
+        server = grpc.aio.server()
+        if tls_server:
+            from inferx.tls import server_credentials
+
+            credentials = server_credentials(load_tls(pki), require_client_auth=False)
+            port = server.add_secure_port("127.0.0.1:0", credentials)
+        else:
+            port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with InferxClient(f"127.0.0.1:{port}", tls_ca=pki.ca if tls_client else None) as client:
+                with pytest.raises(Unavailable) as raised:
+                    await client.list_chains()
+            return str(raised.value)
+        finally:
+            await server.stop(None)
+
+    plaintext_at_tls = await failure(tls_server=True, tls_client=False)
+    assert "looks like a TLS port" in plaintext_at_tls and "--tls-ca" in plaintext_at_tls
+    assert "is it running" not in plaintext_at_tls
+    tls_at_plaintext = await failure(tls_server=False, tls_client=True)
+    assert "looks like a plaintext (--insecure) port" in tls_at_plaintext
+    assert "is it running" not in tls_at_plaintext
+    async with InferxClient(f"127.0.0.1:{free_port()}") as client:
+        with pytest.raises(Unavailable, match="is it running"):
+            await client.list_chains()
+
+
 # ----- tool endpoints: a router calls only its own kind --------------------------------------------
 
 

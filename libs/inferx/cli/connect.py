@@ -2,11 +2,11 @@
 
 Every command that calls the router takes `--router` (env INFERX_ROUTER), `--token`
 (env INFERX_TOKEN) and `--tls-ca` (env INFERX_TLS_CA). When no CA is given and
-`--router` is the router of the local stack `inferx up` runs from this directory
-(`.inferx/stack.json`), that stack's CA is used, and its admin token unless `--token`
-gives another, so `inferx run ...` next to `make run` needs no flags. A given
-`--tls-ca` wins whole: the stack's token is never sent to a router verified by another
-CA.
+`--router` is a router of the local stack `inferx up` runs from this directory
+(`.inferx/stack.json` lists them all, `--replicas` included), that stack's CA is used,
+and its admin token unless `--token` gives another, so `inferx run ...` next to
+`make run` needs no flags. A given `--tls-ca` wins whole: the stack's token is never
+sent to a router verified by another CA.
 
 Light on purpose: building the parser imports nothing but argparse and os; the client
 and TLS code load when a command runs.
@@ -120,6 +120,14 @@ def read_stack_file(path: Path = STACK_FILE) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+def _stack_routers(stack: dict) -> list[str]:
+    """Every router of the local stack: `routers` (all that `inferx up` started, with
+    `--replicas` more than one) and `router` (the first, all an older file names)."""
+    routers = stack.get("routers")
+    known = [str(r) for r in routers] if isinstance(routers, list) else []
+    return [*known, str(stack.get("router", ""))]
+
+
 def _read_token(path: str) -> str:
     try:
         return Path(path).read_text().strip()
@@ -135,7 +143,7 @@ def resolve(args: argparse.Namespace, router: str | None = None) -> Connection:
     if tls_ca:
         return Connection(address, token, tls_ca)
     stack = read_stack_file()
-    if stack is None or not _same_router(str(stack.get("router", "")), address):
+    if stack is None or not any(_same_router(known, address) for known in _stack_routers(stack)):
         return Connection(address, token)
     if token:  # another token for the local stack's router: still its CA (never its token elsewhere)
         return Connection(address, token, stack.get("tls_ca") or None)
