@@ -17,7 +17,7 @@ InferX's own headers (these win over everything below):
 For drop-in use, without X-InferX-Program the program id comes from, in this order:
 
   1. vLLM router's program contract: the body's `vllm_xargs.agentic_context` (or a
-     top-level `agentic_context`), an object or a JSON string of one (README: its fields);
+     top-level `agentic_context`), an object or a JSON string of one (docs/concepts.md: its fields);
   2. the body's `agent_hint` (`session_id`, `parent_session_id`, `blocks_parent`,
      `expected_resume`), vLLM router's older contract;
   3. agent frameworks' session headers: `X-Claude-Code-Session-Id` (with
@@ -315,7 +315,7 @@ def _object(param: str, value: Any) -> Mapping[str, Any]:
 
 
 def _agentic_context(body: Mapping[str, Any]) -> _Given | None:
-    """vLLM router's `agentic_context` (see the README's mapping table)."""
+    """vLLM router's `agentic_context` (see the mapping table in docs/concepts.md)."""
     xargs = body.get("vllm_xargs")
     if xargs is not None and not isinstance(xargs, dict):
         raise InvalidField("vllm_xargs", "expected an object")

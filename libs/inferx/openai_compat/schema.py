@@ -33,7 +33,7 @@ from inferx.openai_compat.toolcalls import (
 # What a ReplyReader gives: the answer's content and tool calls, and the thinking.
 ReplyEvent = Event | Reasoning
 
-# Fields OpenAI defines that InferX accepts and ignores (documented in the README):
+# Fields OpenAI defines that InferX accepts and ignores (documented in docs/api.md):
 # presence_penalty, frequency_penalty, logit_bias, user, metadata, store, ... Unknown
 # keys are ignored as well. Fields whose answer InferX cannot give (logprobs, echo,
 # best_of, the legacy `functions`, audio output) are refused when they ask for it
