@@ -115,3 +115,9 @@ bench-overload: setup
 
 clean:
 	rm -rf $(VENV) libs/inferx/v1 .inferx build *.egg-info
+
+# docs/configuration.md, generated from the services' settings classes (every flag, its
+# config-file key and INFERX_* variable); tests/unit/test_configuration_doc.py fails when stale.
+.PHONY: docs
+docs: $(STAMP)
+	$(PY) -m inferx.settings_doc

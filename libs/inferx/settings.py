@@ -83,8 +83,8 @@ class TransportSettings(BaseSettings):
 
     config: str = Field(
         "",
-        description=f"YAML file of settings, keyed by these settings' names (snake_case, or the flags' "
-        f"kebab-case spelling); flags and INFERX_* variables win over it (also ${CONFIG_ENV})",
+        description="YAML file of settings, keyed by these settings' names (snake_case, or the flags' "
+        "kebab-case spelling); flags and INFERX_* variables win over it",
     )
     etcd: str = Field("127.0.0.1:2379", description="etcd endpoint HOST:PORT")
     tls_ca: str = Field("", description="CA bundle (PEM) that issued every peer's certificate (mutual TLS)")
@@ -355,7 +355,9 @@ def _did_you_mean(key: object, keys: dict[str, str]) -> str:
 def _yaml_problem(exc: yaml.YAMLError) -> str:
     if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
         mark = exc.problem_mark
-        return f"line {mark.line + 1}, column {mark.column + 1}: {exc.problem}"
+        context = exc.context or ""
+        said = f"{context}, {exc.problem}" if context and not context.startswith("while ") else exc.problem
+        return f"line {mark.line + 1}, column {mark.column + 1}: {said}"
     return " ".join(str(exc).split())
 
 
