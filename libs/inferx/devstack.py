@@ -771,9 +771,11 @@ def run_foreground(
     http_port: int = 8000,
     insecure: bool = False,
     replicas: int = 1,
-    embedded_scheduler: bool = False,
+    embedded_scheduler: bool = True,
 ) -> int:
-    """`inferx up`: start everything, load the examples, wait for Ctrl-C, stop everything."""
+    """`inferx up`: start everything, load the examples, wait for Ctrl-C, stop everything.
+    `embedded_scheduler` (the default): each router runs the scheduler in its process,
+    one process crossing fewer per model hop (issue #45: the faster path is the default)."""
     root = Path.cwd()
     examples = root / "examples"
     if not (examples / "models.yaml").exists():

@@ -60,6 +60,29 @@ def test_marginal_hop_and_fixed_run_cost_from_the_1_hop_and_longest_chain() -> N
     assert summary.errors == 1
 
 
+def test_an_outside_clients_paths_are_compared_with_its_own_direct_call() -> None:
+    """`--outside` (issue #45): the plain client's chains against the plain client's
+    direct call, not the bench's; they are not taken for the marginal hop."""
+    summary = summarize(
+        [
+            samples(DIRECT, 1, [1.0], load_calls=1, load_wall_s=1.0),
+            samples("1-hop", 1, [7.0], load_calls=1, load_wall_s=1.0),
+            samples("4-hop", 4, [22.0], load_calls=1, load_wall_s=1.0),
+            samples(DIRECT, 1, [2.0], load_calls=3, load_wall_s=1.0, client="outside"),
+            samples("1-hop batched", 1, [3.0], load_calls=2, load_wall_s=1.0, batched=True, client="outside"),
+            samples(
+                "4-hop batched", 4, [12.0], load_calls=1, load_wall_s=1.0, batched=True, client="outside"
+            ),
+        ]
+    )
+    outside = {p.name: p for p in summary.paths if p.client == "outside"}
+    assert outside["direct"].p50_ms == 2.0 and math.isnan(outside["direct"].added_per_hop_p50_ms)
+    assert outside["1-hop batched"].added_per_hop_p50_ms == 1.0  # 3 - 2, not 3 - 1
+    assert outside["4-hop batched"].added_per_hop_p50_ms == 1.0  # 12 / 4 - 2
+    assert outside["4-hop batched"].hops_per_s == 4.0
+    assert summary.marginal_hop_p50_ms == 5.0  # the bench's own 1-hop and 4-hop only
+
+
 def test_a_final_only_path_is_summarized_but_not_taken_for_the_longest_chain() -> None:
     """The final-only path is the N-hop chain with fewer events: it gets its own row, and
     the marginal hop still comes from the chains that send every event."""
@@ -116,6 +139,7 @@ def run_cli(argv: list[str]) -> int:
         (["--concurrency", "8", "--load-calls", "4"], "--load-calls must be at least --concurrency"),
         (["--speed", "0"], "--speed must be a positive number"),
         (["--timeout", "0"], "--timeout must be positive"),
+        (["--outside", "--outside-duration", "0"], "--outside-duration must be a positive number"),
         (["--engine", "vllm"], "drop --engine vllm"),
         (["--router", "127.0.0.1:1"], "drop --router"),
         (["--compare", "round-robin"], "drop --compare"),

@@ -151,7 +151,9 @@ def test_up_with_embedded_scheduler_starts_routers_that_run_it_on_the_scheduler_
     from inferx.devstack import LocalStack, ManagedProcess, StackPorts
 
     assert build_parser().parse_args(["up", "--embedded-scheduler"]).embedded_scheduler
-    assert not build_parser().parse_args(["up"]).embedded_scheduler
+    # The default (issue #45): the faster stack, one process crossing fewer per hop.
+    assert build_parser().parse_args(["up"]).embedded_scheduler
+    assert not build_parser().parse_args(["up", "--no-embedded-scheduler"]).embedded_scheduler
     monkeypatch.setattr(ManagedProcess, "start", lambda self: None)  # argv only, nothing started
     stack = LocalStack(
         tmp_path,

@@ -94,6 +94,9 @@ class PathSamples:
     load_wall_s: float = 0.0
     concurrency: int = 0
     first_error: str = ""
+    #: who called: "" the bench's own calls, "outside" a plain client in its own process
+    #: (`inferx.bench.outside`), compared with its own direct call
+    client: str = ""
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,7 @@ class PathSummary:
     errors: int  # sequential + closed-loop
     final_only: bool = False
     batched: bool = False
+    client: str = ""
 
 
 @dataclass(frozen=True)
@@ -151,20 +155,26 @@ def summarize_path(samples: PathSamples, direct: PathSummary | None = None) -> P
         errors=samples.errors + samples.load_errors,
         final_only=samples.final_only,
         batched=samples.batched,
+        client=samples.client,
     )
 
 
 def summarize(paths: list[PathSamples]) -> OverheadSummary:
-    """Every path against the `direct` one (which must be there), and the marginal and
-    fixed costs from the 1-hop and the longest chain (both with every event, one message
-    each: a final-only or batched path is the same chain with fewer messages, not another
-    length)."""
-    direct_samples = next((p for p in paths if p.name == DIRECT), None)
+    """Every path against the `direct` one of its client (the bench's own `direct` must
+    be there; an outside client's paths are compared with its own direct call when it
+    made one), and the marginal and fixed costs from the bench's 1-hop and longest chain
+    (both with every event, one message each: a final-only or batched path is the same
+    chain with fewer messages, not another length)."""
+    direct_samples = next((p for p in paths if p.name == DIRECT and not p.client), None)
     if direct_samples is None:
         raise ValueError("the direct path is the reference: it must be measured")
-    direct = summarize_path(direct_samples)
-    summaries = [direct if p is direct_samples else summarize_path(p, direct) for p in paths]
-    chains = [s for s in summaries if s.name != DIRECT and not (s.final_only or s.batched)]
+    references = {p.client: p for p in paths if p.name == DIRECT}
+    directs = {client: summarize_path(p) for client, p in references.items()}
+    summaries = [
+        directs[p.client] if p.name == DIRECT else summarize_path(p, directs.get(p.client, directs[""]))
+        for p in paths
+    ]
+    chains = [s for s in summaries if s.name != DIRECT and not (s.final_only or s.batched or s.client)]
     one = next((s for s in chains if s.hops == 1), None)
     longest = max(chains, key=lambda s: s.hops, default=None)
     marginal = fixed = math.nan

@@ -11,6 +11,8 @@ interceptors), so the difference between them is the serving path, not the clien
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -47,6 +49,9 @@ class OverheadOptions:
     policy: str | None = None  # the scheduler's --policy (default: its own)
     python: str = sys.executable  # what runs the services (a profiler wrapper, say)
     embedded_scheduler: bool = False  # the router runs the scheduler in its process
+    insecure: bool = False  # the stack runs plaintext (`inferx up --insecure`), no tokens
+    outside: bool = False  # also measure from a plain outside client (inferx.bench.outside)
+    outside_duration_s: float = 8.0  # its closed loop per path, in seconds
 
 
 class CallFailed(Exception):
@@ -65,6 +70,7 @@ def start_overhead_stack(state_dir: Path, options: OverheadOptions) -> LocalStac
         python=options.python,
         embedded_scheduler=options.embedded_scheduler,
         scheduler_flags=policy_flags,
+        insecure=options.insecure,
     )
     try:
         stack.start_etcd()
@@ -231,3 +237,39 @@ async def measure(
             done.append(await measure_path(samples, call, options, progress))
             on_path(samples)
     return done
+
+
+async def measure_outside(stack: LocalStack, options: OverheadOptions) -> list[PathSamples]:
+    """The direct call, the 1-hop and the N-hop chain (events batched) from a plain
+    grpc.aio client in a process of its own (`inferx.bench.outside`): `count` sequential
+    calls each, then `concurrency` callers for `outside_duration_s` seconds."""
+    argv = [options.python, "-m", "inferx.bench.outside", "--router", stack.router_address]
+    argv += ["--worker", stack.workers[0].address, "--hops", *map(str, sorted({1, options.hops}))]
+    argv += ["--count", str(options.count), "--warmup", str(options.warmup)]
+    argv += ["--concurrency", str(options.concurrency), "--duration", str(options.outside_duration_s)]
+    if stack.tls is not None:
+        assert stack.tls.cert is not None and stack.tls.key is not None
+        argv += [
+            "--tls-ca",
+            str(stack.tls.ca),
+            "--tls-cert",
+            str(stack.tls.cert),
+            "--tls-key",
+            str(stack.tls.key),
+        ]
+    env = dict(os.environ)
+    if stack.admin_token:
+        env["INFERX_OUTSIDE_TOKEN"] = stack.admin_token  # not on a command line others can read
+    process = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env
+    )
+    try:
+        out, err = await process.communicate()
+    except BaseException:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        raise
+    if process.returncode != 0:
+        raise CallFailed(f"the outside client failed: {err.decode(errors='replace').strip()[-2000:]}")
+    return [PathSamples(**path) for path in json.loads(out)["paths"]]

@@ -165,9 +165,31 @@ def _overhead_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--embedded-scheduler",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="--overhead, --peer: InferX's router runs the scheduler in its own process (inferx-router "
-        "--embedded-scheduler) instead of a scheduler process",
+        "--embedded-scheduler) instead of a scheduler process; default: with --overhead, as `inferx up` "
+        "(embedded), with --peer, a scheduler process",
+    )
+    group.add_argument(
+        "--outside",
+        action="store_true",
+        help="--overhead: also measure from a plain outside client in its own process (a grpc.aio "
+        "stub of inferx.v1.Router, batch_events, no SDK): direct, 1-hop and N-hop, --count "
+        "sequential calls then --concurrency callers for --outside-duration seconds each",
+    )
+    group.add_argument(
+        "--outside-duration",
+        type=float,
+        default=8.0,
+        metavar="S",
+        help="--overhead --outside: closed-loop seconds per path (8)",
+    )
+    group.add_argument(
+        "--insecure",
+        action="store_true",
+        help="--overhead: the stack runs plaintext with no tokens (as `inferx up --insecure`); "
+        "default: TLS and the admin token, as `inferx up`",
     )
 
 

@@ -468,9 +468,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument(
         "--embedded-scheduler",
-        action="store_true",
-        help="each router runs the scheduler in its own process (inferx-router --embedded-scheduler): one "
-        "gRPC crossing fewer per model hop; no scheduler process is started",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="each router runs the scheduler in its own process (inferx-router --embedded-scheduler; the "
+        "default): one gRPC crossing fewer per model hop, no scheduler process; --no-embedded-scheduler "
+        "starts scheduler processes instead",
     )
     up.add_argument(
         "--http-port",

@@ -55,6 +55,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise InvalidArgument("--speed must be a positive number")
     if args.timeout <= 0:
         raise InvalidArgument("--timeout must be positive")
+    if not args.outside_duration > 0 or math.isinf(args.outside_duration):
+        raise InvalidArgument("--outside-duration must be a positive number of seconds")
 
 
 def _ms(value: float) -> str:
@@ -83,7 +85,7 @@ def table(summary) -> Table:
         t.add_column(column, justify="left" if column == "path" else "right", no_wrap=column == "path")
     for s in summary.paths:
         t.add_row(
-            s.name,
+            f"{s.client} {s.name}" if s.client else s.name,
             str(s.hops),
             _ms(s.p50_ms),
             _ms(s.p99_ms),
@@ -101,9 +103,11 @@ async def cmd_overhead(args: argparse.Namespace, progress, out: Console, err: Co
     import asyncio
 
     from inferx.bench.overhead import summarize
-    from inferx.bench.overhead_run import OverheadOptions, measure, start_overhead_stack
+    from inferx.bench.overhead_run import OverheadOptions, measure, measure_outside, start_overhead_stack
     from inferx.bench.results import jsonable
 
+    # The stack `inferx up` starts unless told otherwise: the router runs the scheduler.
+    embedded = args.embedded_scheduler is not False
     options = OverheadOptions(
         hops=args.hops,
         count=args.count,
@@ -112,7 +116,10 @@ async def cmd_overhead(args: argparse.Namespace, progress, out: Console, err: Co
         load_calls=args.load_calls,
         speed=args.speed,
         policy=args.policy,
-        embedded_scheduler=args.embedded_scheduler,
+        embedded_scheduler=embedded,
+        insecure=args.insecure,
+        outside=args.outside,
+        outside_duration_s=args.outside_duration,
     )
     note = (lambda s: None) if args.json else (lambda s: err.print(s, style="dim"))
     context = {
@@ -124,7 +131,8 @@ async def cmd_overhead(args: argparse.Namespace, progress, out: Console, err: Co
     with tempfile.TemporaryDirectory(prefix="inferx-overhead-") as tmp:
         state = Path(args.state_dir) if args.state_dir else Path(tmp)
         state.mkdir(parents=True, exist_ok=True)
-        services = "router with its scheduler" if args.embedded_scheduler else "router, scheduler"
+        services = "router with its scheduler" if embedded else "router, scheduler"
+        services += " (plaintext)" if args.insecure else ""
         note(f"starting etcd, {services}, memory-pool, cache, one sim worker (x{args.speed:g}) ...")
         stack = await asyncio.to_thread(start_overhead_stack, state, options)
         try:
@@ -133,7 +141,18 @@ async def cmd_overhead(args: argparse.Namespace, progress, out: Console, err: Co
                 paths.append(samples)
                 saved.save(context=context, paths=paths)
 
-            await asyncio.wait_for(measure(stack, options, progress, keep), args.timeout)
+            async def both() -> None:
+                await measure(stack, options, progress, keep)
+                if options.outside:
+                    note(
+                        "a plain outside client (inferx.bench.outside, its own process): direct, "
+                        f"1-hop, {options.hops}-hop batched, x{options.concurrency} for "
+                        f"{options.outside_duration_s:g} s each ..."
+                    )
+                    for samples in await measure_outside(stack, options):
+                        keep(samples)
+
+            await asyncio.wait_for(both(), args.timeout)
         except TimeoutError:
             raise InvalidArgument(
                 f"the measurement did not finish within --timeout {args.timeout:g} s; "

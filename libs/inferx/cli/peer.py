@@ -273,7 +273,7 @@ async def cmd_peer(args: argparse.Namespace, progress, out: Console, err: Consol
         warmup=args.warmup,
         state_dir=Path(args.state_dir) if args.state_dir else None,
         diagnostics=args.inferx_diagnostics,
-        embedded_scheduler=args.embedded_scheduler,
+        embedded_scheduler=bool(args.embedded_scheduler),
     )
     note = (lambda s: None) if args.json else (lambda s: err.print(s, style="dim"))
     context = {
@@ -283,7 +283,7 @@ async def cmd_peer(args: argparse.Namespace, progress, out: Console, err: Consol
         if "program" in modes
         else None,
         "workers": workers,
-        "inferx_embedded_scheduler": args.embedded_scheduler,
+        "inferx_embedded_scheduler": bool(args.embedded_scheduler),
         "speed": args.speed,
         "profile": profile.model_dump(),
         "trace": args.trace or f"--workload {args.workload or 'mix'}",
