@@ -15,11 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from inferx.devstack import LocalStack, StackPorts, read_models_file, wait_serving
+from inferx.devstack import LocalStack, ManagedProcess, StackError, StackPorts, read_models_file
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 TEST_LEASE_TTL_S = 3
+#: the etcd lease TTL of the stacks on a real vLLM engine, which test no lease expiry: its
+#: engine keeps the CPUs busy, and a worker or service starved past a 3 s TTL on a loaded
+#: 2-core machine drops out of routing mid-test ("no live worker serves model ...")
+E2E_LEASE_TTL_S = 10
+#: how long a test waits for the workers of its stack to be routed (`wait_workers_routed`)
+WORKERS_ROUTED_TIMEOUT_S = 60.0
 # `make test-integration` / `make test-e2e` select by marker: a test in these
 # directories without its marker would silently run in neither.
 DIRECTORY_MARKERS = {"integration": "integration", "e2e": "e2e"}
@@ -81,18 +87,64 @@ def dump_logs(stack: LocalStack) -> None:
             print(f"----- {proc.name} -----\n{proc.log_tail(40)}")
 
 
+#: stacks started with `started(..., guard=True)` and still running: before every test,
+#: `workers_routed_before_each_test` waits until their workers are routed
+GUARDED_STACKS: list[LocalStack] = []
+
+
+def wait_workers_routed(
+    stack: LocalStack,
+    timeout_s: float = WORKERS_ROUTED_TIMEOUT_S,
+    workers: Sequence[ManagedProcess] | None = None,
+    routers: Sequence[str] | None = None,
+) -> None:
+    """Wait (at most `timeout_s`) until each of `workers` (default: every worker process of
+    the stack still running) is SERVING and routed: seen by each router at `routers`
+    (default: every router process of the stack still running), by the scheduler that
+    owns its pool and by the memory-pool (`LocalStack.wait_workers`). A worker's
+    own SERVING is not enough: its etcd registration reaches the others' watches a
+    moment later -- much later on a loaded machine, where a starved worker can also lose
+    its lease and register again -- and a hop sent meanwhile fails with "no live worker
+    serves model ...". On a timeout the test fails naming what is still missing, with
+    every process's log."""
+    try:
+        stack.wait_workers(timeout_s, workers, routers)
+    except StackError as exc:
+        dump_logs(stack)
+        pytest.fail(f"{exc}", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def workers_routed_before_each_test() -> None:
+    """Every test on a guarded stack (a module's shared one) starts with its workers
+    routed: an earlier test's load may have cost a worker its lease a moment ago."""
+    for stack in list(GUARDED_STACKS):
+        wait_workers_routed(stack)
+
+
 @contextlib.contextmanager
-def started(stack: LocalStack, start: Callable[[LocalStack], None]) -> Iterator[LocalStack]:
-    """`start(stack)`, printing the logs when it fails; the stack is stopped at the end."""
+def started(
+    stack: LocalStack, start: Callable[[LocalStack], None], *, guard: bool = False
+) -> Iterator[LocalStack]:
+    """`start(stack)`, printing the logs when it fails; the stack is stopped at the end.
+    Then it waits until the stack's workers are routed (`wait_workers_routed`).
+    `guard`: every test while it runs first waits for its workers to be routed (a stack
+    shared by a module's tests, none of which leaves a worker, a scheduler or the router
+    stopped or frozen for the next)."""
     try:
         start(stack)
+        stack.wait_workers(WORKERS_ROUTED_TIMEOUT_S)
     except BaseException:
         dump_logs(stack)
         stack.stop()
         raise
+    if guard:
+        GUARDED_STACKS.append(stack)
     try:
         yield stack
     finally:
+        if guard:
+            GUARDED_STACKS.remove(stack)
         stack.stop()
 
 
@@ -106,22 +158,21 @@ def running_sim_stack(
     insecure: bool = True,
     tls_server_name: str | None = None,
     worker_args: Sequence[str] = (),
+    guard: bool = True,
 ) -> Iterator[LocalStack]:
     """etcd + all services + `workers` sim workers (with `worker_args` added to their
-    flags), example models and chains loaded; the logs are printed when start-up fails,
-    and everything is stopped at the end."""
+    flags) routed, example models and chains loaded; the logs are printed when start-up
+    fails, and everything is stopped at the end. `guard`: as `started`'s."""
 
     def start(stack: LocalStack) -> None:
         stack.start_core()
         stack.load_models(read_models_file(EXAMPLES / "models.yaml"))
         for _ in range(workers):
             stack.start_worker("tiny-llama", "sim", ["--sim-speed", str(sim_speed), *worker_args])
-        for worker in stack.workers:
-            wait_serving(worker, 60)
         stack.put_chains(sorted((EXAMPLES / "chains").glob("*.yaml")))
 
     stack = make_stack(tmp, lease_ttl_s=lease_ttl_s, insecure=insecure, tls_server_name=tls_server_name)
-    with started(stack, start):
+    with started(stack, start, guard=guard):
         yield stack
 
 

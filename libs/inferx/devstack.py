@@ -222,6 +222,12 @@ def wait_serving(proc: ManagedProcess, timeout_s: float, service: str = "") -> f
     raise StackError(f"{proc.name} not serving after {timeout_s:.0f}s; its log ends with:\n{proc.log_tail()}")
 
 
+def worker_pool(proc: ManagedProcess) -> str:
+    """The model pool a worker process serves (its --model flag; "" when it has none)."""
+    argv = proc.argv
+    return argv[argv.index("--model") + 1] if "--model" in argv[:-1] else ""
+
+
 def find_etcd() -> str:
     path = shutil.which("etcd")
     if path is None:
@@ -661,6 +667,121 @@ class LocalStack:
         for name in names:
             wait_serving(self.services[name], timeout_s)
         self.write_stack_file()
+
+    def workers_not_routed(self, workers: Sequence[ManagedProcess], router: str = "") -> list[str]:
+        """What still keeps each of `workers` from taking hops ([] when nothing does).
+
+        A worker answering SERVING on its own port is not yet one the stack sends hops to:
+        its registration (under its etcd lease) must have reached the router's watch
+        (which answers "no live worker serves model ..." until then), the watch of the
+        scheduler that owns its pool (every scheduler that lists the pool, without
+        partitions) with its circuit breaker closed, and the memory-pool's ledger (when a
+        memory-pool answers). All three
+        are read through the router's GetStatus (the router at `router`, default the
+        first) and each scheduler's GetSchedulerStatus. A worker whose lease lapsed (a
+        starved process) is missing again until it re-registers."""
+        from inferx.v1 import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+        def code(exc: grpc.RpcError) -> str:
+            return exc.code().name if hasattr(exc, "code") else type(exc).__name__
+
+        router_transport = Transport.plaintext()
+        if self.tls is not None:
+            router_transport = Transport.server_auth(self.tls.ca, server_name=self.tls_server_name)
+        metadata = (("authorization", f"Bearer {self.admin_token}"),) if self.admin_token else None
+        router = router or self.router_address
+        try:
+            with router_transport.channel(router) as channel:
+                status = router_pb2_grpc.RouterStub(channel).GetStatus(
+                    router_pb2.GetStatusRequest(), timeout=5.0, metadata=metadata, wait_for_ready=True
+                )
+        except grpc.RpcError as exc:
+            return [f"the router at {router} does not answer GetStatus ({code(exc)})"]
+        missing: list[str] = []
+        registered = {(w.address, w.pool): w.worker_id for w in status.workers}
+        ids: dict[str, tuple[str, str]] = {}  # worker process name -> (worker id, pool)
+        for proc in workers:
+            pool = worker_pool(proc)
+            worker_id = registered.get((proc.address, pool))
+            if worker_id is None:
+                missing.append(
+                    f"the router at {router} does not see {proc.name} (pool '{pool}' at {proc.address})"
+                )
+            else:
+                ids[proc.name] = (worker_id, pool)
+        schedulers = [s.address for s in status.services if s.kind == "scheduler"]
+        if not schedulers:
+            missing.append(f"the router at {router} sees no scheduler")
+        views: dict[str, list[set[str]]] = {}  # pool -> the worker ids each scheduler listing it sees
+        breakers: dict[str, str] = {}  # worker id -> its breaker's state where a scheduler's is not closed
+        for address in schedulers:
+            try:
+                # Fail-fast on a fresh channel: a scheduler killed a moment ago (its
+                # registration outlives it by its lease) answers nothing, at once.
+                with self.transport.channel(address) as channel:
+                    reply = scheduler_pb2_grpc.SchedulerStub(channel).GetSchedulerStatus(
+                        scheduler_pb2.SchedulerStatusRequest(), timeout=5.0
+                    )
+            except grpc.RpcError:
+                continue  # the pools it owned move to another
+            for pool_status in reply.pools:
+                views.setdefault(pool_status.pool, []).append(
+                    {w.worker.worker_id for w in pool_status.workers}
+                )
+            breakers.update({w: state for w, state in reply.worker_breakers.items() if state != "closed"})
+        for name, (worker_id, pool) in ids.items():
+            seen_by = views.get(pool, [])
+            if not seen_by:
+                missing.append(f"no scheduler that answers owns pool '{pool}' (of {name}) yet")
+            elif not all(worker_id in seen for seen in seen_by):
+                missing.append(f"the scheduler of pool '{pool}' does not see {name} ({worker_id}) yet")
+            elif worker_id in breakers:  # it failed health checks or a hop a moment ago
+                missing.append(f"the scheduler's circuit breaker of {name} is {breakers[worker_id]}")
+        if not any(problem.startswith(("memory-pool", "no memory-pool")) for problem in status.problems):
+            in_ledger = {row.worker_id for row in status.memory}
+            missing += [
+                f"the memory-pool's ledger does not have {name} ({worker_id}) yet"
+                for name, (worker_id, _pool) in ids.items()
+                if worker_id not in in_ledger
+            ]
+        return missing
+
+    def wait_workers(
+        self,
+        timeout_s: float = 60.0,
+        workers: Sequence[ManagedProcess] | None = None,
+        routers: Sequence[str] | None = None,
+    ) -> float:
+        """Wait until each of `workers` (default: every worker process still running) is
+        SERVING and routed -- seen by each router at `routers` (default: every router
+        process of the stack still running), the scheduler that owns its pool and the
+        memory-pool (`workers_not_routed`) -- and return the seconds it took. StackError
+        naming what is still missing once `timeout_s` has passed, or at once with its log
+        when a worker exits."""
+        started = time.monotonic()
+        deadline = started + timeout_s
+        procs = [w for w in self.workers if w.alive()] if workers is None else list(workers)
+        if not procs:
+            return 0.0
+        if routers is None:
+            routers = [p.address for p in self.services.values() if p.name.startswith("router") and p.alive()]
+        for proc in procs:
+            wait_serving(proc, max(0.1, deadline - time.monotonic()))
+        while True:
+            for proc in procs:
+                if not proc.alive():
+                    raise StackError(f"{proc.name} exited; its log ends with:\n{proc.log_tail()}")
+            missing = [
+                problem for router in routers or [""] for problem in self.workers_not_routed(procs, router)
+            ]
+            if not missing:
+                return time.monotonic() - started
+            if time.monotonic() >= deadline:
+                raise StackError(
+                    f"workers not routed after {timeout_s:.0f}s (SERVING, but not yet sent hops): "
+                    + "; ".join(missing)
+                )
+            time.sleep(0.1)
 
     def write_stack_file(self) -> Path:
         """`<state>/stack.json`: what a client of this stack needs (the CLI reads it when

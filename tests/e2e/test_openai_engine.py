@@ -16,10 +16,10 @@ import httpx
 import pytest
 
 from inferx.client import InferxClient
-from inferx.devstack import LocalStack, ManagedProcess, free_port, read_models_file, wait_serving
+from inferx.devstack import LocalStack, ManagedProcess, free_port, read_models_file
 from inferx.errors import InvalidArgument
 from inferx.tinymodel import make_tiny_model
-from tests.conftest import EXAMPLES, dump_logs, make_stack
+from tests.conftest import E2E_LEASE_TTL_S, EXAMPLES, make_stack, started
 
 pytestmark = pytest.mark.e2e
 
@@ -67,8 +67,10 @@ def openai_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStac
         env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"},
     )
     server.start()
-    stack = make_stack(root)
-    try:
+
+    def start(stack: LocalStack) -> None:
+        stack.start_core()  # while vLLM loads
+        stack.load_models(read_models_file(EXAMPLES / "models.yaml"))
         deadline = time.monotonic() + 300
         while True:
             assert server.alive(), server.log_tail()
@@ -79,22 +81,21 @@ def openai_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStac
                 pass
             assert time.monotonic() < deadline, "vLLM's API server did not start"
             time.sleep(1)
-        stack.start_core()
-        stack.load_models(read_models_file(EXAMPLES / "models.yaml"))
         stack.start_worker(
             "tiny-llama",
             "openai",
             ["--openai-base-url", f"http://127.0.0.1:{port}", "--model-path", "tiny", "--no-warm-up"],
         )
-        wait_serving(stack.workers[0], 60)
         stack.put_chains([EXAMPLES / "chains" / "customer_service_agent.yaml"])
-        yield stack
+
+    try:
+        # Guarded: each test starts once the worker is routed (as in test_vllm_chain.py).
+        with started(make_stack(root, lease_ttl_s=E2E_LEASE_TTL_S), start, guard=True) as stack:
+            yield stack
     except BaseException:
-        dump_logs(stack)
         print(server.log_tail(40))
         raise
     finally:
-        stack.stop()
         server.stop()
 
 

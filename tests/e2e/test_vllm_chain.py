@@ -10,19 +10,21 @@ from typing import Any
 import pytest
 
 from inferx.client import InferxClient
-from inferx.devstack import LocalStack, read_models_file, wait_serving
+from inferx.devstack import LocalStack, read_models_file
 from inferx.tinymodel import make_tiny_model
-from tests.conftest import EXAMPLES, dump_logs, make_stack
+from tests.conftest import E2E_LEASE_TTL_S, EXAMPLES, make_stack, started
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
 def vllm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    """Shared by the module's tests, each of which starts once the router, the scheduler
+    and the memory-pool see the worker (`started`'s guard)."""
     root = tmp_path_factory.mktemp("vllm-stack")
     model_dir = make_tiny_model(root / "tiny-llama")
-    stack = make_stack(root)
-    try:
+
+    def start(stack: LocalStack) -> None:
         stack.start_core()
         stack.load_models(read_models_file(EXAMPLES / "models.yaml"))
         stack.start_worker(
@@ -30,14 +32,11 @@ def vllm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]
             "vllm",
             ["--model-path", str(model_dir), "--max-model-len", "2048", "--max-num-seqs", "8"],
         )
-        wait_serving(stack.workers[0], 300)
+        stack.wait_workers(300)  # vLLM loads the model: about 40 s on a quiet CPU
         stack.put_chains([EXAMPLES / "chains" / "customer_service_agent.yaml"])
+
+    with started(make_stack(root, lease_ttl_s=E2E_LEASE_TTL_S), start, guard=True) as stack:
         yield stack
-    except BaseException:
-        dump_logs(stack)
-        raise
-    finally:
-        stack.stop()
 
 
 async def _run(stack: LocalStack, query: str):

@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from inferx import etcd
-from inferx.devstack import LocalStack, wait_serving
+from inferx.devstack import LocalStack
 from inferx.v1 import router_pb2, router_pb2_grpc
 from inferx.wire import CHANNEL_OPTIONS
 from tests.conftest import dump_logs, make_stack
@@ -225,7 +225,8 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
         stack.start_service("router", [str(part) for flag, value in LIMITS.items() for part in (flag, value)])
         stack.start_core()
         stack.load_models({MODEL: "tiny-llama", NO_WORKER_MODEL: "orphans"})
-        wait_serving(stack.start_worker("tiny-llama", "sim", ["--sim-speed", "50"]), 60)
+        stack.start_worker("tiny-llama", "sim", ["--sim-speed", "50"])
+        stack.wait_workers(60)  # SERVING and routed (tests/conftest.py's wait_workers_routed)
         client = Router(stack)
         for chain in FIXTURE_CHAINS.values():
             client.stub.PutChain(router_pb2.PutChainRequest(config=chain_text(chain)), timeout=30)

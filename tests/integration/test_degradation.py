@@ -14,6 +14,7 @@ from inferx.client import InferxClient
 from inferx.devstack import LocalStack, wait_serving
 from inferx.errors import ResourceExhausted
 from inferx.v1 import tool_pb2, tool_pb2_grpc
+from tests.conftest import wait_workers_routed
 from tests.integration.faults import ToolServer, describe, run_batch
 from tests.polling import poll_until
 
@@ -26,7 +27,7 @@ def slow_pool(sim_stack: LocalStack) -> LocalStack:
     worker = sim_stack.start_worker(
         "slow-pool", "sim", ["--sim-decode-step-ms", "500", "--max-num-seqs", "1", "--no-warm-up"]
     )
-    wait_serving(worker, 60)
+    wait_workers_routed(sim_stack, workers=[worker])
     return sim_stack
 
 

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 import pytest
 
 from inferx import etcd
-from inferx.devstack import LocalStack, read_models_file, wait_serving
+from inferx.devstack import LocalStack, read_models_file
 from inferx.partitions import Owner
 from inferx.v1 import router_pb2
 from tests.conftest import EXAMPLES, make_stack, started
@@ -70,8 +70,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
         stack.load_models(read_models_file(EXAMPLES / "models.yaml"))
         for _ in range(2):
             stack.start_worker(POOL, "sim", ["--sim-speed", "20"])
-        for worker in stack.workers:
-            wait_serving(worker, 60)
 
         async def put() -> None:
             async with stack.client() as client:

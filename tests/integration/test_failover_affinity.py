@@ -29,7 +29,7 @@ from inferx.devstack import LocalStack, ManagedProcess, free_port, read_models_f
 from inferx.etcd import LeaseKeeper, make_client
 from inferx.partitions import Owner
 from inferx.v1 import router_pb2, tool_pb2, tool_pb2_grpc
-from tests.conftest import EXAMPLES, make_stack, started
+from tests.conftest import EXAMPLES, make_stack, started, wait_workers_routed
 
 pytestmark = pytest.mark.integration
 
@@ -93,8 +93,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
         stack.load_models(read_models_file(EXAMPLES / "models.yaml"))
         for _ in range(3):
             stack.start_worker(POOL, "sim", ["--sim-speed", "1"])  # real time: chains outlive the kill
-        for proc in [second, *stack.workers]:
-            wait_serving(proc, 60)
+        wait_serving(second, 60)  # and the workers routed: `started` waits for that
 
     with started(stack := make_stack(tmp_path_factory.mktemp("failover"), lease_ttl_s=LEASE_TTL_S), start):
         yield stack
@@ -199,6 +198,7 @@ async def test_a_new_owner_keeps_the_chains_in_flight_on_their_worker(stack: Loc
             wait_serving(proc, 60)
         for name in [n for n, p in stack.services.items() if n.startswith("scheduler") and p not in fresh]:
             stack.services.pop(name).stop()
+        wait_workers_routed(stack)  # the pool's new owner sees its workers
         owner = await owner_of(stack)
         assert owner is not None and any(p.address == owner.address for p in fresh)
         unhinted, unhinted_continued = await run_chains(stack, "unhinted", kill=True)

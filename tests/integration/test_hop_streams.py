@@ -69,8 +69,6 @@ def two_scheduler_stack(tmp: Path, streams: bool) -> Iterator[LocalStack]:
         stack.load_models(read_models_file(EXAMPLES / "models.yaml"))
         for _ in range(2):
             stack.start_worker("tiny-llama", "sim", ["--sim-speed", "2"])
-        for worker in stack.workers:
-            wait_serving(worker, 60)
 
     with started(make_stack(tmp), start) as stack:
         yield stack

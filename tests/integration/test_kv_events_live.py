@@ -10,9 +10,9 @@ import grpc
 import pytest
 
 from inferx.client import InferxClient
-from inferx.devstack import LocalStack, wait_serving
+from inferx.devstack import LocalStack
 from inferx.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.conftest import dump_logs, make_stack
+from tests.conftest import make_stack, started
 from tests.polling import poll_until
 
 pytestmark = pytest.mark.integration
@@ -31,20 +31,15 @@ agent_chain:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     # Exact prefix on: the scheduler keeps the chains' contexts only for a policy that reads them.
-    stack = make_stack(tmp_path_factory.mktemp("kvevents"), scheduler_flags=("--exact-prefix",))
-    try:
+    def start(stack: LocalStack) -> None:
         stack.start_core()
         stack.load_models({"solo": "solo"})
         for _ in range(2):
             stack.start_worker("solo", "sim", ["--sim-speed", "20"])
-        for worker in stack.workers:
-            wait_serving(worker, 60)
+
+    stack = make_stack(tmp_path_factory.mktemp("kvevents"), scheduler_flags=("--exact-prefix",))
+    with started(stack, start, guard=True):
         yield stack
-    except BaseException:
-        dump_logs(stack)
-        raise
-    finally:
-        stack.stop()
 
 
 async def _workers(scheduler: scheduler_pb2_grpc.SchedulerStub) -> dict[str, scheduler_pb2.WorkerStatus]:

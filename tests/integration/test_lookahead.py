@@ -14,7 +14,7 @@ import pytest
 from inferx.client import InferxClient
 from inferx.devstack import LocalStack, wait_serving
 from inferx.v1 import common_pb2, memory_pool_pb2, memory_pool_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from tests.conftest import dump_logs, make_stack
+from tests.conftest import make_stack, started, wait_workers_routed
 from tests.integration.test_observability import metrics_addresses, scrape, total
 from tests.polling import poll_until
 
@@ -39,8 +39,8 @@ LEASE_S = 4.0
 @pytest.fixture(scope="module")
 def two_pool_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     tmp = tmp_path_factory.mktemp("lookahead")
-    stack = make_stack(tmp)
-    try:
+
+    def start(stack: LocalStack) -> None:
         stack.start_etcd()
         stack.start_service("scheduler", ["--lookahead-lease-s", str(LEASE_S)])
         stack.start_core()
@@ -48,17 +48,13 @@ def two_pool_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSt
         stack.start_worker("small", "sim", ["--sim-speed", "2"])
         for _ in range(2):
             stack.start_worker("big", "sim", ["--sim-speed", "5"])
-        for worker in stack.workers:
-            wait_serving(worker, 60)
         chain = tmp / "plan_then_answer.yaml"
         chain.write_text(CHAIN)
         stack.put_chains([chain])
+
+    # Guarded: the test that kills the scheduler starts another before it ends.
+    with started(make_stack(tmp), start, guard=True) as stack:
         yield stack
-    except BaseException:
-        dump_logs(stack)
-        raise
-    finally:
-        stack.stop()
 
 
 async def _usage(stack: LocalStack) -> memory_pool_pb2.PoolUsage:
@@ -142,6 +138,7 @@ async def test_dead_schedulers_lookaheads_are_dropped_with_its_lease(two_pool_st
     stack.services["scheduler"].stop()
     stack.start_service("scheduler", ["--lookahead-lease-s", "120"])
     wait_serving(stack.services["scheduler"], 60)
+    wait_workers_routed(stack)  # the new scheduler owns the pools and sees their workers
     await _submit_with_successor(stack, "orphan-2")
 
     async def held() -> bool:
@@ -157,3 +154,4 @@ async def test_dead_schedulers_lookaheads_are_dropped_with_its_lease(two_pool_st
     stack.services["scheduler"].stop()
     stack.start_service("scheduler", ["--lookahead-lease-s", str(LEASE_S)])
     wait_serving(stack.services["scheduler"], 60)
+    wait_workers_routed(stack)

@@ -13,6 +13,7 @@ import pytest
 from inferx import etcd
 from inferx.client import InferxClient
 from inferx.devstack import LocalStack
+from inferx.errors import Unavailable
 from inferx.etcd import LeaseKeeper, PrefixMirror, make_client
 from tests.conftest import TEST_LEASE_TTL_S, make_stack, running_sim_stack
 from tests.polling import poll_until
@@ -155,3 +156,38 @@ async def test_etcd_outage_keeps_mirror_and_registration_comes_back(etcd_only: L
 def restart_same_data(stack: LocalStack) -> None:
     stack.fresh_etcd = False
     stack.start_etcd()
+
+
+async def test_a_worker_that_lost_its_lease_is_waited_for_until_routed_again(
+    two_worker_stack: LocalStack,
+) -> None:
+    """The harness's wait (`wait_workers_routed`, before every test on a shared stack):
+    a worker starved past its lease TTL (here frozen) drops out of routing -- a hop for
+    its pool then fails with "no live worker" -- and is waited for until it registers
+    again and the router, its scheduler and the memory-pool all see it."""
+    stack = two_worker_stack
+    for worker in stack.workers:
+        worker.signal(signal.SIGSTOP)
+    try:
+        # Gone from the router's view (lease expired), though its process lives.
+        missing = await poll_until(
+            lambda: asyncio.to_thread(stack.workers_not_routed, stack.workers),
+            timeout_s=TEST_LEASE_TTL_S + 5,
+            interval_s=0.2,
+            what="the frozen workers to drop out of routing",
+        )
+        assert any("does not see worker-0" in problem for problem in missing), missing
+        async with InferxClient(stack.router_address) as client:
+            with pytest.raises(Unavailable, match="no live worker serves model"):
+                async for _ in client.run_chain("customer_service_agent", {"query": "refund"}):
+                    pass
+    finally:
+        for worker in stack.workers:
+            worker.signal(signal.SIGCONT)
+    waited = await asyncio.to_thread(stack.wait_workers, 30)
+    assert waited > 0
+    assert stack.workers_not_routed(stack.workers) == []
+    async with InferxClient(stack.router_address) as client:
+        events = [e async for e in client.run_chain("customer_service_agent", {"query": "refund"})]
+    finished = events[-1].chain_finished
+    assert finished.status == "ok", finished.error

@@ -26,9 +26,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from inferx import etcd, telemetry
 from inferx.client import InferxClient
-from inferx.devstack import LocalStack, read_models_file, wait_serving
+from inferx.devstack import LocalStack, read_models_file
 from inferx.v1 import router_pb2, router_pb2_grpc
-from tests.conftest import EXAMPLES, ROOT, dump_logs, make_stack
+from tests.conftest import EXAMPLES, ROOT, make_stack, started
 from tests.polling import poll_until_sync
 
 pytestmark = pytest.mark.integration
@@ -51,8 +51,8 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalStac
     tmp = tmp_path_factory.mktemp("traced")
     spans = tmp / "spans.jsonl"
     flags = ["--trace-exporter", "file", "--trace-file", str(spans)]
-    stack = make_stack(tmp)
-    try:
+
+    def start(stack: LocalStack) -> None:
         stack.start_etcd()
         for kind in ("router", "scheduler", "memory-pool", "cache"):
             stack.start_service(kind, flags)
@@ -60,15 +60,10 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalStac
         stack.load_models(read_models_file(EXAMPLES / "models.yaml"))
         for _ in range(2):
             stack.start_worker("tiny-llama", "sim", ["--sim-speed", "5", *flags])
-        for worker in stack.workers:
-            wait_serving(worker, 60)
         stack.put_chains([EXAMPLES / "chains" / f"{CHAIN}.yaml"])
+
+    with started(make_stack(tmp), start, guard=True) as stack:
         yield stack, spans
-    except BaseException:
-        dump_logs(stack)
-        raise
-    finally:
-        stack.stop()
 
 
 async def run_as_agent(stack: LocalStack, query: str, traceparent: str = "") -> router_pb2.ChainFinished:

@@ -79,10 +79,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
         url = ["--openai-base-url", f"http://127.0.0.1:{port}", "--model-path", SERVER_POOL]
         stack.start_worker("tiny-llama", "openai", url)
         stack.start_worker(GENERIC_POOL, "openai", [*url, "--openai-chat-endpoint", "off"])
-        for worker in stack.workers:
-            wait_serving(worker, 60)
 
-    with started(make_stack(root / "stack"), start) as running:
+    with started(make_stack(root / "stack"), start, guard=True) as running:
         yield running
 
 

@@ -275,7 +275,7 @@ async def test_a_non_streamed_call_to_a_workers_own_http_api_whose_client_leaves
     port = free_port()
     worker = sim_stack.start_worker("http-only", "sim", ["--openai-http-port", str(port), "--sim-speed", "1"])
     try:
-        wait_serving(worker, 60)
+        wait_serving(worker, 60)  # called on its own port: its being routed is not needed
         body = {"model": "http-only", "prompt": "talk at length", "max_tokens": 2000}
         patience = httpx.Timeout(30, read=1.0)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}/v1", timeout=patience) as c:
@@ -296,13 +296,13 @@ async def test_a_streamed_call_whose_client_leaves_while_it_is_queued_never_runs
 ) -> None:
     """A client tired of waiting for its first token (its call queued behind others)
     leaves: the call leaves the queue, and is not run for nobody once a slot frees."""
-    from inferx.devstack import wait_serving
+    from tests.conftest import wait_workers_routed
     from tests.integration.test_faults import running_hops
     from tests.polling import poll_until
 
     worker = sim_stack.start_worker("narrow", "sim", ["--max-num-seqs", "1", "--sim-speed", "1"])
     try:
-        wait_serving(worker, 60)
+        wait_workers_routed(sim_stack, workers=[worker])
         long = {"model": "narrow", "messages": [{"role": "user", "content": "talk"}], "max_tokens": 2000}
         async with httpx.AsyncClient(base_url=sim_stack.router_http_url, timeout=30) as c:
 

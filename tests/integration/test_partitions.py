@@ -99,8 +99,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
         for _ in range(3):
             # Real time: chains must still be running when a test kills something.
             stack.start_worker(POOL, "sim", ["--sim-speed", "1"])
-        for proc in [*extra, *stack.workers]:
-            wait_serving(proc, 60)
+        for proc in extra:
+            wait_serving(proc, 60)  # and the workers routed: `started` waits for that
 
         async def put() -> None:
             async with stack.client() as client:

@@ -24,11 +24,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from inferx import telemetry
-from inferx.devstack import LocalStack, read_models_file, wait_serving
+from inferx.devstack import LocalStack, read_models_file
 from inferx.errors import Internal
 from inferx.v1 import common_pb2, router_pb2, router_pb2_grpc
 from inferx_router.http_front import RUN_HEADER, WORKER_HEADER
-from tests.conftest import EXAMPLES, dump_logs, make_stack
+from tests.conftest import EXAMPLES, make_stack, started
 from tests.polling import poll_until
 
 pytestmark = pytest.mark.integration
@@ -62,8 +62,8 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalStac
     spans = tmp / "spans.jsonl"
     script = tmp / "script.json"  # SIMULATED replies for two prompts only (tool-call tests)
     script.write_text(json.dumps(SCRIPT))
-    stack = make_stack(tmp)
-    try:
+
+    def start(stack: LocalStack) -> None:
         stack.start_etcd()
         stack.start_service(
             "router",
@@ -73,14 +73,9 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalStac
         stack.load_models(read_models_file(EXAMPLES / "models.yaml"))
         for _ in range(2):
             stack.start_worker("tiny-llama", "sim", ["--sim-speed", "5", "--sim-script", str(script)])
-        for worker in stack.workers:
-            wait_serving(worker, 60)
+
+    with started(make_stack(tmp), start, guard=True) as stack:
         yield stack, spans
-    except BaseException:
-        dump_logs(stack)
-        raise
-    finally:
-        stack.stop()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from inferx import etcd
-from inferx.devstack import SERVICE_KINDS, LocalStack, read_models_file, wait_serving
+from inferx.devstack import SERVICE_KINDS, LocalStack, read_models_file
 from inferx.partitions import Owner
 from tests.conftest import EXAMPLES, dump_logs, make_stack
 from tests.polling import poll_until
@@ -43,7 +43,7 @@ def test_two_replicas_of_each_service_register_and_serve_chains(tmp_path) -> Non
         stack.start_core(replicas=2)
         stack.load_models(read_models_file(EXAMPLES / "models.yaml"))
         stack.start_worker("tiny-llama", "sim", ["--sim-speed", "20"])
-        wait_serving(stack.workers[0], 60)
+        stack.wait_workers(60)  # routed by both routers: a chain goes through each
         stack.put_chains(sorted((EXAMPLES / "chains").glob("*.yaml")))
         assert sorted(stack.services) == sorted([*SERVICE_KINDS, *(f"{k}-1" for k in SERVICE_KINDS)])
         asyncio.run(registered_and_elected(stack))

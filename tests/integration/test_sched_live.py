@@ -11,9 +11,9 @@ import grpc
 import pytest
 
 from inferx.client import InferxClient
-from inferx.devstack import LocalStack, wait_serving
+from inferx.devstack import LocalStack
 from inferx.v1 import scheduler_pb2, scheduler_pb2_grpc
-from tests.conftest import dump_logs, make_stack
+from tests.conftest import make_stack, started
 from tests.polling import poll_until
 
 pytestmark = pytest.mark.integration
@@ -31,18 +31,13 @@ agent_chain:
 
 @pytest.fixture(scope="module")
 def one_slot_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    stack = make_stack(tmp_path_factory.mktemp("sched"))
-    try:
+    def start(stack: LocalStack) -> None:
         stack.start_core()
         stack.load_models({"solo": "solo"})
         stack.start_worker("solo", "sim", ["--sim-speed", "5", "--max-num-seqs", "1"])
-        wait_serving(stack.workers[0], 60)
+
+    with started(make_stack(tmp_path_factory.mktemp("sched")), start, guard=True) as stack:
         yield stack
-    except BaseException:
-        dump_logs(stack)
-        raise
-    finally:
-        stack.stop()
 
 
 async def _run(client: InferxClient, chain: str, q: str) -> float:

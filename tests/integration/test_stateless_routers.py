@@ -18,7 +18,7 @@ import pytest
 
 from inferx.devstack import LocalStack, ManagedProcess, wait_serving
 from inferx.v1 import router_pb2
-from tests.conftest import running_sim_stack
+from tests.conftest import running_sim_stack, wait_workers_routed
 from tests.integration.test_access import CHAIN as CHAIN_TEXT
 from tests.integration.test_access import auth, make_tenant, make_token, router, run_chain, status_of
 from tests.polling import poll_until
@@ -45,6 +45,7 @@ def admin_token(stack: LocalStack) -> str:
 def start_router(stack: LocalStack, replica: int, *extra: str) -> ManagedProcess:
     proc = stack.start_service("router", list(extra), replica=replica)
     wait_serving(proc, 60)
+    wait_workers_routed(stack, routers=[proc.address])  # its etcd watch has the workers
     return proc
 
 
