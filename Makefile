@@ -7,6 +7,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_DIR := .inferx/models/tiny-llama
 PYTEST_ARGS ?=
+# The test targets (and so CI, .ci/run) end with the slowest tests and their times.
+PYTEST_DURATIONS := --durations=30
 
 .PHONY: setup proto model etcd promtool nodejs check-deploy run test test-unit test-integration test-e2e lint bench bench-decisions bench-overload clean
 
@@ -63,18 +65,18 @@ run: setup
 	$(VENV)/bin/inferx up
 
 test: setup
-	$(VENV)/bin/pytest $(PYTEST_ARGS)
+	$(VENV)/bin/pytest $(PYTEST_DURATIONS) $(PYTEST_ARGS)
 
 test-unit: setup
-	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
+	$(VENV)/bin/pytest tests/unit $(PYTEST_DURATIONS) $(PYTEST_ARGS)
 
 # Every module under tests/integration and tests/e2e carries its marker (conftest.py
 # refuses one that does not), so selecting by marker runs exactly those directories.
 test-integration: setup
-	$(VENV)/bin/pytest -m integration $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -m integration $(PYTEST_DURATIONS) $(PYTEST_ARGS)
 
 test-e2e: setup
-	$(VENV)/bin/pytest -m e2e $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -m e2e $(PYTEST_DURATIONS) $(PYTEST_ARGS)
 
 # Lint, formatting and types; the paths and settings are in pyproject.toml. mypy
 # reads the generated stubs' .pyi files, hence proto.
