@@ -88,7 +88,7 @@ lint: $(STAMP) proto
 # Capacity at SLO of chain-aware against every peer policy, in the simulator: three
 # workloads x two engine profiles x three trace seeds (about an hour on 2 cores).
 # Raw results land in .inferx/bench-results/, plots in .inferx/bench-plots/.
-BENCH_POLICIES := round-robin least-loaded session-affinity prefix-aware program-las chain-aware
+BENCH_POLICIES := round-robin least-loaded session-affinity prefix-aware program-las tier-priority tier-pools chain-aware
 BENCH_PROFILES := default benchmarks/llama2-7b-mha-a100.yaml
 bench: setup
 	@set -e; for workload in mix coding research; do for profile in $(BENCH_PROFILES); do \

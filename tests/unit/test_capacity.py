@@ -82,10 +82,13 @@ def test_attainment_counts_misses_and_needs_both_targets() -> None:
 
 def test_simulated_evaluator_counts_unfinished_chains_as_misses() -> None:
     trace = generate(TraceConfig(seed=7, duration_s=40, rate_per_s=1.0))
-    easy = simulated_evaluator(trace, "round-robin", EngineProfile(), workers=2)(0.5)
-    assert easy.chains == len(trace.chains) and easy.overall > 0.95
+    whole = len(trace.chains)
+    easy = simulated_evaluator(trace, "round-robin", EngineProfile(), workers=2, burst=whole)(0.5)
+    assert easy.chains == whole and easy.overall > 0.95
     # 200x the rate on a tiny horizon: most chains cannot finish, and none of those count.
-    crushed = simulated_evaluator(trace, "round-robin", EngineProfile(max_num_seqs=2), workers=1)(200.0)
+    crushed = simulated_evaluator(
+        trace, "round-robin", EngineProfile(max_num_seqs=2), workers=1, burst=whole
+    )(200.0)
     assert crushed.overall < 0.5
 
 
@@ -95,7 +98,7 @@ def test_cli_prints_capacity_per_policy_as_json(capsys, tmp_path) -> None:
     from inferx.cli.main import main
 
     raw = tmp_path / "raw.json"
-    argv = ["sim", "--capacity", "--duration", "20", "--json", "--results", str(raw)]
+    argv = ["sim", "--capacity", "--duration", "20", "--burst", "20", "--json", "--results", str(raw)]
     with pytest.raises(SystemExit) as exit_info:
         main([*argv, "--compare", "round-robin", "least-loaded", "chain-aware"])
     assert exit_info.value.code == 0
@@ -121,7 +124,19 @@ def test_cli_capacity_over_seeds_reports_the_median(capsys, tmp_path) -> None:
 
     from inferx.cli.main import main
 
-    argv = ["sim", "--capacity", "--workload", "mix", "--seeds", "3", "--duration", "15", "--json"]
+    argv = [
+        "sim",
+        "--capacity",
+        "--workload",
+        "mix",
+        "--seeds",
+        "3",
+        "--duration",
+        "15",
+        "--json",
+        "--burst",
+        "20",
+    ]
     with pytest.raises(SystemExit) as exit_info:
         main([*argv, "--compare", "round-robin", "chain-aware", "--results", str(tmp_path / "r.json")])
     assert exit_info.value.code == 0
@@ -211,7 +226,7 @@ def test_an_option_reaches_the_policy_in_the_search(monkeypatch) -> None:
 
     monkeypatch.setattr(capacity_module, "sim_policy", spy)
     profile = EngineProfile(kv_read_ms_per_1k_tokens=0.33)
-    simulated_evaluator(trace, "chain-aware", profile, 2, options={"realtime_guard": False})(1.0)
+    simulated_evaluator(trace, "chain-aware", profile, 2, options={"realtime_guard": False}, burst=10)(1.0)
     assert seen == [(False, pytest.approx(0.33e-6))]
 
 
@@ -219,7 +234,17 @@ def test_cli_draws_the_curves(tmp_path) -> None:
     from inferx.cli.main import main
 
     plot = tmp_path / "curves.png"
-    argv = ["sim", "--capacity", "--duration", "15", "--compare", "round-robin", "chain-aware"]
+    argv = [
+        "sim",
+        "--capacity",
+        "--duration",
+        "15",
+        "--burst",
+        "30",
+        "--compare",
+        "round-robin",
+        "chain-aware",
+    ]
     with pytest.raises(SystemExit) as exit_info:
         main([*argv, "--plot", str(plot), "--results", str(tmp_path / "r.json")])
     assert exit_info.value.code == 0

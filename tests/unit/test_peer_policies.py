@@ -16,7 +16,8 @@ from inferx.sim.cluster import ClusterSim
 from inferx.sim.profile import EngineProfile
 from inferx.sim.trace import TraceConfig, generate
 
-PEERS = ("least-loaded", "session-affinity", "prefix-aware", "program-las")
+PEERS = ("least-loaded", "session-affinity", "prefix-aware", "program-las", "tier-priority", "tier-pools")
+TIER_ORDERED = ("program-las", "tier-priority")  # peers whose queue is not plain FCFS (tested below)
 
 
 def hop(run: str, k: int = 0, *, at: float = 0.0, seq: int = 0, **view) -> QueuedHop:
@@ -41,7 +42,7 @@ def test_peers_admit_everything_and_leave_the_engine_fcfs(name: str) -> None:
     queued = [hop(f"r{i}", seq=i) for i in range(5000)]
     assert policy.admit(hop("new").view, workers(256, 256), queued, 0.0).accept
     assert policy.plan_ahead(hop("new").view, workers(0), until=10.0, now=0.0) is None
-    if name != "program-las":  # program-las orders by attained service (tested below)
+    if name not in TIER_ORDERED:
         assert list(policy.order(queued[:3], workers(0), 0.0)) == queued[:3]
         assert policy.engine_priority(queued[0], 0.0) == 0
 
@@ -230,6 +231,48 @@ def test_program_las_keeps_long_prompts_on_the_programs_worker() -> None:
     assert policy.choose_worker(hop("c", 1, prompt_tokens=3000), no_slot, 2.0) == "w0"
     policy.on_chain_end("c", 3.0)
     assert policy.program("c") is None
+
+
+# ----- tier-aware peers -------------------------------------------------------------------
+
+
+def test_tier_priority_serves_realtime_first_and_tells_the_engine_the_tier() -> None:
+    from inferx.scheduling.views import Tier
+
+    policy = make_policy("tier-priority")
+    batch = hop("b", at=0.0, seq=0, tier=Tier.BATCH)
+    standard = hop("s", at=1.0, seq=1, tier=Tier.STANDARD)
+    realtime = hop("r", at=2.0, seq=2, tier=Tier.REALTIME)
+    unspecified = hop("u", at=0.5, seq=3)
+    order = list(policy.order([batch, standard, realtime, unspecified], workers(0), 3.0))
+    assert order == [realtime, unspecified, standard, batch]  # tier, then arrival
+    assert [policy.engine_priority(q, 3.0) for q in (realtime, standard, batch, unspecified)] == [0, 1, 2, 1]
+    # Placement is session affinity's: the same chain key lands on the same worker.
+    pool = workers(0, 0, 0, 0)
+    first = policy.choose_worker(hop("r", 0, tier=Tier.REALTIME), pool, 0.0)
+    assert all(policy.choose_worker(hop("r", k, tier=Tier.REALTIME), pool, 0.0) == first for k in range(5))
+
+
+def test_tier_pools_keep_realtime_on_its_own_workers() -> None:
+    from inferx.scheduling.peers.tier_aware import TierPoolsPolicy
+    from inferx.scheduling.views import Tier
+
+    policy = make_policy("tier-pools", realtime_share=0.5)
+    assert isinstance(policy, TierPoolsPolicy)
+    pool = workers(0, 0, 0, 0)
+    realtime = {policy.choose_worker(hop(f"r{i}", tier=Tier.REALTIME), pool, 0.0) for i in range(60)}
+    others = {policy.choose_worker(hop(f"o{i}", tier=Tier.BATCH), pool, 0.0) for i in range(60)}
+    assert realtime == {"w0", "w1"} and others == {"w2", "w3"}
+    # The realtime side full: a realtime hop waits rather than take the others' workers.
+    busy = [WorkerView("w0", 1, 1), WorkerView("w1", 1, 1), WorkerView("w2", 1, 0), WorkerView("w3", 1, 0)]
+    assert policy.choose_worker(hop("r0", tier=Tier.REALTIME), busy, 0.0) is None
+    # The default share is a quarter (at least one worker each side); one worker serves all.
+    default = make_policy("tier-pools")
+    assert {default.choose_worker(hop(f"r{i}", tier=Tier.REALTIME), pool, 0.0) for i in range(20)} == {"w0"}
+    assert default.choose_worker(hop("x", tier=Tier.REALTIME), workers(0), 0.0) == "w0"
+    assert default.choose_worker(hop("x", tier=Tier.BATCH), workers(0), 0.0) == "w0"
+    with pytest.raises(ValueError, match="realtime_share"):
+        make_policy("tier-pools", realtime_share=1.0)
 
 
 # ----- in the simulator -------------------------------------------------------------------

@@ -66,8 +66,34 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--capacity",
         action="store_true",
-        help="simulator: find each policy's capacity at SLO (>= 99%% realtime and >= 95%% of all "
-        "chains meet their SLO) by bisecting the arrival rate; --rate sets where the search starts",
+        help="simulator: find each policy's sustained capacity at SLO (>= 99%% realtime and >= 95%% "
+        "of all chains meet their SLO over a steady-state window) by bisecting the arrival rate; "
+        "--rate sets where the search starts",
+    )
+    parser.add_argument(
+        "--window-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="--capacity: seconds of arrivals measured at every probed rate, after a warm-up and "
+        "before a drain that are not counted (default: at least 20 median chain SLOs and at least "
+        "1800 s; shorter windows are reported as not steady state)",
+    )
+    parser.add_argument(
+        "--burst",
+        type=argtypes.at_least_one,
+        default=None,
+        metavar="N",
+        help="--capacity: instead of steady state, N chains as fast as the rate says, all counted: "
+        "how well a policy absorbs one burst (labelled as such; not a sustained capacity)",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=argtypes.at_least_one,
+        default=None,
+        metavar="N",
+        help="--capacity: run N searches (policy x seed) at once in separate processes "
+        "(default: one per CPU; 1 shows a progress bar per probe)",
     )
     parser.add_argument(
         "--seeds",

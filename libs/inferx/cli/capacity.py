@@ -5,9 +5,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import queue
+import signal
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing import get_context
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -25,7 +32,8 @@ from inferx.sim.capacity import (
     find_capacity,
     simulated_evaluator,
 )
-from inferx.sim.profile import load_profile
+from inferx.sim.profile import EngineProfile, load_profile
+from inferx.sim.steady import SteadyWindow, steady_window
 from inferx.sim.trace import Trace, generate, workload
 
 CANDIDATE = "chain-aware"
@@ -74,6 +82,72 @@ def capacity_traces(args: argparse.Namespace, profile) -> list[Trace]:
     return traces
 
 
+@dataclass(frozen=True)
+class SearchTask:
+    """One capacity search (a policy on one seed's trace): what a job process needs."""
+
+    policy: str
+    seed_index: int
+    trace: Trace
+    profile: EngineProfile
+    workers: int
+    options: dict[str, Any]
+    programs: bool
+    window: SteadyWindow | None
+    burst: int | None
+    start_rate: float
+
+
+def _search(task: SearchTask, report: Callable[[str], None], progress=None) -> Capacity:
+    seed = task.trace.meta.config.seed
+
+    def on_probe(probe: CapacityProbe) -> None:
+        a = probe.attainment
+        realtime = f"{a.realtime:.1%}" if a.realtime is not None else "n/a"
+        bound = " (stopped early: already missed)" if a.stopped else ""
+        report(
+            f"  {task.policy} (seed {seed}) at {probe.rate_per_s:.4g} chains/s: {a.chains} chains measured"
+            f"{f' of {a.simulated_chains} run' if a.simulated_chains else ''}, realtime {realtime}, "
+            f"all {a.overall:.1%}{bound} ({'meets' if probe.meets else 'misses'} the SLO)"
+        )
+
+    bar = None
+    if progress is not None:
+
+        def bar(rate: float, chains: int):
+            return progress(f"{task.policy} (seed {seed}) at {rate:.4g} chains/s", chains)
+
+    evaluate = simulated_evaluator(
+        task.trace,
+        task.policy,
+        task.profile,
+        task.workers,
+        bar,
+        task.options,
+        programs=task.programs,
+        window=task.window,
+        burst=task.burst,
+    )
+    return find_capacity(task.policy, evaluate, task.start_rate, on_probe=on_probe)
+
+
+_REPORTS: Any = None  # a job process's queue of probe lines for the parent to print
+
+
+def _job_init(reports: Any) -> None:
+    global _REPORTS
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the pool
+    _REPORTS = reports
+
+
+def _job(task: SearchTask) -> Capacity:
+    return _search(task, _REPORTS.put)
+
+
+def default_jobs() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
 def cmd_capacity(
     args: argparse.Namespace,
     policies: list[str],
@@ -85,11 +159,18 @@ def cmd_capacity(
     profile = load_profile(args.profile)
     if args.rate is not None and args.rate <= 0:
         raise InvalidArgument("--rate must be positive")
+    burst = getattr(args, "burst", None)
+    window_s = getattr(args, "window_s", None)
+    if burst is not None and window_s is not None:
+        raise InvalidArgument("--burst replays N chains, --window-s a steady-state window: give one of them")
+    jobs = getattr(args, "jobs", None) or default_jobs()
     traces = capacity_traces(args, profile)
+    windows = [None if burst is not None else steady_window(trace, window_s) for trace in traces]
     names = [canonical_name(name) for name in policies]
     options = runner.policy_options(getattr(args, "option", None), names)
-    per_seed: dict[str, list[Capacity]] = {name: [] for name in names}
+    found: dict[str, list[Capacity | None]] = {name: [None] * len(traces) for name in names}
     started = time.perf_counter()
+    first = windows[0]
     context = {
         "trace": getattr(args, "workload", None) or args.trace or str(runner.DEFAULT_TRACE),
         "trace_seeds": [trace.meta.config.seed for trace in traces],
@@ -99,40 +180,77 @@ def cmd_capacity(
         "programs": args.programs,
         "policy_options": options,
         "profile": profile.model_dump(),
+        "mode": "burst" if burst is not None else "steady",
+        "burst_chains": burst,
+        # Per seed: the arrival span of every probe (the chains measured per probe are in
+        # each probe's attainment: `chains` measured of `simulated_chains` run).
+        "window": [_window_json(w) for w in windows],
+        "jobs": jobs,
         "criterion": {
             "realtime_slo_attainment": REALTIME_TARGET,
             "overall_slo_attainment": OVERALL_TARGET,
             "tolerance": TOLERANCE,
             "misses": "shed, failed and unfinished chains count as misses",
+            "measured": "chains arriving in the window (warm-up and drain not counted)"
+            if burst is None
+            else "every chain of the burst",
         },
     }
-    for index, trace in enumerate(traces):
-        start = args.rate if args.rate is not None else trace.meta.config.rate_per_s
-        seed = trace.meta.config.seed
-        for name in names:
-
-            def bar(rate: float, name: str = name, seed: int = seed, chains: int = len(trace.chains)):
-                return progress(f"{name} (seed {seed}) at {rate:.3f} chains/s", chains)
-
-            def report(probe: CapacityProbe, name: str = name) -> None:
-                # On stderr even with --json: the search takes minutes, stdout stays clean.
-                a = probe.attainment
-                realtime = f"{a.realtime:.1%}" if a.realtime is not None else "n/a"
-                err.print(
-                    f"  {name} at {probe.rate_per_s:.3f} chains/s: realtime {realtime}, all {a.overall:.1%} "
-                    f"({'meets' if probe.meets else 'misses'} the SLO)",
-                    style="dim",
-                )
-
-            evaluate = simulated_evaluator(
-                trace, name, profile, args.workers, bar, options, programs=args.programs
+    if burst is not None:
+        err.print(
+            f"[bold]burst scenario[/bold]: {burst} chains at each probed rate, all counted; this measures "
+            "how a policy absorbs one burst, not a rate it can sustain",
+        )
+    elif first is not None:
+        err.print(
+            f"steady state: per probe {first.warmup_s:.0f} s warm-up + {first.window_s:.0f} s measured "
+            f"({first.window_slos:.1f} median SLOs) + {first.drain_s:.0f} s drain of arrivals (seed "
+            f"{traces[0].meta.config.seed}); {jobs} parallel job(s)",
+            style="dim",
+        )
+        if not first.steady:
+            err.print(
+                f"[yellow]warning[/yellow]: the window is {first.window_slos:.1f} median chain SLOs, fewer "
+                "than 20: not steady state by this benchmark's rule; do not quote it as a capacity"
             )
-            per_seed[name].append(find_capacity(name, evaluate, start, on_probe=report))
-            if results_file is not None:  # raw results as they come in, before any table
-                results_file.save(
-                    context=context, capacity={n: [_json(c) for c in cs] for n, cs in per_seed.items()}
-                )
-        err.print(f"seed {seed} done ({index + 1} of {len(traces)})", style="dim")
+    tasks = [
+        SearchTask(
+            policy=name,
+            seed_index=index,
+            trace=trace,
+            profile=profile,
+            workers=args.workers,
+            options=options,
+            programs=args.programs,
+            window=windows[index],
+            burst=burst,
+            start_rate=args.rate if args.rate is not None else trace.meta.config.rate_per_s,
+        )
+        for index, trace in enumerate(traces)
+        for name in names
+    ]
+
+    def done(task: SearchTask, result: Capacity) -> None:
+        found[task.policy][task.seed_index] = result
+        if results_file is not None:  # raw results as they come in, before any table
+            results_file.save(
+                context=context,
+                capacity={n: [_json(c) for c in cs if c is not None] for n, cs in found.items()},
+            )
+        finished = sum(c is not None for cs in found.values() for c in cs)
+        err.print(
+            f"{task.policy} (seed {task.trace.meta.config.seed}): {result.rate_per_s:.4g} chains/s "
+            f"({finished} of {len(tasks)} searches done)",
+            style="dim",
+        )
+
+    report = lambda line: err.print(line, style="dim")  # noqa: E731 -- stderr even with --json
+    if jobs <= 1 or len(tasks) == 1:
+        for task in tasks:
+            done(task, _search(task, report, progress))
+    else:
+        _run_parallel(tasks, min(jobs, len(tasks)), done, report)
+    per_seed: dict[str, list[Capacity]] = {n: [c for c in cs if c is not None] for n, cs in found.items()}
     context["wall_s"] = time.perf_counter() - started
     rates = {name: [c.rate_per_s for c in caps] for name, caps in per_seed.items()}
     medians = {name: statistics.median(values) for name, values in rates.items()}
@@ -173,11 +291,20 @@ def cmd_capacity(
         print(json.dumps(jsonable(data), indent=2))
         return 0
     seeds = context["trace_seeds"]
+    if burst is not None:
+        how = f"[bold]BURST[/bold] of {burst} chains per probe, all counted (not a sustained rate)"
+    else:
+        assert first is not None
+        how = (
+            f"steady state: {first.window_s:.0f} s of arrivals measured per probe "
+            f"({first.window_slos:.0f} median SLOs; {first.warmup_s:.0f} s warm-up and "
+            f"{first.drain_s:.0f} s drain not counted)"
+        )
     out.print(
         f"[bold]capacity at SLO[/bold] (simulator, {profile.name}, {args.workers} SIMULATED workers): "
         f"the highest rate at which >= {REALTIME_TARGET:.0%} of realtime and >= {OVERALL_TARGET:.0%} "
-        f"of all chains meet their SLO (shed/unfinished = miss), bisected to {TOLERANCE:.0%}; "
-        f"{context['trace']}, seeds {', '.join(map(str, seeds))}, "
+        f"of all chains meet their SLO (shed/unfinished = miss), bisected to {TOLERANCE:.0%}; {how}; "
+        f"{context['trace']}, seeds {', '.join(map(str, seeds))}, base traces of "
         f"{'/'.join(map(str, context['chains']))} chains; median over seeds [min-max]"
     )
     if CANDIDATE in medians and peer is not None:
@@ -206,6 +333,7 @@ def cmd_capacity(
         f"{CANDIDATE} x",
         "realtime at cap.",
         "all at cap.",
+        "chains at cap.",
     )
     for column in columns:
         if column == "policy":
@@ -213,8 +341,7 @@ def cmd_capacity(
         else:
             table.add_column(column, justify="right")
     for name in sorted(names, key=lambda n: -medians[n]):
-        first = per_seed[name][0]
-        at = first.at_capacity
+        at = per_seed[name][0].at_capacity
         realtime = at.attainment.realtime if at is not None else None
         against = versus.get(name)
         table.add_row(
@@ -225,12 +352,19 @@ def cmd_capacity(
             f"{against:.2f}" if against is not None else "-",
             f"{realtime:.1%}" if realtime is not None else "-",
             f"{at.attainment.overall:.1%}" if at is not None else "-",
+            f"{at.attainment.chains:,}" if at is not None else "-",
         )
     out.print(table)
     out.print(
         f"searched in {context['wall_s']:.0f} s of wall time (attainment columns: first seed)", style="dim"
     )
     return 0
+
+
+def _window_json(window: SteadyWindow | None) -> dict | None:
+    if window is None:
+        return None
+    return window.model_dump() | {"window_slos": window.window_slos, "steady": window.steady}
 
 
 def _json(result: Capacity) -> dict:
@@ -242,3 +376,32 @@ def _json(result: Capacity) -> dict:
         "overall_attainment": at.attainment.overall if at is not None else None,
         "probes": [p.model_dump() for p in result.probes],
     }
+
+
+def _run_parallel(
+    tasks: list[SearchTask],
+    jobs: int,
+    done: Callable[[SearchTask, Capacity], None],
+    report: Callable[[str], None],
+) -> None:
+    """The searches in `jobs` processes (each is pure CPU in the simulator); their probe
+    lines printed as they come. Ctrl-C or SIGTERM stops the jobs too (the pool is
+    terminated on the way out; the jobs ignore SIGINT, the parent handles it)."""
+    context = get_context("spawn")  # no fork of a process that may hold threads
+    reports = context.Queue()
+    with context.Pool(jobs, initializer=_job_init, initargs=(reports,)) as pool:
+        pending = {index: pool.apply_async(_job, (task,)) for index, task in enumerate(tasks)}
+        while pending:
+            time.sleep(0.2)
+            _drain(reports, report)
+            for index in [i for i, result in pending.items() if result.ready()]:
+                done(tasks[index], pending.pop(index).get())
+        _drain(reports, report)
+
+
+def _drain(reports: Any, report: Callable[[str], None]) -> None:
+    while True:
+        try:
+            report(reports.get_nowait())
+        except queue.Empty:
+            return

@@ -26,6 +26,7 @@ BUILTIN_MODULES: tuple[str, ...] = (
     "inferx.scheduling.peers.session_affinity",
     "inferx.scheduling.peers.prefix_aware",
     "inferx.scheduling.peers.program_las",
+    "inferx.scheduling.peers.tier_aware",
 )
 
 PolicyFactory = Callable[..., "Policy"]

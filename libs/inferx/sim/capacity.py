@@ -2,8 +2,11 @@
 
 A rate *meets the SLO* when at least `realtime` (99%) of the realtime chains and at
 least `overall` (95%) of all chains finish within their SLO; a chain shed, failed or
-unfinished at the simulator's horizon is a miss. Rates are explored by scaling the
-trace's arrival times (`Trace.at_rate`: the same chains, squeezed or stretched), first
+unfinished at the simulator's horizon is a miss. Every probe is a steady-state run
+(`inferx.sim.steady`): the trace's chains arriving at the probed rate for the same
+long window whatever the rate, only the chains of the measured window counted (a
+burst of a fixed number of chains is available, labelled as one, never a capacity).
+Rates are explored first
 doubling or halving from the trace's own rate to bracket the capacity, then bisecting
 geometrically until the bracket is within `tolerance` (3%). Meeting the SLO is not
 quite monotone in the rate near the capacity (a few chains decide a 99% target), so the
@@ -25,6 +28,7 @@ from pydantic import BaseModel
 
 from inferx.sim.cluster import ClusterSim, sim_policy
 from inferx.sim.profile import EngineProfile
+from inferx.sim.steady import SteadyWindow, burst_trace, steady_trace
 from inferx.sim.trace import Trace
 from inferx.stats import percentile
 
@@ -52,6 +56,10 @@ class Attainment(BaseModel):
     # P99 of chain latency (nearest rank; a chain that did not finish counts as
     # infinitely late), None when the outcomes carry no latency.
     p99_latency_s: float | None = None
+    # A steady-state probe: every chain the simulator ran (warm-up and drain included;
+    # `chains` are those measured), and why it stopped early (None: it did not).
+    simulated_chains: int | None = None
+    stopped: str | None = None
 
 
 class CapacityProbe(BaseModel):
@@ -185,27 +193,65 @@ def _bisect(meets: Callable[[float], bool], lo: float, hi: float, tolerance: flo
     return lo, hi
 
 
+def allowed_misses(chains: int, target: float) -> int:
+    """The most of `chains` that may miss while the rest still meet `target` (as
+    `meets_slo` compares)."""
+    misses = max(0, int(math.floor(chains * (1 - target) + 1e-9)))
+    while misses > 0 and (chains - misses) / chains < target:
+        misses -= 1
+    return misses
+
+
 def simulated_evaluator(
     trace: Trace,
     policy: str,
     profile: EngineProfile,
     workers: int,
-    progress: Callable[[float], AbstractContextManager[Callable[[int], None]]] | None = None,
+    progress: Callable[[float, int], AbstractContextManager[Callable[[int], None]]] | None = None,
     options: dict[str, Any] | None = None,
     programs: bool = False,
+    *,
+    window: SteadyWindow | None = None,
+    burst: int | None = None,
+    realtime_target: float = REALTIME_TARGET,
+    overall_target: float = OVERALL_TARGET,
 ) -> Callable[[float], Attainment]:
-    """evaluate(rate): the trace at `rate` through a fresh policy in the simulator.
-    `progress(rate)`, if given, is entered around each run and yields its per-chain
-    callback (the CLI's progress bar). `programs`: replay chains as dynamic programs
-    (`ClusterSim.programs`)."""
+    """evaluate(rate): `trace`'s chains at `rate` through a fresh policy in the simulator,
+    for `window` (a steady-state probe) or as a burst of `burst` chains (exactly one of
+    the two). `progress(rate, chains)`, if given, is entered around each run and yields
+    its per-chain callback (the CLI's progress bar). `programs`: replay chains as
+    dynamic programs (`ClusterSim.programs`).
+
+    A steady probe stops as soon as more measured chains missed than the targets allow
+    (the verdict is known; its attainment, unfinished chains counted as misses, is then a
+    lower bound, and `stopped` says so)."""
+    if (window is None) == (burst is None):
+        raise ValueError("give a steady-state window or a burst size, not both or neither")
 
     def evaluate(rate: float) -> Attainment:
+        if window is not None:
+            probe, measured = steady_trace(trace, rate, window)
+        else:
+            probe, measured = burst_trace(trace, rate, burst or 0)
+        counted = [c for c in probe.chains if c.chain_id in measured]
+        realtime = sum(1 for c in counted if c.tier == "realtime")
+        budget = (allowed_misses(len(counted), overall_target), allowed_misses(realtime, realtime_target))
         sim = ClusterSim(
-            trace.at_rate(rate), sim_policy(policy, profile, options), profile, workers, programs=programs
+            probe,
+            sim_policy(policy, profile, options),
+            profile,
+            workers,
+            programs=programs,
+            measured=measured,
+            miss_budget=budget if window is not None else None,
         )
         if progress is None:
-            return attainment(sim.run().chains)
-        with progress(rate) as advance:
-            return attainment(sim.run(advance).chains)
+            result = sim.run()
+        else:
+            with progress(rate, len(probe.chains)) as advance:
+                result = sim.run(advance)
+        outcome = attainment(c for c in result.chains if c.chain_id in measured)
+        stopped = result.stopped if result.stopped == "miss budget spent" else None
+        return outcome.model_copy(update={"simulated_chains": len(probe.chains), "stopped": stopped})
 
     return evaluate

@@ -12,6 +12,7 @@ result is what per-iteration simulation would give, only faster.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -30,7 +31,7 @@ from inferx.sim.estimates import RemainingPath
 from inferx.sim.kv import Segment
 from inferx.sim.profile import EngineProfile
 from inferx.sim.records import ChainRecord, ReplayResult
-from inferx.sim.trace import ChainProgress, Trace, TraceChain
+from inferx.sim.trace import ChainProgress, Trace, TraceChain, TraceHop
 
 POOL = "sim"
 TICK_S = 0.01  # resolution of time-based re-evaluation (affinity patience, aging)
@@ -90,6 +91,30 @@ def alone_latency_s(chain: TraceChain, profile: EngineProfile) -> float:
             for d, at in progress.finish(int(request.request_id), now):
                 heapq.heappush(ready, (at, d))
     return now
+
+
+def alone_latency_cached(chain: TraceChain, profile: EngineProfile) -> float:
+    """`alone_latency_s`, remembered by the chain's content: a steady-state probe repeats
+    a trace's chains many times (fresh ids, other arrival times), and simulating each
+    alone was most of a probe's cost."""
+    return _alone_by_content(profile, chain.shared_prefix, chain.shared_tokens, tuple(chain.hops))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _alone_by_content(
+    profile: EngineProfile, shared_prefix: str, shared_tokens: int, hops: tuple[TraceHop, ...]
+) -> float:
+    chain = TraceChain(
+        chain_id="alone",
+        kind="alone",
+        tier="standard",
+        arrival_s=0.0,
+        slo_s=1.0,
+        shared_prefix=shared_prefix,
+        shared_tokens=shared_tokens,
+        hops=list(hops),
+    )
+    return alone_latency_s(chain, profile)
 
 
 @dataclass
@@ -156,6 +181,15 @@ class ClusterSim:
     pools: int = 1
     # The queue the policy decides through; the decision-cost benchmark times its calls.
     queue_factory: Callable[[Policy], DispatchQueue] | None = None
+    # A steady-state probe (`inferx.sim.steady`): only these chains count; the run ends
+    # once every one of them has ended (the chains arriving after them only load the
+    # system while they run). None: every chain counts, the run ends with the last.
+    measured: frozenset[str] | None = None
+    # With `measured`: stop as soon as more than (all, realtime) measured chains are
+    # known to miss their SLO (finished late, shed, or still running at their deadline):
+    # the probe cannot meet its targets any more, and an overloaded system's growing
+    # queue is the slowest thing to simulate. None: run to the end.
+    miss_budget: tuple[int, int] | None = None
     # After `run`: time-driven passes (ticks) run, and ticks dropped because an earlier
     # one replaced them (for tests and benchmarks).
     ticks_run: int = field(default=0, init=False)
@@ -213,15 +247,33 @@ class ClusterSim:
         self.ticks_run = self.ticks_dropped = 0
         horizon = self.trace.window_s * self.horizon_factor
         chains: list[_Chain] = []
+        measured = self.measured
+        budget = self.miss_budget if measured is not None else None
+        missed: set[str] = set()  # measured chains known to miss (with a budget)
+        missed_realtime = 0
         for spec in self.trace.chains:
-            record = ChainRecord.start(spec, alone_s=alone_latency_s(spec, profile), profile=profile)
+            record = ChainRecord.start(spec, alone_s=alone_latency_cached(spec, profile), profile=profile)
             record.preemptions = 0  # the simulator sees every preemption of every request
             chain = _Chain(spec, record, ChainProgress(spec), ancestors=spec.ancestor_table())
             pool_of[spec.chain_id] = names[len(chains) % len(names)]
             chains.append(chain)
             for k in spec.roots():
                 heapq.heappush(events, (spec.arrival_s, next(order), "hop", (chain, k)))
+            if budget is not None and spec.chain_id in measured:  # type: ignore[operator]
+                heapq.heappush(events, (spec.arrival_s + spec.slo_s, next(order), "deadline", chain))
         done = 0
+        measured_left = len(measured) if measured is not None else -1
+        stop_reason: str | None = None
+
+        def miss(chain: _Chain) -> None:
+            """A measured chain is known to miss its SLO: past the budget, stop."""
+            nonlocal missed_realtime, stop_reason
+            if budget is None or chain.spec.chain_id in missed:
+                return
+            missed.add(chain.spec.chain_id)
+            missed_realtime += chain.spec.tier == "realtime"
+            if len(missed) > budget[0] or missed_realtime > budget[1]:
+                stop_reason = "miss budget spent"
 
         def push(at: float, kind: str, payload: object) -> None:
             heapq.heappush(events, (at, next(order), kind, payload))
@@ -272,13 +324,19 @@ class ClusterSim:
                 push(at, "tick", tick_gen)
 
         def finish_chain(chain: _Chain, now: float, status: str) -> None:
-            nonlocal done
+            nonlocal done, measured_left, stop_reason
             chain.record.finish(status, now)
             if not self.programs:
                 self.policy.on_chain_end(chain.spec.chain_id, now)
             done += 1
             if progress is not None:
                 progress(done)
+            if measured is not None and chain.spec.chain_id in measured:
+                if not chain.record.slo_met:
+                    miss(chain)
+                measured_left -= 1
+                if measured_left == 0 and stop_reason is None:
+                    stop_reason = "every measured chain ended"
 
         learned = RemainingPath()  # what the policy may know of the rest: learned, not read ahead
 
@@ -372,11 +430,15 @@ class ClusterSim:
                 dispatch(now)
 
         now = 0.0
-        while events:
+        while events and stop_reason is None:
             now, _, kind, payload = heapq.heappop(events)
             if now > horizon:
                 break
-            if kind == "hop":
+            if kind == "deadline":
+                chain = cast(_Chain, payload)
+                if chain.record.status == "running":
+                    miss(chain)
+            elif kind == "hop":
                 chain, k = cast(tuple[_Chain, int], payload)
                 hop_ready(chain, k, now)
             elif kind == "step":
@@ -400,4 +462,5 @@ class ClusterSim:
             preemptions=sum(w.engine.preemptions for w in workers),
             makespan_s=now,
             engine=engine_figures(self.policy, names),
+            stopped=stop_reason,
         )

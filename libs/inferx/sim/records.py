@@ -66,3 +66,6 @@ class ReplayResult:
     # them (`inferx.scheduling.engine_fit`: prefill_tokens_per_s, kv_read_s_per_token);
     # None: a policy that learns none (or, live, a scheduler that exported none).
     engine: dict[str, dict[str, float]] | None = None
+    # Why a simulated run ended before its last event (a steady-state probe: every
+    # measured chain ended, or more of them missed than the targets allow); None: it ran out.
+    stopped: str | None = None

@@ -39,10 +39,14 @@ class SessionAffinityPolicy(FcfsPeer):
         total = sum(w.in_flight for w in workers) + 1  # the hop being placed counts
         return math.ceil(self.load_factor * total / max(len(workers), 1))
 
+    def ring_name(self, queued: QueuedHop) -> str:
+        """Which ring the hop is placed on: one per pool (its workers change on their own)."""
+        return queued.pool
+
     def choose_worker(self, queued: QueuedHop, workers: Sequence[WorkerView], now: float) -> str | None:
         if not workers:
             return None
-        ring = self._rings.setdefault(queued.pool, HashRing(vnodes=self.vnodes))
+        ring = self._rings.setdefault(self.ring_name(queued), HashRing(vnodes=self.vnodes))
         ring.set_members(w.worker_id for w in workers)  # no-op while membership is unchanged
         by_id = {w.worker_id: w for w in workers}
         bound = self.bound(workers)
