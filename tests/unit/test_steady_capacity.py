@@ -82,8 +82,9 @@ def test_a_burst_absorbed_is_not_a_sustained_capacity() -> None:
     assert at_burst_capacity.stopped == "miss budget spent"  # decided early: the verdict was known
     sustained = find_capacity("rr", steady, burst.rate_per_s / 4, tolerance=0.25)
     assert 0 < sustained.rate_per_s < burst.rate_per_s / 2
-    assert meets_slo(sustained.at_capacity.attainment)
-    assert sustained.at_capacity.attainment.chains > 10 * len(base.chains) / 4  # many chains measured
+    at = sustained.at_capacity
+    assert at is not None and meets_slo(at.attainment)
+    assert at.attainment.chains > 10 * len(base.chains) / 4  # many chains measured
 
 
 def test_a_measured_run_stops_when_its_chains_end_or_its_budget_is_spent() -> None:
