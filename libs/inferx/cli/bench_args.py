@@ -88,6 +88,13 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "how well a policy absorbs one burst (labelled as such; not a sustained capacity)",
     )
     parser.add_argument(
+        "--bound",
+        action="store_true",
+        help="--capacity: also measure the engines' bound on the workload: what the workers, all busy, "
+        "complete per second with more offered than any policy sustained (each policy, same window), "
+        "and each capacity as a share of the best",
+    )
+    parser.add_argument(
         "--jobs",
         type=argtypes.at_least_one,
         default=None,

@@ -29,7 +29,9 @@ from inferx.sim.capacity import (
     TOLERANCE,
     Capacity,
     CapacityProbe,
+    Throughput,
     find_capacity,
+    saturated_throughput,
     simulated_evaluator,
 )
 from inferx.sim.profile import EngineProfile, load_profile
@@ -132,6 +134,8 @@ def _search(task: SearchTask, report: Callable[[str], None], progress=None) -> C
 
 
 _REPORTS: Any = None  # a job process's queue of probe lines for the parent to print
+_PROGRESS: Any = None  # the parent's progress bars, for jobs run in the parent
+BOUND_OVERLOAD = 1.3  # --bound: offered this many times the highest capacity found
 
 
 def _job_init(reports: Any) -> None:
@@ -140,8 +144,38 @@ def _job_init(reports: Any) -> None:
     _REPORTS = reports
 
 
-def _job(task: SearchTask) -> Capacity:
+def _job(task: SearchTask | BoundTask) -> Capacity | Throughput:
+    if isinstance(task, BoundTask):
+        return _bound(task)
     return _search(task, _REPORTS.put)
+
+
+@dataclass(frozen=True)
+class BoundTask:
+    """One policy's throughput with more offered than it serves (`--bound`)."""
+
+    policy: str
+    seed_index: int
+    trace: Trace
+    profile: EngineProfile
+    workers: int
+    options: dict[str, Any]
+    programs: bool
+    window: SteadyWindow
+    offered_rate_per_s: float
+
+
+def _bound(task: BoundTask) -> Throughput:
+    return saturated_throughput(
+        task.trace,
+        task.policy,
+        task.profile,
+        task.workers,
+        task.window,
+        task.offered_rate_per_s,
+        task.options,
+        task.programs,
+    )
 
 
 def default_jobs() -> int:
@@ -245,12 +279,18 @@ def cmd_capacity(
         )
 
     report = lambda line: err.print(line, style="dim")  # noqa: E731 -- stderr even with --json
-    if jobs <= 1 or len(tasks) == 1:
-        for task in tasks:
-            done(task, _search(task, report, progress))
-    else:
-        _run_parallel(tasks, min(jobs, len(tasks)), done, report)
+    global _PROGRESS
+    _PROGRESS = progress
+    _run_jobs(tasks, jobs, done, report)
     per_seed: dict[str, list[Capacity]] = {n: [c for c in cs if c is not None] for n, cs in found.items()}
+    bound = None
+    if getattr(args, "bound", False):
+        bound = _bounds(per_seed, traces, windows, profile, args, options, jobs, err, report)
+        context["bound_method"] = (
+            f"each policy offered {BOUND_OVERLOAD:g}x the highest capacity found on the seed over the same "
+            "steady window; chains finished per second of the measured window (within SLO or not); the "
+            "bound is the highest of them"
+        )
     context["wall_s"] = time.perf_counter() - started
     rates = {name: [c.rate_per_s for c in caps] for name, caps in per_seed.items()}
     medians = {name: statistics.median(values) for name, values in rates.items()}
@@ -262,7 +302,10 @@ def cmd_capacity(
     }
     if results_file is not None:
         results_file.save(
-            context=context, capacity={n: [_json(c) for c in cs] for n, cs in per_seed.items()}, complete=True
+            context=context,
+            capacity={n: [_json(c) for c in cs] for n, cs in per_seed.items()},
+            bound=bound,
+            complete=True,
         )
     plot = getattr(args, "plot", None)
     if plot:
@@ -286,6 +329,7 @@ def cmd_capacity(
             "strongest_peer": peer,
             f"{CANDIDATE}_vs_strongest_peer": versus.get(peer) if peer is not None else None,
             f"{CANDIDATE}_vs": versus,
+            "bound": bound,
             "context": context,
         }
         print(json.dumps(jsonable(data), indent=2))
@@ -334,7 +378,7 @@ def cmd_capacity(
         "realtime at cap.",
         "all at cap.",
         "chains at cap.",
-    )
+    ) + (("share of bound",) if bound is not None else ())
     for column in columns:
         if column == "policy":
             table.add_column(column, no_wrap=True, min_width=16)  # names must stay whole
@@ -353,12 +397,22 @@ def cmd_capacity(
             f"{realtime:.1%}" if realtime is not None else "-",
             f"{at.attainment.overall:.1%}" if at is not None else "-",
             f"{at.attainment.chains:,}" if at is not None else "-",
+            *([_share(bound["share_median"].get(name))] if bound is not None else []),
         )
     out.print(table)
+    if bound is not None and bound["rate_per_s"] is not None:
+        out.print(
+            f"engine bound (every worker busy, best policy): {bound['rate_per_s']:.3f} chains/s, median over "
+            f"seeds; 1.5x the strongest peer would be {1.5 * medians.get(peer or '', 0):.3f}"
+        )
     out.print(
         f"searched in {context['wall_s']:.0f} s of wall time (attainment columns: first seed)", style="dim"
     )
     return 0
+
+
+def _share(value: float | None) -> str:
+    return f"{value:.0%}" if value is not None else "-"
 
 
 def _window_json(window: SteadyWindow | None) -> dict | None:
@@ -378,18 +432,23 @@ def _json(result: Capacity) -> dict:
     }
 
 
-def _run_parallel(
-    tasks: list[SearchTask],
+def _run_jobs(
+    tasks: list[Any],
     jobs: int,
-    done: Callable[[SearchTask, Capacity], None],
+    done: Callable[[Any, Any], None],
     report: Callable[[str], None],
 ) -> None:
-    """The searches in `jobs` processes (each is pure CPU in the simulator); their probe
-    lines printed as they come. Ctrl-C or SIGTERM stops the jobs too (the pool is
-    terminated on the way out; the jobs ignore SIGINT, the parent handles it)."""
+    """`_job(task)` for every task in `jobs` processes (each is pure CPU in the
+    simulator); their probe lines printed as they come. Ctrl-C or SIGTERM stops the jobs
+    too (the pool is terminated on the way out; the jobs ignore SIGINT, the parent
+    handles it)."""
+    if jobs <= 1 or len(tasks) == 1:
+        for task in tasks:
+            done(task, _job_here(task, report))
+        return
     context = get_context("spawn")  # no fork of a process that may hold threads
     reports = context.Queue()
-    with context.Pool(jobs, initializer=_job_init, initargs=(reports,)) as pool:
+    with context.Pool(min(jobs, len(tasks)), initializer=_job_init, initargs=(reports,)) as pool:
         pending = {index: pool.apply_async(_job, (task,)) for index, task in enumerate(tasks)}
         while pending:
             time.sleep(0.2)
@@ -399,9 +458,87 @@ def _run_parallel(
         _drain(reports, report)
 
 
+def _job_here(task: Any, report: Callable[[str], None]) -> Any:
+    return _bound(task) if isinstance(task, BoundTask) else _search(task, report, _PROGRESS)
+
+
 def _drain(reports: Any, report: Callable[[str], None]) -> None:
     while True:
         try:
             report(reports.get_nowait())
         except queue.Empty:
             return
+
+
+def _bounds(
+    per_seed: dict[str, list[Capacity]],
+    traces: list[Trace],
+    windows: list[SteadyWindow | None],
+    profile: EngineProfile,
+    args: argparse.Namespace,
+    options: dict[str, Any],
+    jobs: int,
+    err: Console,
+    report: Callable[[str], None],
+) -> dict[str, Any]:
+    """`--bound`: per seed, what the workers complete per second with every one busy
+    (each policy offered more than any sustained), and each policy's capacity as a
+    share of the highest of those."""
+    tasks = []
+    for index, (trace, window) in enumerate(zip(traces, windows, strict=True)):
+        if window is None:
+            raise InvalidArgument("--bound uses the steady-state window: it cannot go with --burst")
+        top = max(caps[index].rate_per_s for caps in per_seed.values())
+        if top <= 0:
+            continue
+        for name in per_seed:
+            tasks.append(
+                BoundTask(
+                    name,
+                    index,
+                    trace,
+                    profile,
+                    args.workers,
+                    options,
+                    args.programs,
+                    window,
+                    top * BOUND_OVERLOAD,
+                )
+            )
+    err.print(
+        f"bound: {len(tasks)} saturated runs ({BOUND_OVERLOAD:g}x the best capacity per seed)", style="dim"
+    )
+    found: dict[int, dict[str, Throughput]] = {}
+
+    def done(task: BoundTask, result: Throughput) -> None:
+        found.setdefault(task.seed_index, {})[task.policy] = result
+        report(
+            f"  {task.policy} (seed {task.trace.meta.config.seed}) offered {task.offered_rate_per_s:.4g} "
+            f"chains/s: completes {result.completed_per_s:.4g}/s ({result.completed_within_slo_per_s:.4g}/s "
+            "within SLO)"
+        )
+
+    _run_jobs(tasks, jobs, done, report)
+    seeds: list[dict[str, Any]] = []
+    bounds: list[float] = []
+    shares: dict[str, list[float]] = {name: [] for name in per_seed}
+    for index in sorted(found):
+        runs = found[index]
+        bound = max(r.completed_per_s for r in runs.values())
+        bounds.append(bound)
+        for name, caps in per_seed.items():
+            shares[name].append(caps[index].rate_per_s / bound)
+        seeds.append(
+            {
+                "seed": traces[index].meta.config.seed,
+                "bound_per_s": bound,
+                "by": max(runs, key=lambda n: runs[n].completed_per_s),
+                "throughput": {n: r.model_dump() for n, r in runs.items()},
+                "share": {n: caps[index].rate_per_s / bound for n, caps in per_seed.items()},
+            }
+        )
+    return {
+        "rate_per_s": statistics.median(bounds) if bounds else None,
+        "share_median": {name: statistics.median(v) if v else None for name, v in shares.items()},
+        "per_seed": seeds,
+    }

@@ -255,3 +255,46 @@ def simulated_evaluator(
         return outcome.model_copy(update={"simulated_chains": len(probe.chains), "stopped": stopped})
 
     return evaluate
+
+
+class Throughput(BaseModel):
+    """What a policy completes per second with more offered than it can serve: the
+    engines' bound on a workload, by the steady-state method (every worker busy)."""
+
+    policy: str
+    offered_rate_per_s: float
+    completed_per_s: float  # chains finished (within SLO or not) per second of the window
+    completed_within_slo_per_s: float
+
+
+def saturated_throughput(
+    trace: Trace,
+    policy: str,
+    profile: EngineProfile,
+    workers: int,
+    window: SteadyWindow,
+    offered_rate_per_s: float,
+    options: dict[str, Any] | None = None,
+    programs: bool = False,
+) -> Throughput:
+    """`trace` offered at `offered_rate_per_s` (above what the policy sustains) over the
+    steady window: the chains that finish during the measured window, per second of it.
+    With the queue never empty, that is what the workers, all busy, complete under this
+    policy (its batching and cache reuse included)."""
+    probe, _ = steady_trace(trace, offered_rate_per_s, window)
+    end = window.warmup_s + window.window_s
+    sim = ClusterSim(
+        probe, sim_policy(policy, profile, options), profile, workers, programs=programs, until_s=end
+    )
+    result = sim.run()
+    finished = [
+        c
+        for c in result.chains
+        if c.latency_s is not None and window.warmup_s <= c.arrival_s + c.latency_s < end
+    ]
+    return Throughput(
+        policy=policy,
+        offered_rate_per_s=offered_rate_per_s,
+        completed_per_s=len(finished) / window.window_s,
+        completed_within_slo_per_s=sum(1 for c in finished if c.slo_met) / window.window_s,
+    )

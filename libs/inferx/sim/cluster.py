@@ -190,6 +190,9 @@ class ClusterSim:
     # the probe cannot meet its targets any more, and an overloaded system's growing
     # queue is the slowest thing to simulate. None: run to the end.
     miss_budget: tuple[int, int] | None = None
+    # Stop at this virtual time whatever is still running (a throughput measurement:
+    # what finished by then is all it reads). None: no such stop.
+    until_s: float | None = None
     # After `run`: time-driven passes (ticks) run, and ticks dropped because an earlier
     # one replaced them (for tests and benchmarks).
     ticks_run: int = field(default=0, init=False)
@@ -432,6 +435,9 @@ class ClusterSim:
         now = 0.0
         while events and stop_reason is None:
             now, _, kind, payload = heapq.heappop(events)
+            if self.until_s is not None and now > self.until_s:
+                stop_reason = "reached its end time"
+                break
             if now > horizon:
                 break
             if kind == "deadline":
