@@ -91,7 +91,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "--bound",
         action="store_true",
         help="--capacity: also measure the engines' bound on the workload: what the workers, all busy, "
-        "complete per second with more offered than any policy sustained (each policy, same window), "
+        "complete per second with more offered than any policy sustained (the 3 policies of highest "
+        "capacity, same window), "
         "and each capacity as a share of the best",
     )
     parser.add_argument(
