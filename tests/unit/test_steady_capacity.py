@@ -146,3 +146,17 @@ def test_cli_refuses_a_burst_and_a_window_together(capsys, tmp_path) -> None:
         main([*argv, "--results", str(tmp_path / "r.json")])
     assert exit_info.value.code == 1
     assert "--burst" in capsys.readouterr().err
+
+
+def test_a_dag_trace_is_probed_in_steady_state_with_its_alone_times_kept() -> None:
+    """Research chains are DAGs (`depends_on` lists): repeated chains keep their alone
+    time (remembered by content) and their structure."""
+    from inferx.sim.cluster import alone_latency_s
+
+    base = generate(TraceConfig(seed=2, duration_s=40, rate_per_s=0.25, mix={"research": 1.0}), PROFILE)
+    assert any(h.depends_on for c in base.chains for h in c.hops)
+    trace, measured = steady_trace(base, 0.05, steady_window(base, 300.0))
+    run = ClusterSim(trace, sim_policy("session-affinity", PROFILE), PROFILE, 2, measured=measured).run()
+    by_id = {c.chain_id: c for c in trace.chains}
+    for record in run.chains[: 2 * len(base.chains)]:
+        assert record.alone_s == pytest.approx(alone_latency_s(by_id[record.chain_id], PROFILE))

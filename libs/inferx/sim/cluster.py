@@ -97,12 +97,19 @@ def alone_latency_cached(chain: TraceChain, profile: EngineProfile) -> float:
     """`alone_latency_s`, remembered by the chain's content: a steady-state probe repeats
     a trace's chains many times (fresh ids, other arrival times), and simulating each
     alone was most of a probe's cost."""
-    return _alone_by_content(profile, chain.shared_prefix, chain.shared_tokens, tuple(chain.hops))
+    hops = tuple(
+        (h.new_tokens, h.output_tokens, h.delay_after_s, h.max_tokens, h.depends_on and tuple(h.depends_on))
+        for h in chain.hops
+    )
+    return _alone_by_content(profile, chain.shared_prefix, chain.shared_tokens, hops)
+
+
+_HopKey = tuple[int, int, float, int | None, tuple[int, ...] | None]
 
 
 @functools.lru_cache(maxsize=1 << 16)
 def _alone_by_content(
-    profile: EngineProfile, shared_prefix: str, shared_tokens: int, hops: tuple[TraceHop, ...]
+    profile: EngineProfile, shared_prefix: str, shared_tokens: int, hops: tuple[_HopKey, ...]
 ) -> float:
     chain = TraceChain(
         chain_id="alone",
@@ -112,7 +119,16 @@ def _alone_by_content(
         slo_s=1.0,
         shared_prefix=shared_prefix,
         shared_tokens=shared_tokens,
-        hops=list(hops),
+        hops=[
+            TraceHop(
+                new_tokens=new,
+                output_tokens=out,
+                delay_after_s=delay,
+                max_tokens=cap,
+                depends_on=None if deps is None else list(deps),
+            )
+            for new, out, delay, cap, deps in hops
+        ],
     )
     return alone_latency_s(chain, profile)
 
