@@ -10,10 +10,11 @@ Prints a markdown table (medians over the seeds, (min-max) in brackets); --json 
 the raw figures; --tokens adds where prompt tokens came from (prefilled, found in the
 GPU prefix cache, loaded back from a KV offload tier).
 
-"Finished per s" is the chains that finished over the makespan (first arrival to last
-finish): at a rate far past capacity (every chain queued at once, e.g. --rate 5 on
-research) it is the most the workers get through under that policy, an upper bound
-for any capacity at SLO it could reach (a figure only where every chain finished).
+Steady state (issue #42): the trace's chains arrive at --rate for the same window as
+`inferx sim --capacity` uses (warm-up and drain not counted; --window-s to change it),
+and every figure is over the chains arriving in the measured window. The run stops one
+longest SLO after the last arrival: a measured chain unfinished by then is a miss.
+"Finished per s" is the measured chains that finished, per second of the window.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from inferx.scheduling.registry import make_policy
 from inferx.sim.capacity import attainment
 from inferx.sim.cluster import ClusterSim
 from inferx.sim.profile import load_profile
+from inferx.sim.steady import steady_trace, steady_window
 from inferx.sim.trace import generate, workload
 
 
@@ -46,28 +48,32 @@ def parse_entry(entry: str) -> tuple[str, dict[str, object]]:
 
 def run(name: str, options: dict[str, object], args: argparse.Namespace, seed: int) -> dict[str, float]:
     profile = load_profile(args.profile)
-    trace = generate(workload(args.workload, seed), profile).at_rate(args.rate)
+    base = generate(workload(args.workload, seed), profile)
+    window = steady_window(base, args.window_s)
+    trace, measured = steady_trace(base, args.rate, window)
     try:
         policy = make_policy(name, **options)
     except (KeyError, ValueError) as exc:
         raise SystemExit(f"overload.py: {name}: {exc}") from None
-    result = ClusterSim(trace, policy, profile, args.workers).run()
-    score = attainment(result.chains)
-    prompt = sum(c.prompt_tokens for c in result.chains) or 1
-    cached = sum(c.cached_tokens for c in result.chains)
-    loaded = sum(c.loaded_tokens for c in result.chains)
-    finished = [c.arrival_s + c.latency_s for c in result.chains if c.latency_s is not None]
-    makespan = max(finished, default=0.0) - min(c.arrival_s for c in result.chains)
+    end = window.span_s + window.drain_s
+    result = ClusterSim(trace, policy, profile, args.workers, measured=measured, until_s=end).run()
+    chains = [c for c in result.chains if c.chain_id in measured]
+    score = attainment(chains)
+    prompt = sum(c.prompt_tokens for c in chains) or 1
+    cached = sum(c.cached_tokens for c in chains)
+    loaded = sum(c.loaded_tokens for c in chains)
+    finished = [c for c in chains if c.latency_s is not None]
     return {
         "prefilled": (prompt - cached - loaded) / prompt,
         "gpu_cached": cached / prompt,
         "host_loaded": loaded / prompt,
         "realtime": score.realtime if score.realtime is not None else math.nan,
         "overall": score.overall,
-        "shed": sum(c.status == "shed" for c in result.chains) / len(result.chains),
+        "shed": sum(c.status == "shed" for c in chains) / len(chains),
         "preemptions": float(result.preemptions or 0),
-        "completed": len(finished) / len(result.chains),
-        "finished_per_s": len(finished) / makespan if makespan > 0 else math.nan,
+        "completed": len(finished) / len(chains),
+        "finished_per_s": len(finished) / window.window_s,
+        "measured_chains": float(len(chains)),
         # inf when more than 1% did not finish (shed ones included)
         "p99_latency_s": score.p99_latency_s if score.p99_latency_s is not None else math.nan,
     }
@@ -84,6 +90,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--profile", default=None)
     parser.add_argument("--compare", nargs="+", required=True, metavar="POLICY[:k=v,...]")
+    parser.add_argument(
+        "--window-s", type=float, default=None, help="measured window (default: as --capacity)"
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--tokens", action="store_true", help="add prompt tokens prefilled / cached / loaded")
     args = parser.parse_args(argv)
@@ -101,8 +110,6 @@ def main(argv: list[str]) -> None:
         return
 
     def throughput(rows: list[dict[str, float]]) -> str:
-        if any(row["completed"] < 1.0 for row in rows):  # chains left out: not what the workers get through
-            return "n/a (chains unfinished)"
         values = [row["finished_per_s"] for row in rows]
         return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
@@ -116,7 +123,7 @@ def main(argv: list[str]) -> None:
     extra = " prompt tokens prefilled | from the GPU cache | loaded from host |" if args.tokens else ""
     head = (
         "| policy | realtime within SLO | all within SLO | shed | preemptions | P99 chain latency (s) "
-        "| finished | finished per s (makespan) |"
+        "| finished | finished per s (window) |"
     )
     print(head + extra)
     print("|---|---|---|---|---|---|---|---|" + ("---|---|---|" if args.tokens else ""))
