@@ -259,12 +259,22 @@ def simulated_evaluator(
 
 class Throughput(BaseModel):
     """What a policy completes per second with more offered than it can serve: the
-    engines' bound on a workload, by the steady-state method (every worker busy)."""
+    engines' bound on a workload, by the steady-state method (every worker busy).
+
+    Rates are in the trace's nominal units, as capacities are (a trace's Poisson sample
+    holds a few percent more or fewer chains than its nominal rate says): the chains
+    completed per second of the window, scaled by offered / arrived."""
 
     policy: str
-    offered_rate_per_s: float
-    completed_per_s: float  # chains finished (within SLO or not) per second of the window
+    offered_rate_per_s: float  # nominal, as a capacity
+    arrived_per_s: float  # chains arriving in the measured window, per second of it
+    completed_per_s: float  # chains finished during the window (within SLO or not), per second
     completed_within_slo_per_s: float
+    completed_rate_per_s: float  # completed_per_s in nominal units: comparable with capacities
+    # Fewer finished than arrived (by more than 5%): the workers could not keep up, so
+    # `completed_rate_per_s` is what they get through. False: they kept up, and the bound
+    # is at least the offered rate.
+    saturated: bool
 
 
 def saturated_throughput(
@@ -281,7 +291,7 @@ def saturated_throughput(
     steady window: the chains that finish during the measured window, per second of it.
     With the queue never empty, that is what the workers, all busy, complete under this
     policy (its batching and cache reuse included)."""
-    probe, _ = steady_trace(trace, offered_rate_per_s, window)
+    probe, measured = steady_trace(trace, offered_rate_per_s, window)
     end = window.warmup_s + window.window_s
     sim = ClusterSim(
         probe, sim_policy(policy, profile, options), profile, workers, programs=programs, until_s=end
@@ -292,9 +302,14 @@ def saturated_throughput(
         for c in result.chains
         if c.latency_s is not None and window.warmup_s <= c.arrival_s + c.latency_s < end
     ]
+    arrived = len(measured) / window.window_s
+    completed = len(finished) / window.window_s
     return Throughput(
         policy=policy,
         offered_rate_per_s=offered_rate_per_s,
-        completed_per_s=len(finished) / window.window_s,
+        arrived_per_s=arrived,
+        completed_per_s=completed,
         completed_within_slo_per_s=sum(1 for c in finished if c.slo_met) / window.window_s,
+        completed_rate_per_s=completed * offered_rate_per_s / arrived if arrived else 0.0,
+        saturated=completed < 0.95 * arrived,
     )
