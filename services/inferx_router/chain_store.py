@@ -27,7 +27,8 @@ import aetcd
 
 from inferx import etcd
 from inferx.chain.plan import ChainPlan
-from inferx.chain.schema import ChainConfig
+from inferx.chain.schema import ChainConfig, ChainConfigError
+from inferx.chain.subchains import reference_problems
 from inferx.chain.template import NODE_ID_RE
 from inferx.chain.validate import ValidatedChain, load_chain_document, load_chain_text
 from inferx.chain.yamlio import dump_config_yaml
@@ -86,6 +87,8 @@ class ChainStore:
         Nothing is written unless it is valid (within `limits`, when given) and fits etcd."""
         validated = load_chain_text(text, source="config", limits=limits)
         config = validated.config
+        if problems := await reference_problems(config, self._child_config(tenant)):
+            raise ChainConfigError(problems)  # a missing child, or a cycle between chains
         created_unix_ms = int(time.time() * 1000)
         record = {
             "config": config.to_document(),
@@ -141,6 +144,12 @@ class ChainStore:
                 return stored, activate
             # Someone else stored a version between our read and our write: try n+2.
         raise FailedPrecondition(f"chain '{config.name}': too many concurrent writers, try again")
+
+    def _child_config(self, tenant: str):
+        async def resolve(name: str, version: int, label: str) -> ChainConfig:
+            return (await self.resolve(tenant, name, version, label)).config
+
+        return resolve
 
     # ----- reads --------------------------------------------------------------------
 

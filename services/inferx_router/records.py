@@ -53,6 +53,9 @@ class RunRecord:
     # the program moved here from another router ("" = none).
     first_hop_index: int = 0
     continues_run_id: str = ""
+    # A child run of a `type: chain` node: the parent run's id and that node's.
+    parent_run_id: str = ""
+    parent_node_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -338,6 +341,8 @@ def record_run(
     trace_id: str = "",
     tenant: str = DEFAULT_TENANT,
     store: RunStore = RECENT,
+    parent_run_id: str = "",
+    parent_node_id: str = "",
 ) -> RunRecord:
     """Keep a finished run (outputs shortened: the store is for timings, not answers)."""
     kept = router_pb2.ChainFinished()
@@ -353,6 +358,8 @@ def record_run(
         depends_on={node.id: tuple(node.depends_on) for node in config.nodes},
         finished=kept,
         tenant=tenant,
+        parent_run_id=parent_run_id,
+        parent_node_id=parent_node_id,
     )
     store.add(record)
     store.finished(record)
@@ -376,6 +383,8 @@ def run_trace_message(record: RunRecord) -> router_pb2.RunTrace:
         finished=record.finished,
         program_id=record.program_id,
         parent_program_id=record.parent_program_id,
+        parent_run_id=record.parent_run_id,
+        parent_node_id=record.parent_node_id,
     )
     for timing in timings_of(record):
         reply.timings.add(

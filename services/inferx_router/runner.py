@@ -24,15 +24,16 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from inferx import telemetry
 from inferx.chain.plan import TIMEOUTS, ChainPlan, LatencyEstimate, LearnedLatency
 from inferx.chain.schema import ChainConfig, NodeSpec
+from inferx.chain.subchains import MAX_DEPTH, child_inputs, fan_out_items, target_of
 from inferx.chain.template import MissingReferenceError, render, static_head
-from inferx.errors import InferxError, InvalidArgument, NotFound
+from inferx.errors import Aborted, InferxError, InvalidArgument, NotFound, Unavailable
 from inferx.openai_compat.reasoning import split_reasoning
 from inferx.resilience import Degradation, NodeFallbacks, RetryBudget, backoff_s, degradation_ladder
 from inferx.scheduling.views import Tier
@@ -62,6 +63,24 @@ class NodeOutcome:
 
 class ChainDeadline(Exception):
     """The chain's end-to-end budget is spent."""
+
+
+class ChildFailed(Aborted):
+    """A `type: chain` node's child run did not finish ok."""
+
+
+# (tenant, name, version, label) -> the stored version (ChainStore.resolve)
+ResolveChain = Callable[[str, str, int, str], Awaitable[StoredVersion]]
+
+
+@dataclass(frozen=True)
+class ParentLink:
+    """A child run's parent: the run and the `type: chain` node that started it, and the
+    prefix of the child's hop ids (``node/`` or ``node[i]/`` for a for_each item)."""
+
+    run: ChainRun
+    node_id: str
+    hop_prefix: str
 
 
 def default_prompt(node: NodeSpec, inputs: dict[str, str], outputs: dict[str, str]) -> str:
@@ -109,6 +128,8 @@ class ChainRun:
         rng: random.Random | None = None,
         node_events: bool = True,
         reasoning_parser: Callable[[str], str] | None = None,
+        resolve_chain: ResolveChain | None = None,
+        parent: ParentLink | None = None,
     ) -> None:
         self.chain = chain
         self.plan: ChainPlan = chain.plan
@@ -141,6 +162,28 @@ class ChainRun:
         self._deadline_unix_ms = int(time.time() * 1000 + self.config.slo.latency_p99_ms)
         self._model_hops_done = 0
         self._node_deadlines: dict[str, float] = {}  # node id -> end of its current bound
+        # Sub-agent chains: how `type: chain` nodes find their child's version, and for a
+        # child run, its parent, whose deadline, tier, retry budget and scheduling key
+        # (run id, so one chain key for affinity) it shares.
+        self._resolve_chain = resolve_chain
+        self._parent = parent
+        self._scheduling_run_id, self._hop_prefix = self.run_id, ""
+        self._ancestry: tuple[str, ...] = (self.config.name,)
+        self._hop_counter = [0]  # model hops of the whole tree of runs so far
+        self._slo_ms = self.config.slo.latency_p99_ms
+        self._has_children = any(node.type == "chain" for node in self.config.nodes)
+        if parent is not None:
+            self._inherit(parent)
+
+    def _inherit(self, link: ParentLink) -> None:
+        up = link.run
+        self._deadline, self._deadline_unix_ms = up._deadline, up._deadline_unix_ms
+        self._slo_ms = max((up._deadline - self._started) * 1000, 0.0)  # what is left of it
+        self.tier, self.budget = up.tier, up.budget
+        self._scheduling_run_id = up._scheduling_run_id
+        self._hop_prefix = up._hop_prefix + link.hop_prefix
+        self._ancestry = (*up._ancestry, self.config.name)
+        self._hop_counter = up._hop_counter
 
     def _at_ms(self) -> float:
         return (time.monotonic() - self._started) * 1000
@@ -175,7 +218,7 @@ class ChainRun:
                 span.set_attributes({"inferx.status": finished.status, "inferx.slo_met": finished.slo_met})
                 self._emit(chain_finished=finished)
                 self.events.put_nowait(None)
-            if finished.status == "ok" and self.session_id:
+            if finished.status == "ok" and self.session_id and self._parent is None:
                 turn = {"inputs": self.inputs, "output": finished.output}
                 await self._tools.remember(self.session_id, turn, tenant=self.chain.tenant)
         return finished
@@ -190,7 +233,7 @@ class ChainRun:
             status = "deadline_exceeded"
         else:
             status = "error"
-        slo_ms = self.config.slo.latency_p99_ms
+        slo_ms = self._slo_ms  # a child run's: what was left of its parent's deadline
         output = "\n".join(self._outputs.get(node_id, "") for node_id in self.plan.sinks)
         finished = router_pb2.ChainFinished(
             run_id=self.run_id,
@@ -207,7 +250,13 @@ class ChainRun:
         tier = self.tier.label
         metrics.observe_chain(self.config.name, tier, finished, slo_target=self.config.slo.availability)
         records.record_run(
-            self.config, finished, tier=tier, trace_id=telemetry.trace_id_of(), tenant=self.chain.tenant
+            self.config,
+            finished,
+            tier=tier,
+            trace_id=telemetry.trace_id_of(),
+            tenant=self.chain.tenant,
+            parent_run_id=self._parent.run.run_id if self._parent else "",
+            parent_node_id=self._parent.node_id if self._parent else "",
         )
         return finished
 
@@ -302,6 +351,8 @@ class ChainRun:
                 with telemetry.span(f"{kind} attempt", {"inferx.attempt": attempt + 1}):
                     if node.kind.is_model:
                         await self._model_hop(node, result, model)
+                    elif node.type == "chain":
+                        await self._chain_call(node, result)
                     else:
                         await self._tool_call(node, result)
                 return
@@ -316,6 +367,8 @@ class ChainRun:
                 await asyncio.sleep(backoff_s(attempt, rng=self._rng))
 
     def _retries_allowed(self, node: NodeSpec) -> int:
+        if node.type == "chain":  # a retry runs the whole child again: only when asked
+            return node.retries
         if node.kind.is_model:
             return node.retries or node.kind.default_retries
         if not node.idempotent:
@@ -340,7 +393,7 @@ class ChainRun:
     ) -> None:
         reason = failure_reason(failure)
         stale_found, stale = False, None
-        if not node.kind.is_model and node.cacheable:
+        if not node.kind.is_model and node.cacheable and node.type != "chain":
             stale_found, stale = await self._tools.stale_result(
                 node.tool or SESSION_MEMORY, self._arguments(node), tenant=self.chain.tenant
             )
@@ -384,16 +437,21 @@ class ChainRun:
         else:  # starts with the run's inputs: nothing other runs share
             prompt = default_prompt(node, self.inputs, self._outputs)
         hop = ModelHop(
-            run_id=self.run_id,
-            hop_id=node.id,
+            run_id=self._scheduling_run_id,  # a child's hops are its root run's, to the scheduler
+            hop_id=self._hop_prefix + node.id,
             session_id=self.session_id,
             chain_name=self.config.name,
             chain_version=self.chain.version,
             tier=self.tier,
             priority=node.priority_rank,
             deadline_unix_ms=self._deadline_unix_ms,
-            hop_index=self._model_hops_done,
-            remaining_hops=max(self.plan.model_hops - self._model_hops_done - 1, 0),
+            hop_index=self._hop_counter[0],
+            # With child runs in the tree the hops still to come are not known here.
+            remaining_hops=(
+                None
+                if self._has_children or self._parent is not None
+                else max(self.plan.model_hops - self._model_hops_done - 1, 0)
+            ),
             remaining_critical_path_ms=self.plan.remaining_path_ms(node.id, self._latency),
             next_hops=self._next_hops(node, prompt),
             model=model,
@@ -426,6 +484,74 @@ class ChainRun:
         result.queue_ms = done.queue_ms
         result.worker_id = done.worker_id
         self._model_hops_done += 1
+        self._hop_counter[0] += 1
+
+    async def _chain_call(self, node: NodeSpec, result: router_pb2.NodeFinished) -> None:
+        """A sub-agent: run the child chain (once, or once per for_each item, at most
+        `max_concurrency` at a time) within this run's deadline; the output is the child's
+        (a JSON array of the children's, in item order, for a for_each)."""
+        assert node.chain is not None
+        if self._resolve_chain is None:
+            raise Unavailable("this router cannot run sub-agent chains")
+        if node.chain in self._ancestry:
+            raise InvalidArgument(f"chain: cycle {' -> '.join([*self._ancestry, node.chain])}")
+        if len(self._ancestry) >= MAX_DEPTH:
+            raise InvalidArgument(f"chain: chains nest more than {MAX_DEPTH} deep")
+        try:
+            child = await self._resolve_chain(
+                self.chain.tenant, node.chain, node.version or 0, node.label or ""
+            )
+        except InferxError as exc:
+            raise InvalidArgument(f"chain {target_of(node)}: {exc.message}") from None
+        given = {name: render(template, self.inputs, self._outputs) for name, template in node.inputs.items()}
+        if node.for_each is None:
+            batches = [(f"{node.id}/", given)]
+        else:
+            items = fan_out_items(render(node.for_each, self.inputs, self._outputs))
+            batches = [(f"{node.id}[{i}]/", {**given, node.item_input: item}) for i, item in enumerate(items)]
+        runs = [
+            ChainRun(
+                child,
+                child_inputs(child.config, inputs),
+                session_id=self.session_id,
+                tier=int(self.tier),
+                executor=self._executor,
+                tools=self._tools,
+                load=self._load,
+                latency=self._learned,
+                rng=self._rng,
+                node_events=False,
+                reasoning_parser=self._reasoning_parser,
+                resolve_chain=self._resolve_chain,
+                parent=ParentLink(self, node.id, prefix),
+            )
+            for prefix, inputs in batches
+        ]
+        del result.child_run_ids[:]  # a retry's children replace the last try's
+        result.child_run_ids.extend(run.run_id for run in runs)
+        gate = asyncio.Semaphore(node.max_concurrency)
+
+        async def one(run: ChainRun) -> router_pb2.ChainFinished:
+            async with gate:
+                return await run.run()
+
+        finished = await asyncio.gather(*(one(run) for run in runs))
+        for done in finished:
+            for hop in done.hops:
+                result.usage.prompt_tokens += hop.usage.prompt_tokens
+                result.usage.completion_tokens += hop.usage.completion_tokens
+                result.usage.cached_prompt_tokens += hop.usage.cached_prompt_tokens
+        failed = [(i, done) for i, done in enumerate(finished) if done.status != "ok"]
+        if any(done.status == "deadline_exceeded" for _, done in failed):
+            raise ChainDeadline
+        if failed:
+            i, done = failed[0]
+            which = f" (item {i})" if node.for_each is not None else ""
+            raise ChildFailed(
+                f"child run {done.run_id}{which} of '{child.name}': {done.status}: {done.error}"
+            )
+        outputs = [done.output for done in finished]
+        result.output = json.dumps(outputs, ensure_ascii=False) if node.for_each is not None else outputs[0]
 
     def _next_hops(self, node: NodeSpec, prompt: str) -> tuple[NextHop, ...]:
         """The model hops that can follow this one. Their prompts are not rendered yet:

@@ -14,6 +14,7 @@ from inferx.auth import store as auth_store
 from inferx.auth.limits import QuotaExceeded, TenantQuotas, TierNotAllowed
 from inferx.auth.model import Role, TenantLimits, TenantRecord, TokenRecord
 from inferx.chain.plan import LearnedLatency
+from inferx.chain.subchains import MAX_DEPTH
 from inferx.chain.validate import load_chain_text, required_inputs
 from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted, Unavailable
@@ -37,6 +38,8 @@ from inferx_router.runner import ChainRun
 from inferx_router.tools import ToolRouter, cache_key, stale_key
 
 log = logging.getLogger("inferx.router")
+
+MAX_NESTED_TRACES = 300  # child runs one GetRun nests
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -133,6 +136,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             latency=self._latency,
             node_events=not request.final_only,
             reasoning_parser=self._directory.reasoning_parser,
+            resolve_chain=self._store.resolve,  # sub-agent chains (type: chain nodes)
         )
         limits = self._limits(tenant)
         try:
@@ -352,7 +356,29 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         record = await shared_runs.find_run(
             records.RECENT, self._shared, request.run_id, request.chain, caller().tenant
         )
-        return records.run_trace_message(record)
+        trace = records.run_trace_message(record)
+        await self._nest_children(trace, caller().tenant, budget=[MAX_NESTED_TRACES])
+        return trace
+
+    async def _nest_children(
+        self, trace: router_pb2.RunTrace, tenant: str, budget: list[int], depth: int = 1
+    ) -> None:
+        """The child runs of the trace's `type: chain` nodes, nested (theirs too), those
+        still kept by this router or the shared store; at most MAX_NESTED_TRACES in all."""
+        if depth >= MAX_DEPTH:
+            return
+        for hop in trace.finished.hops:
+            for run_id in hop.child_run_ids:
+                if budget[0] <= 0:
+                    return
+                try:
+                    record = await shared_runs.find_run(records.RECENT, self._shared, run_id, "", tenant)
+                except (NotFound, InvalidArgument):
+                    continue  # no longer kept
+                budget[0] -= 1
+                child = trace.children.add()
+                child.CopyFrom(records.run_trace_message(record))
+                await self._nest_children(child, tenant, budget, depth + 1)
 
     async def GetChainStats(self, request, context):
         if not request.chain:

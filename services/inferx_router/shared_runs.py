@@ -104,6 +104,8 @@ def encode(record: RunRecord, *, keep_outputs: bool = True) -> bytes:
         "starts_ms": dict(record.starts_ms),
         "first_hop_index": record.first_hop_index,
         "continues_run_id": record.continues_run_id,
+        "parent_run_id": record.parent_run_id,
+        "parent_node_id": record.parent_node_id,
         "finished": json_format.MessageToDict(finished, preserving_proto_field_name=True),
     }
     return json.dumps(document, separators=(",", ":"), ensure_ascii=False).encode()
@@ -140,6 +142,8 @@ def decode(value: bytes) -> RunRecord:
             starts_ms={str(n): float(ms) for n, ms in document.get("starts_ms", {}).items()},
             first_hop_index=int(document.get("first_hop_index", 0)),
             continues_run_id=str(document.get("continues_run_id", "")),
+            parent_run_id=str(document.get("parent_run_id", "")),
+            parent_node_id=str(document.get("parent_node_id", "")),
         )
     except ValueError:
         raise

@@ -224,7 +224,7 @@ def test_unknown_node_type_lists_the_valid_types() -> None:
     (problem,) = problems_of(chain_with({"id": "x", "type": "model_inferense", "model": "m"}))
     assert problem == (
         "node 'x': type: unknown node type 'model_inferense' (did you mean 'model_inference'?); "
-        "valid: model_inference, tool_call, memory_retrieval"
+        "valid: model_inference, tool_call, memory_retrieval, chain"
     )
 
 

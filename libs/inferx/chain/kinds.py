@@ -52,7 +52,20 @@ MEMORY_RETRIEVAL = NodeKind(
     default_tool="session_memory",
 )
 
-_KINDS: dict[str, NodeKind] = {kind.name: kind for kind in (MODEL_INFERENCE, TOOL_CALL, MEMORY_RETRIEVAL)}
+# A sub-agent: runs another stored chain (docs/concepts.md#sub-agent-chains). Its model
+# hops are the child run's; the node itself is walked by the router, never retried
+# unless it says `retries` (a retry runs the whole child again).
+CHAIN = NodeKind(
+    "chain",
+    keys=("chain", "version", "label", "inputs", "for_each", "item_input", "max_concurrency"),
+    required="chain",
+    is_model=False,
+    default_retries=0,
+)
+
+_KINDS: dict[str, NodeKind] = {
+    kind.name: kind for kind in (MODEL_INFERENCE, TOOL_CALL, MEMORY_RETRIEVAL, CHAIN)
+}
 
 
 def node_kinds() -> tuple[str, ...]:

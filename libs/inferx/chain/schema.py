@@ -16,6 +16,7 @@ between runs and must not change under them.
 from __future__ import annotations
 
 import difflib
+import json
 import re
 from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal
@@ -201,6 +202,18 @@ class NodeSpec(BaseModel):
     # Degradation: the output to return when the node fails and nothing better is
     # available (after retries, fallback model and the last cached result).
     fallback_output: str | None = None
+    # `type: chain` (a sub-agent): the stored chain it runs, pinned to a version or a
+    # label (neither: the active version), the child's inputs as templates, and an
+    # optional fan-out: one child per item of the rendered `for_each` list (a JSON array,
+    # or one item per non-empty line), the item given as input `item_input`, at most
+    # `max_concurrency` children at a time.
+    chain: Identifier | None = None
+    version: int | None = Field(None, gt=0, le=MAX_UINT32)
+    label: Annotated[str, Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,62}$")] | None = None
+    inputs: dict[str, str] = Field(default_factory=dict)
+    for_each: str | None = None
+    item_input: Annotated[str, Field(pattern=f"^{INPUT_NAME_RE}$")] = "item"
+    max_concurrency: int = Field(4, gt=0, le=64)
 
     @model_validator(mode="before")
     @classmethod
@@ -211,6 +224,16 @@ class NodeSpec(BaseModel):
             if default is not None:
                 data = {**data, "tool": default}
         return data
+
+    @field_validator("for_each", mode="before")
+    @classmethod
+    def _for_each_list(cls, value: Any) -> Any:
+        # `for_each: [a, b]` is a literal list: kept as the JSON text a template would give.
+        if isinstance(value, list):
+            if not all(isinstance(item, str) for item in value):
+                raise ValueError("a literal for_each list holds strings only")
+            return json.dumps(value, ensure_ascii=False)
+        return value
 
     @property
     def kind(self):  # -> NodeKind (annotated loosely: pydantic inspects property types)
@@ -225,6 +248,9 @@ class NodeSpec(BaseModel):
         """(field, template) for every templated value: the prompt and each argument."""
         found = [("prompt", self.prompt)] if self.prompt is not None else []
         found += [(f"arguments.{key}", value) for key, value in self.arguments.items()]
+        found += [(f"inputs.{key}", value) for key, value in self.inputs.items()]
+        if self.for_each is not None:
+            found.append(("for_each", self.for_each))
         return found
 
     def to_document(self) -> dict[str, Any]:

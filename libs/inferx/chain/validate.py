@@ -44,6 +44,7 @@ from inferx.chain.schema import (
     ChainConfig,
     ChainConfigError,
     InputSpec,
+    NodeSpec,
     describe_validation_error,
     node_label,
     suggest,
@@ -240,6 +241,9 @@ def validate_chain(config: ChainConfig, strict: bool = False) -> list[str]:
     # Typed nodes go through the same view as raw mappings: one set of graph checks.
     views = _raw_views([node.model_dump() for node in config.nodes])
     problems = _graph_problems(views, set(config.inputs) or None)
+    problems += [
+        problem for node in config.nodes if node.type == "chain" for problem in _chain_node_problems(node)
+    ]
     warnings = [
         f"node '{node.id}': {key}: ignored for {node.type} nodes"
         for node in config.nodes
@@ -258,6 +262,28 @@ def validate_chain(config: ChainConfig, strict: bool = False) -> list[str]:
     if problems:
         raise ChainConfigError(problems)
     return warnings
+
+
+def _chain_node_problems(node: NodeSpec) -> list[str]:
+    """What a `type: chain` node says that cannot work, on its own (the chain it names
+    is checked against the stored chains when it is put: `inferx.chain.subchains`)."""
+    label = f"node '{node.id}'"
+    problems = []
+    if node.version is not None and node.label is not None:
+        problems.append(f"{label}: version, label: give one of them, not both")
+    if node.for_each is None:
+        for key in ("item_input", "max_concurrency"):
+            if key in node.model_fields_set:
+                problems.append(f"{label}: {key}: only used with for_each")
+    else:
+        if not node.for_each.strip():
+            problems.append(f"{label}: for_each: must not be empty (a list, or a template giving one)")
+        if node.item_input in node.inputs:
+            problems.append(
+                f"{label}: inputs.{node.item_input}: set by for_each (item_input: {node.item_input}); "
+                "remove it or pick another item_input"
+            )
+    return problems
 
 
 def _document_keys(field_names: Iterable[str]) -> list[str]:
@@ -295,6 +321,11 @@ def _raw_views(raw_nodes: list[Any]) -> list[_View]:
         arguments = raw.get("arguments")
         if isinstance(arguments, Mapping):
             templates += [(f"arguments.{k}", v) for k, v in arguments.items() if isinstance(v, str)]
+        child_inputs = raw.get("inputs")  # a chain node's inputs for its child
+        if isinstance(child_inputs, Mapping):
+            templates += [(f"inputs.{k}", v) for k, v in child_inputs.items() if isinstance(v, str)]
+        if isinstance(raw.get("for_each"), str):
+            templates.append(("for_each", raw["for_each"]))
         node_type = raw.get("type") if isinstance(raw.get("type"), str) else None
         views.append(
             _View(

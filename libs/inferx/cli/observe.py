@@ -87,6 +87,9 @@ def node_details(hop: router_pb2.NodeFinished) -> list[str]:
         parts.append(f"tool {hop.tool}")
         if hop.status == "ok":
             parts.append("cache hit" if hop.cache_hit else "cache miss")
+    if hop.child_run_ids:  # a sub-agent chain: its child runs are nested below
+        count = len(hop.child_run_ids)
+        parts.append(f"{count} child run{'' if count == 1 else 's'}")
     if hop.retries:
         parts.append(f"{hop.retries} retr{'y' if hop.retries == 1 else 'ies'}")
     if hop.degradation:
@@ -114,7 +117,7 @@ def _program_lines(trace: router_pb2.RunTrace) -> list[Text]:
     return lines
 
 
-def waterfall(trace: router_pb2.RunTrace, width: int = WIDTH) -> list[Text]:
+def waterfall(trace: router_pb2.RunTrace, width: int = WIDTH, *, nested: bool = False) -> list[Text]:
     finished = trace.finished
     bar_w = width - 2 - NAME_W - 1 - DURATION_W
     timings = {t.node_id: t for t in trace.timings}
@@ -156,7 +159,28 @@ def waterfall(trace: router_pb2.RunTrace, width: int = WIDTH) -> list[Text]:
         lines.append(row)
         for detail in wrap_parts(node_details(hop), width):
             lines.append(Text(detail, "dim"))
-    lines.append(Text(f"{QUEUE_CH} queue wait  {RUN_CH} running  * critical path", "dim"))
+        lines += _child_lines(trace, hop, width)
+    if not nested:
+        lines.append(Text(f"{QUEUE_CH} queue wait  {RUN_CH} running  * critical path", "dim"))
+    return lines
+
+
+CHILD_INDENT = "    │ "
+
+
+def _child_lines(trace: router_pb2.RunTrace, hop: router_pb2.NodeFinished, width: int) -> list[Text]:
+    """The child runs of a `type: chain` node, each as its own waterfall, indented."""
+    by_id = {child.finished.run_id: child for child in trace.children}
+    lines: list[Text] = []
+    for index, run_id in enumerate(hop.child_run_ids):
+        child = by_id.get(run_id)
+        item = f" [{index}]" if len(hop.child_run_ids) > 1 else ""
+        if child is None:
+            lines.append(Text(f"{CHILD_INDENT}child{item} run {run_id}: no longer kept", "dim"))
+            continue
+        lines.append(Text(f"{CHILD_INDENT}child{item}:", "dim"))
+        for line in waterfall(child, max(width - len(CHILD_INDENT), 40), nested=True):
+            lines.append(Text(CHILD_INDENT, "dim") + line)
     return lines
 
 
