@@ -335,3 +335,24 @@ class InferxClient:
 
     async def list_tokens(self, tenant: str = "") -> router_pb2.ListTokensResponse:
         return await self._unary(self._stub.ListTokens, router_pb2.ListTokensRequest(tenant=tenant))
+
+    # ----- prices of model pools (cost) -------------------------------------------------
+
+    async def set_pool_price(
+        self,
+        pool: str,
+        *,
+        prompt_per_1k: float = 0.0,
+        cached_per_1k: float | None = None,
+        output_per_1k: float = 0.0,
+        gpu_second: float = 0.0,
+    ) -> router_pb2.PoolPrice:
+        request = router_pb2.PoolPrice(
+            pool=pool, prompt_per_1k=prompt_per_1k, output_per_1k=output_per_1k, gpu_second=gpu_second
+        )
+        if cached_per_1k is not None:
+            request.cached_per_1k = cached_per_1k
+        return await self._unary(self._stub.SetPoolPrice, request)
+
+    async def get_pool_price(self, pool: str) -> router_pb2.PoolPrice:
+        return await self._unary(self._stub.GetPoolPrice, router_pb2.GetPoolPriceRequest(pool=pool))

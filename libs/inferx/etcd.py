@@ -33,6 +33,7 @@ WORKERS = f"{ROOT}/workers/"
 TOOLS = f"{ROOT}/tools/"
 CHAINS = f"{ROOT}/chains/"
 MODELS = f"{ROOT}/models/"
+PRICES = f"{ROOT}/prices/"  # <pool> -> its price (inferx.pricing), `inferx pool price`
 AUTH_TENANTS = f"{ROOT}/auth/tenants/"
 AUTH_TOKENS = f"{ROOT}/auth/tokens/"
 RUNS = f"{ROOT}/runs/"  # finished run records, <tenant>/<run id>, under leases (retention)
@@ -54,6 +55,10 @@ def tool_key(tool: str, instance_id: str) -> str:
 
 def model_key(model: str) -> str:
     return f"{MODELS}{model}"
+
+
+def price_key(pool: str) -> str:
+    return f"{PRICES}{pool}"
 
 
 def runs_prefix(tenant: str) -> str:

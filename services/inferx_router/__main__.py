@@ -15,6 +15,7 @@ from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.limits import KIB, MAX_STORED_CHAIN_BYTES, MIB, RequestLimits
 from inferx.partitions import ALL_POOLS, OwnerTable
 from inferx.pools import PoolDirectory
+from inferx.pricing import PriceBook
 from inferx.server import ServiceComponent, ServiceInstance, ServiceRuntime, run_service
 from inferx.settings import ServiceSettings
 from inferx.v1 import router_pb2, router_pb2_grpc
@@ -235,6 +236,8 @@ class RouterComponent(ServiceComponent):
             etcd.PrefixMirror(runtime.etcd, etcd.WORKERS, self.directory.update_workers),
             etcd.PrefixMirror(runtime.etcd, etcd.MODELS, self.directory.update_models),
         ]
+        self.prices = PriceBook(etcd.PRICES)  # the pools' prices: every hop's cost
+        self.mirrors.append(etcd.PrefixMirror(runtime.etcd, etcd.PRICES, self.prices.update))
         # A pool's hops go to the scheduler that owns the pool (watched, no read per hop).
         self.owners = OwnerTable(runtime.etcd, "scheduler")
         self.mirrors.append(self.owners.mirror)
@@ -317,6 +320,7 @@ class RouterComponent(ServiceComponent):
                 calls=self.calls,
                 shared=self.shared,
                 executor=self.executor,
+                prices=self.prices,
             ),
             runtime.server,
         )

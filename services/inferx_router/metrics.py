@@ -79,6 +79,18 @@ TENANT_REFUSALS = Counter(
     ["tenant", "limit"],
 )
 
+# Cost (inferx.pricing): in the currency the pools' prices are written in.
+CHAIN_COST = Counter(
+    "inferx_chain_cost_total",
+    "Cost of finished chain runs and program calls, from their pools' prices (inferx pool price)",
+    ["chain", "tenant"],
+)
+BUDGET_REFUSALS = Counter(
+    "inferx_chain_budget_refusals_total",
+    "Chain runs refused before they started: even their cheapest plan is over slo.max_cost",
+    ["chain"],
+)
+
 
 # Dynamic programs (agent runs of the OpenAI front and Router.CallModel).
 PROGRAMS_OPEN = Gauge(
@@ -163,6 +175,11 @@ def observe_tenant_run(tenant: str, finished: router_pb2.ChainFinished) -> int:
     child(TENANT_TOKENS, tenant, "prompt").inc(prompt)
     child(TENANT_TOKENS, tenant, "completion").inc(completion)
     return prompt + completion
+
+
+def observe_cost(chain: str, tenant: str, finished: router_pb2.ChainFinished) -> None:
+    if finished.cost:
+        child(CHAIN_COST, chain, tenant).inc(finished.cost)
 
 
 def observe_node(chain: str, node: str, result: router_pb2.NodeFinished) -> None:

@@ -156,6 +156,8 @@ class ChainStats:
     latency: Percentiles
     nodes: list[NodeStats] = field(default_factory=list)
     top_node: str = ""  # the node that contributes most to the P99
+    cost: Percentiles = Percentiles(0.0, 0.0, 0.0, 0.0)  # per run (inferx.pricing)
+    cost_total: float = 0.0
 
 
 def chain_stats(chain: str, records: Sequence[RunRecord]) -> ChainStats:
@@ -226,6 +228,8 @@ def chain_stats(chain: str, records: Sequence[RunRecord]) -> ChainStats:
         latency=chain_p,
         nodes=nodes,
         top_node=_top_node(nodes),
+        cost=Percentiles.of([f.cost for f in runs]),
+        cost_total=sum(f.cost for f in runs),
     )
 
 
@@ -410,6 +414,9 @@ def chain_stats_message(stats: ChainStats) -> router_pb2.ChainStats:
         slo_ms=stats.slo_ms,
         latency=_percentiles_message(stats.latency),
         top_node=stats.top_node,
+        cost=router_pb2.CostPercentiles(
+            p50=stats.cost.p50, p99=stats.cost.p99, max=stats.cost.max, total=stats.cost_total
+        ),
     )
     for node in stats.nodes:
         reply.nodes.add(

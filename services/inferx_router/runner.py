@@ -35,11 +35,12 @@ from inferx.chain.subchains import MAX_DEPTH, child_inputs, fan_out_items, targe
 from inferx.chain.template import MissingReferenceError, render, static_head
 from inferx.errors import Aborted, InferxError, InvalidArgument, NotFound, Unavailable
 from inferx.openai_compat.reasoning import split_reasoning
+from inferx.pricing import FALLBACK_MODEL, SKIPPED, BudgetPlan, Price
 from inferx.resilience import Degradation, NodeFallbacks, RetryBudget, backoff_s, degradation_ladder
 from inferx.scheduling.views import Tier
 from inferx.tokens import estimate_tokens, shared_prefix
 from inferx.v1 import router_pb2
-from inferx_router import metrics, records
+from inferx_router import costs, metrics, records
 from inferx_router.chain_store import StoredVersion
 from inferx_router.hops import ModelExecutor, ModelHop, NextHop
 from inferx_router.load import LoadMonitor
@@ -130,6 +131,7 @@ class ChainRun:
         reasoning_parser: Callable[[str], str] | None = None,
         resolve_chain: ResolveChain | None = None,
         parent: ParentLink | None = None,
+        price_of: Callable[[str], Price] | None = None,
     ) -> None:
         self.chain = chain
         self.plan: ChainPlan = chain.plan
@@ -174,6 +176,14 @@ class ChainRun:
         self._has_children = any(node.type == "chain" for node in self.config.nodes)
         if parent is not None:
             self._inherit(parent)
+        # Cost (inferx.pricing): model -> its pool's price; the plan within slo.max_cost.
+        self._price_of = price_of
+        self.budget_plan: BudgetPlan | None = None
+
+    def plan_cost(self) -> None:
+        """Plan the run within its slo.max_cost before it starts (OverBudget: it cannot fit)."""
+        if self._price_of is not None:
+            self.budget_plan = costs.budget_plan(self.config, self.inputs, self._price_of, self._latency)
 
     def _inherit(self, link: ParentLink) -> None:
         up = link.run
@@ -241,14 +251,19 @@ class ChainRun:
             latency_ms=latency_ms,
             slo_ms=slo_ms,
             slo_met=status == "ok" and latency_ms <= slo_ms,
+            cost=sum(hop.cost for hop in hops),
+            max_cost=self.config.slo.max_cost or 0.0,
             hops=hops,
             chain_version=self.chain.version,
             output=output,
             error="; ".join(f"{hop.node_id}: {hop.error}" for hop in failed if hop.error),
             retries_used=self.budget.used,
         )
+        if self.config.slo.max_cost is not None and finished.cost > self.config.slo.max_cost:
+            finished.slo_met = False
         tier = self.tier.label
         metrics.observe_chain(self.config.name, tier, finished, slo_target=self.config.slo.availability)
+        metrics.observe_cost(self.config.name, self.chain.tenant, finished)
         records.record_run(
             self.config,
             finished,
@@ -295,7 +310,16 @@ class ChainRun:
 
     async def _execute(self, node: NodeSpec, result: router_pb2.NodeFinished) -> None:
         model = node.model or ""
-        if self._load is not None and node.kind.is_model and self._load.overloaded(model):
+        planned = self.budget_plan.choice(node.id) if self.budget_plan is not None else ""
+        if planned == SKIPPED:
+            self._skip(result, "budget")
+            metrics.observe_degradation(self.config.name, node.id, "skipped")
+            return
+        if planned == FALLBACK_MODEL and node.fallback_model:
+            model = node.fallback_model
+            result.degradation, result.degradation_reason = Degradation.FALLBACK_MODEL, "budget"
+            metrics.observe_degradation(self.config.name, node.id, str(Degradation.FALLBACK_MODEL))
+        elif self._load is not None and node.kind.is_model and self._load.overloaded(model):
             if node.fallback_model:
                 model = node.fallback_model
                 result.degradation, result.degradation_reason = Degradation.FALLBACK_MODEL, "overload"
@@ -472,7 +496,9 @@ class ChainRun:
         timeout = self._time_left(node)
         # Asked before the hop runs: a mapping naming an unknown parser fails the node first.
         parser = self._reasoning_parser(model) if self._reasoning_parser is not None else ""
+        sent = time.monotonic()
         done = await self._executor.run_hop(hop, timeout, dispatched)
+        worker_s = max(time.monotonic() - sent - done.queue_ms / 1000, 0.0)
         if parser:  # the thinking apart: `{{ nodes.X.output }}` is the answer
             thought, result.output = split_reasoning(done.text, parser)
             result.reasoning = thought or ""
@@ -483,6 +509,8 @@ class ChainRun:
         result.usage.cached_prompt_tokens = done.cached_prompt_tokens
         result.queue_ms = done.queue_ms
         result.worker_id = done.worker_id
+        if self._price_of is not None:
+            result.cost = costs.cost_of_hop(self._price_of(model), result, worker_s)
         self._model_hops_done += 1
         self._hop_counter[0] += 1
 

@@ -10,6 +10,7 @@ import logging
 import aetcd
 import grpc
 
+from inferx import etcd
 from inferx.auth import store as auth_store
 from inferx.auth.limits import QuotaExceeded, TenantQuotas, TierNotAllowed
 from inferx.auth.model import Role, TenantLimits, TenantRecord, TokenRecord
@@ -20,6 +21,7 @@ from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from inferx.limits import RequestLimits
 from inferx.pools import PoolDirectory, no_worker_message
+from inferx.pricing import OverBudget, Price, PriceBook, parse_price
 from inferx.v1 import (
     memory_pool_pb2,
     memory_pool_pb2_grpc,
@@ -60,6 +62,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         request_limits: RequestLimits | None = None,
         shared: shared_runs.SharedRuns | None = None,
         executor: SchedulerExecutor | None = None,
+        prices: PriceBook | None = None,
     ) -> None:
         self._store = store
         self._directory = directory
@@ -79,6 +82,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._calls = calls  # dynamic programs' calls: CallModel and the HTTP front share them
         # Expected node latencies, learned from this router's finished nodes.
         self._latency = LearnedLatency()
+        self._prices = prices or PriceBook(etcd.PRICES)  # the pools' prices (inferx pool price)
 
     # ----- running chains -----------------------------------------------------------
 
@@ -137,7 +141,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             node_events=not request.final_only,
             reasoning_parser=self._directory.reasoning_parser,
             resolve_chain=self._store.resolve,  # sub-agent chains (type: chain nodes)
+            price_of=self.price_of,
         )
+        try:
+            run.plan_cost()  # within slo.max_cost, or refused before it starts
+        except OverBudget:
+            metrics.BUDGET_REFUSALS.labels(chain.config.name).inc()
+            raise
         limits = self._limits(tenant)
         try:
             self._quotas.admit(tenant, limits, int(run.tier))
@@ -175,6 +185,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         yield event
         except TimeoutError:
             raise DeadlineExceeded("the call's deadline passed before the model finished") from None
+
+    def price_of(self, model: str) -> Price:
+        """What `model`'s hops are priced at: a price set for the model name itself (one
+        pool may serve several names), else its pool's."""
+        if self._prices.has(model):
+            return self._prices.of(model)
+        return self._prices.of(self._directory.pool_of(model))
 
     def _release_run(self, tenant: str, limits: TenantLimits, done: asyncio.Task) -> None:
         self._active_runs -= 1
@@ -446,6 +463,49 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def ListTokens(self, request, context):
         tokens = await auth_store.list_tokens(self._etcd, request.tenant)
         return router_pb2.ListTokensResponse(tokens=[_token_message(t) for t in tokens])
+
+    # ----- prices of model pools (cost) ---------------------------------------------------
+
+    async def SetPoolPrice(self, request, context):
+        if not request.pool or "/" in request.pool:
+            raise InvalidArgument("pool: a pool (or model) name is required, without '/'")
+        fields = {
+            "prompt_per_1k": request.prompt_per_1k,
+            "output_per_1k": request.output_per_1k,
+            "gpu_second": request.gpu_second,
+        }
+        if request.HasField("cached_per_1k"):
+            fields["cached_per_1k"] = request.cached_per_1k
+        price = parse_price(fields)  # INVALID_ARGUMENT naming a negative or non-finite amount
+        pool = request.pool  # a pool, or a model name priced apart from its pool
+        await self._etcd.put(etcd.price_key(pool).encode(), price.to_json().encode())
+        self._prices.update({**self._prices_items(), etcd.price_key(pool): price.to_json().encode()})
+        audit("pool.price", pool, price=price.to_json())
+        return _price_message(pool, price, is_set=True)
+
+    async def GetPoolPrice(self, request, context):
+        if not request.pool:
+            raise InvalidArgument("pool: required")
+        if self._prices.has(request.pool):
+            return _price_message(request.pool, self._prices.of(request.pool), is_set=True)
+        pool = self._directory.pool_of(request.pool)  # a model without its own price: its pool's
+        return _price_message(pool, self._prices.of(pool), is_set=self._prices.has(pool))
+
+    def _prices_items(self) -> dict[str, bytes]:
+        return {etcd.price_key(pool): price.to_json().encode() for pool, price in self._prices.items()}
+
+
+def _price_message(pool: str, price: Price, *, is_set: bool) -> router_pb2.PoolPrice:
+    reply = router_pb2.PoolPrice(
+        pool=pool,
+        prompt_per_1k=price.prompt_per_1k,
+        output_per_1k=price.output_per_1k,
+        gpu_second=price.gpu_second,
+        set=is_set,
+    )
+    if price.cached_per_1k is not None:
+        reply.cached_per_1k = price.cached_per_1k
+    return reply
 
 
 def _tenant_message(record: TenantRecord) -> router_pb2.Tenant:

@@ -154,6 +154,8 @@ ROUTER_METHOD_ROLES: dict[str, Role] = {
     "CreateToken": Role.ADMIN,
     "RevokeToken": Role.ADMIN,
     "ListTokens": Role.ADMIN,
+    "GetPoolPrice": Role.RUN,
+    "SetPoolPrice": Role.ADMIN,
 }
 
 

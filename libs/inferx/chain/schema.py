@@ -170,6 +170,9 @@ class SloSpec(BaseModel):
 
     latency_p99_ms: DurationMs = Field(alias="end_to_end_latency_p99")
     availability: AvailabilityFraction = 0.999
+    # The most a run may cost (inferx.pricing; the pools' prices): the run is planned
+    # within it (fallback models, skipped non-critical nodes) or refused.
+    max_cost: float | None = Field(None, ge=0, allow_inf_nan=False)
 
 
 class NodeSpec(BaseModel):
@@ -334,6 +337,8 @@ class ChainConfig(BaseModel):
             "end_to_end_latency_p99": format_duration_ms(self.slo.latency_p99_ms),
             "availability": self.slo.availability,
         }
+        if self.slo.max_cost is not None:
+            chain["slo"]["max_cost"] = self.slo.max_cost
         chain["retry_budget"] = self.retry_budget
         chain["nodes"] = [node.to_document() for node in self.nodes]
         return {"agent_chain": chain}

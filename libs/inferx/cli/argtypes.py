@@ -30,3 +30,14 @@ def whole_number(minimum: int = 0, maximum: int = MAX_UINT32) -> Callable[[str],
 count = whole_number(0)  # 0 and up, within a uint32 (0 usually means "not set" or "no limit")
 at_least_one = whole_number(1)
 port = whole_number(0, 65535)
+
+
+def amount(text: str) -> float:
+    """A price or budget: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value != value or value in (float("inf"), float("-inf")) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value

@@ -23,8 +23,9 @@ from rich.console import Console
 from rich.table import Table
 
 from inferx import DEFAULT_ROUTER
-from inferx.cli import access, argtypes, bench_args, call, connect, observe
+from inferx.cli import access, argtypes, bench_args, call, connect, observe, pools
 from inferx.errors import InferxError
+from inferx.pricing import format_cost
 
 if TYPE_CHECKING:
     from inferx.client import InferxClient
@@ -96,6 +97,8 @@ def _print_run(finished: router_pb2.ChainFinished, chain: str) -> None:
                 f"tokens {u.prompt_tokens} in ({u.cached_prompt_tokens} cached) / {u.completion_tokens} out",
                 f"worker {hop.worker_id or '-'}",
             ]
+            if hop.cost:
+                details.append(f"cost {format_cost(hop.cost)}")
         elif hop.status == "ok":
             details.append("cache hit" if hop.cache_hit else "cache miss")
         if details:
@@ -108,6 +111,8 @@ def _print_run(finished: router_pb2.ChainFinished, chain: str) -> None:
     out.print(
         f"chain {status} in {_fmt_ms(finished.latency_ms)}  (SLO {_fmt_ms(finished.slo_ms)}: {verdict})"
     )
+    if finished.cost or finished.max_cost:
+        out.print(observe.cost_summary(finished))
     if finished.error:
         err.print(f"error: {finished.error}", markup=False)
 
@@ -494,6 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
     observe.register(sub)
     call.register(sub)
     access.register(sub, common, _client)
+    pools.register(sub, common, _client)
     bench_args.register(sub)
     return parser
 

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.text import Text
 
 from inferx.cli import argtypes, connect
+from inferx.pricing import format_cost
 
 if TYPE_CHECKING:  # imported by the commands that call the router (start-up time)
     from inferx.v1 import router_pb2
@@ -83,6 +84,8 @@ def node_details(hop: router_pb2.NodeFinished) -> list[str]:
         parts.append(
             f"tokens {u.prompt_tokens} in ({u.cached_prompt_tokens} cached) / {u.completion_tokens} out"
         )
+        if hop.cost:
+            parts.append(f"cost {format_cost(hop.cost)}")
     elif hop.tool:
         parts.append(f"tool {hop.tool}")
         if hop.status == "ok":
@@ -98,6 +101,15 @@ def node_details(hop: router_pb2.NodeFinished) -> list[str]:
     if hop.status not in ("ok",) and hop.error:
         parts.append(f"{hop.status}: {' '.join(hop.error.split())}")
     return parts
+
+
+def cost_summary(finished: router_pb2.ChainFinished) -> str:
+    """`cost X` with the budget and verdict when the config has slo.max_cost."""
+    text = f"cost {format_cost(finished.cost)}"
+    if finished.max_cost:
+        within = "within" if finished.cost <= finished.max_cost else "OVER"
+        text += f" ({within} slo.max_cost {format_cost(finished.max_cost)})"
+    return text
 
 
 def _program_lines(trace: router_pb2.RunTrace) -> list[Text]:
@@ -138,6 +150,8 @@ def waterfall(trace: router_pb2.RunTrace, width: int = WIDTH, *, nested: bool = 
                 ")" + (f"  retries {finished.retries_used}" if finished.retries_used else ""),
             ),
         ]
+        if finished.cost or finished.max_cost:
+            lines.append(Text(cost_summary(finished)))
     if trace.started_unix_ms:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(trace.started_unix_ms / 1000))
         lines.append(Text(f"started {when}" + (f"  trace {trace.trace_id}" if trace.trace_id else ""), "dim"))
@@ -214,6 +228,16 @@ def stats_lines(stats: router_pb2.ChainStats, width: int = WIDTH) -> list[Text]:
         Text(
             f"chain  p50 {fmt_ms(lat.p50_ms)} · p90 {fmt_ms(lat.p90_ms)} · p99 {fmt_ms(lat.p99_ms)}"
             f" · max {fmt_ms(lat.max_ms)}"
+        ),
+        *(
+            [
+                Text(
+                    f"cost   p50 {format_cost(stats.cost.p50)} · p99 {format_cost(stats.cost.p99)}"
+                    f" · max {format_cost(stats.cost.max)} · total {format_cost(stats.cost.total)}"
+                )
+            ]
+            if stats.cost.total
+            else []
         ),
         Text(""),
         Text(f"  {'node':<{NAME_W}} {'n':>5} {'p50':>8} {'p90':>8} {'p99':>8} {'p99 share':>10}", "bold"),
