@@ -767,8 +767,10 @@ async def _capacity_for_trace(
         return results, diagnostics
 
     note(
-        f"capacity at SLO (trace seed {trace.meta.config.seed}): {ladder.probe_chains} chains per probe, "
-        f"rates {ladder.start_rate:.3f} x {ladder.step:.3f}^i, at most {ladder.max_probes} probes per front"
+        f"capacity at SLO (trace seed {trace.meta.config.seed}): a BURST of {ladder.probe_chains} chains per "
+        f"probe (how each front absorbs one burst, not a sustained rate: `inferx sim --capacity` measures "
+        f"that), rates {ladder.start_rate:.3f} x {ladder.step:.3f}^i, "
+        f"at most {ladder.max_probes} probes per front"
     )
     return await asyncio.to_thread(ladder_walk)
 

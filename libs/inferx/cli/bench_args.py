@@ -247,7 +247,11 @@ def _peer_arguments(parser: argparse.ArgumentParser) -> None:
         "cache_aware, power_of_two, round_robin, sticky_least_loaded, random)",
     )
     group.add_argument(
-        "--probe-chains", type=int, default=40, help="--peer: agent programs replayed per probe (40)"
+        "--probe-chains",
+        type=int,
+        default=40,
+        help="--peer: agent programs replayed per probe (40): a burst at the probed rate, "
+        "not a steady-state window (a live window of 30 min per probe would take hours)",
     )
     group.add_argument(
         "--max-probes", type=int, default=4, help="--peer: probes (arrival rates) per front and seed (4)"
