@@ -356,3 +356,19 @@ class InferxClient:
 
     async def get_pool_price(self, pool: str) -> router_pb2.PoolPrice:
         return await self._unary(self._stub.GetPoolPrice, router_pb2.GetPoolPriceRequest(pool=pool))
+
+    # ----- A/B tests of chain configs --------------------------------------------------
+
+    async def start_ab_test(
+        self, chain: str, a: int, b: int, split_pct: float, *, margin: float = 0.0, min_runs: int = 0
+    ) -> router_pb2.AbTest:
+        request = router_pb2.StartAbTestRequest(
+            chain=chain, a=a, b=b, split_pct=split_pct, margin=margin, min_runs=min_runs
+        )
+        return await self._unary(self._stub.StartAbTest, request)
+
+    async def ab_status(self, chain: str) -> router_pb2.AbStatus:
+        return await self._unary(self._stub.GetAbStatus, router_pb2.AbStatusRequest(chain=chain))
+
+    async def stop_ab_test(self, chain: str, keep: str) -> router_pb2.StopAbTestResponse:
+        return await self._unary(self._stub.StopAbTest, router_pb2.StopAbTestRequest(chain=chain, keep=keep))

@@ -91,6 +91,19 @@ BUDGET_REFUSALS = Counter(
     ["chain"],
 )
 
+# A/B tests of chain configs (inferx.ab): per arm, and the guard rail's stops.
+AB_RUNS = Counter(
+    "inferx_chain_ab_runs_total",
+    "Finished runs of a chain's A/B test per arm and SLO outcome (result=met|missed|error)",
+    ["chain", "arm", "result"],
+)
+AB_COST = Counter("inferx_chain_ab_cost_total", "Cost of an A/B test's runs per arm", ["chain", "arm"])
+AB_GUARD_STOPS = Counter(
+    "inferx_chain_ab_guard_stops_total",
+    "A/B tests stopped by the guard rail: the arm that fell a margin below the other",
+    ["chain", "arm"],
+)
+
 
 # Dynamic programs (agent runs of the OpenAI front and Router.CallModel).
 PROGRAMS_OPEN = Gauge(
@@ -180,6 +193,13 @@ def observe_tenant_run(tenant: str, finished: router_pb2.ChainFinished) -> int:
 def observe_cost(chain: str, tenant: str, finished: router_pb2.ChainFinished) -> None:
     if finished.cost:
         child(CHAIN_COST, chain, tenant).inc(finished.cost)
+
+
+def observe_ab_run(chain: str, arm: str, finished: router_pb2.ChainFinished) -> None:
+    result = "error" if finished.status != "ok" else "met" if finished.slo_met else "missed"
+    child(AB_RUNS, chain, arm, result).inc()
+    if finished.cost:
+        child(AB_COST, chain, arm).inc(finished.cost)
 
 
 def observe_node(chain: str, node: str, result: router_pb2.NodeFinished) -> None:

@@ -132,13 +132,16 @@ class ChainRun:
         resolve_chain: ResolveChain | None = None,
         parent: ParentLink | None = None,
         price_of: Callable[[str], Price] | None = None,
+        run_id: str = "",
+        ab_arm: str = "",
     ) -> None:
         self.chain = chain
         self.plan: ChainPlan = chain.plan
         self.config: ChainConfig = chain.config
         self.inputs = inputs
         self.session_id = session_id
-        self.run_id = uuid.uuid4().hex[:16]
+        self.run_id = run_id or uuid.uuid4().hex[:16]
+        self.ab_arm = ab_arm  # the A/B test's arm this run took (inferx.ab), "" outside one
         self.tier = Tier(tier) if tier else Tier.parse(self.config.tier)
         self._executor = executor
         # model -> its pool's reasoning parser ("" = none; PoolDirectory.reasoning_parser)
@@ -253,6 +256,7 @@ class ChainRun:
             slo_met=status == "ok" and latency_ms <= slo_ms,
             cost=sum(hop.cost for hop in hops),
             max_cost=self.config.slo.max_cost or 0.0,
+            ab_arm=self.ab_arm,
             hops=hops,
             chain_version=self.chain.version,
             output=output,
@@ -264,6 +268,8 @@ class ChainRun:
         tier = self.tier.label
         metrics.observe_chain(self.config.name, tier, finished, slo_target=self.config.slo.availability)
         metrics.observe_cost(self.config.name, self.chain.tenant, finished)
+        if self.ab_arm:
+            metrics.observe_ab_run(self.config.name, self.ab_arm, finished)
         records.record_run(
             self.config,
             finished,

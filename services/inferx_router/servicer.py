@@ -6,11 +6,13 @@ import asyncio
 import contextlib
 import json
 import logging
+import uuid
 
 import aetcd
 import grpc
 
 from inferx import etcd
+from inferx.ab import DEFAULT_MARGIN, DEFAULT_MIN_RUNS, two_proportion_z
 from inferx.auth import store as auth_store
 from inferx.auth.limits import QuotaExceeded, TenantQuotas, TierNotAllowed
 from inferx.auth.model import Role, TenantLimits, TenantRecord, TokenRecord
@@ -30,7 +32,8 @@ from inferx.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from inferx_router import metrics, program_calls, records, shared_runs
+from inferx_router import ab_tests, metrics, program_calls, records, shared_runs
+from inferx_router.ab_tests import AbTests
 from inferx_router.access import AccessControl, audit, caller
 from inferx_router.chain_store import ChainStore, StoredVersion
 from inferx_router.executors import SchedulerExecutor
@@ -83,6 +86,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         # Expected node latencies, learned from this router's finished nodes.
         self._latency = LearnedLatency()
         self._prices = prices or PriceBook(etcd.PRICES)  # the pools' prices (inferx pool price)
+        self._ab = AbTests(store, etcd_client)  # A/B tests of chain configs
 
     # ----- running chains -----------------------------------------------------------
 
@@ -124,7 +128,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             )
         self._request_limits.check_inputs(request.inputs)
         tenant = caller().tenant
-        chain = await self._store.resolve(tenant, request.chain, request.version, request.label)
+        # An A/B test of the chain picks the version of runs that name none (inferx.ab).
+        run_id, version, arm = uuid.uuid4().hex[:16], request.version, ""
+        if request.chain and not request.version and not request.label:
+            version, arm = self._ab.pick(tenant, request.chain, request.session_id or run_id)
+        chain = await self._store.resolve(tenant, request.chain, version, request.label)
         inputs = self._check_inputs(chain, dict(request.inputs))
         self._check_workers(chain)
         if request.tier not in (0, 1, 2, 3):
@@ -142,6 +150,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             reasoning_parser=self._directory.reasoning_parser,
             resolve_chain=self._store.resolve,  # sub-agent chains (type: chain nodes)
             price_of=self.price_of,
+            run_id=run_id,
+            ab_arm=arm,
         )
         try:
             run.plan_cost()  # within slo.max_cost, or refused before it starts
@@ -198,6 +208,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         finished = done.result() if not done.cancelled() and done.exception() is None else None
         tokens = metrics.observe_tenant_run(tenant, finished) if finished is not None else 0
         self._quotas.finished(tenant, limits, tokens)
+        if finished is not None and finished.ab_arm:  # the guard rail of the chain's A/B test
+            try:
+                name = records.RECENT.find(finished.run_id, tenant=tenant).chain
+            except NotFound:
+                return
+            self._ab.check_guard(tenant, name, records.RECENT.of_chain(name, tenant=tenant))
 
     def _limits(self, tenant: str) -> TenantLimits:
         record = self._access.directory.tenant(tenant) if self._access.directory is not None else None
@@ -405,7 +421,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         )
         if not kept:
             raise NotFound(f"no recent runs of chain '{request.chain}' are kept by any router")
-        return records.chain_stats_message(records.chain_stats(request.chain, kept))
+        reply = records.chain_stats_message(records.chain_stats(request.chain, kept))
+        reply.arms.extend(ab_tests.arm_message(arms) for arms in ab_tests.arms_by_version(kept))
+        return reply
 
     # ----- access: tenants and tokens (admin) ----------------------------------------
 
@@ -493,6 +511,54 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def _prices_items(self) -> dict[str, bytes]:
         return {etcd.price_key(pool): price.to_json().encode() for pool, price in self._prices.items()}
+
+    # ----- A/B tests of chain configs ---------------------------------------------------
+
+    async def StartAbTest(self, request, context):
+        if not request.chain:
+            raise InvalidArgument("chain: required")
+        who = caller()
+        test = await self._ab.start(
+            who.tenant,
+            request.chain,
+            request.a,
+            request.b,
+            request.split_pct,
+            request.margin or DEFAULT_MARGIN,
+            request.min_runs or DEFAULT_MIN_RUNS,
+            who.label,
+        )
+        audit("chain.ab.start", request.chain, a=test.a, b=test.b, split_pct=test.split_pct)
+        return ab_tests.ab_test_message(request.chain, test)
+
+    async def GetAbStatus(self, request, context):
+        if not request.chain:
+            raise InvalidArgument("chain: required")
+        tenant = caller().tenant
+        test = self._ab.current(tenant, request.chain)
+        reply = router_pb2.AbStatus(running=test is not None)
+        if test is None:
+            test, reply.last_result = await self._ab.last_result(tenant, request.chain)
+            if test is None:
+                await self._store.resolve(tenant, request.chain)  # NOT_FOUND for an unknown chain
+                raise NotFound(f"chain '{request.chain}' has had no A/B test (inferx chain ab start)")
+        reply.test.CopyFrom(ab_tests.ab_test_message(request.chain, test))
+        kept = await shared_runs.chain_runs(records.RECENT, self._shared, request.chain, 0, tenant)
+        a, b = ab_tests.figures(test, kept)
+        reply.arms.extend([ab_tests.arm_message(a), ab_tests.arm_message(b)])
+        significance = two_proportion_z(a.slo_met, a.runs, b.slo_met, b.runs)
+        reply.z, reply.p_value = significance.z, significance.p_value
+        reply.enough_runs, reply.note = significance.enough, significance.note
+        return reply
+
+    async def StopAbTest(self, request, context):
+        if not request.chain:
+            raise InvalidArgument("chain: required")
+        who = caller()
+        test, version, before = await self._ab.stop(who.tenant, request.chain, request.keep, who.label)
+        return router_pb2.StopAbTestResponse(
+            kept=request.keep, version=version, label=ab_tests.WINNER_LABEL, previous_active=before
+        )
 
 
 def _price_message(pool: str, price: Price, *, is_set: bool) -> router_pb2.PoolPrice:

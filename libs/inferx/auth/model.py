@@ -156,6 +156,9 @@ ROUTER_METHOD_ROLES: dict[str, Role] = {
     "ListTokens": Role.ADMIN,
     "GetPoolPrice": Role.RUN,
     "SetPoolPrice": Role.ADMIN,
+    "GetAbStatus": Role.RUN,
+    "StartAbTest": Role.MANAGE,
+    "StopAbTest": Role.MANAGE,
 }
 
 

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from inferx import DEFAULT_ROUTER
-from inferx.cli import access, argtypes, bench_args, call, connect, observe, pools
+from inferx.cli import abtest, access, argtypes, bench_args, call, connect, observe, pools
 from inferx.errors import InferxError
 from inferx.pricing import format_cost
 
@@ -439,6 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     rollback.add_argument("name")
     rollback.add_argument("--to", type=argtypes.count, default=0, help="version (default: the one before)")
     rollback.set_defaults(handler=cmd_chain_rollback)
+    abtest.register(chain_sub, common, _client)
 
     cache = sub.add_parser("cache", help="the tool-result cache")
     cache_sub = cache.add_subparsers(dest="cache_command", required=True, metavar="ACTION")

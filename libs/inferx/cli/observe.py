@@ -103,6 +103,16 @@ def node_details(hop: router_pb2.NodeFinished) -> list[str]:
     return parts
 
 
+def arm_line(arm: router_pb2.ArmStats) -> Text:
+    """One arm of an A/B test of the chain (inferx chain ab)."""
+    share = arm.slo_met / arm.runs if arm.runs else 0.0
+    return Text(
+        f"arm {arm.arm} v{arm.version}: {arm.runs} runs, SLO met by {share:.1%}, "
+        f"p50 {fmt_ms(arm.p50_ms)} · p99 {fmt_ms(arm.p99_ms)}, {arm.tokens:,} tokens, "
+        f"cost {format_cost(arm.cost)}, {arm.errors} errors"
+    )
+
+
 def cost_summary(finished: router_pb2.ChainFinished) -> str:
     """`cost X` with the budget and verdict when the config has slo.max_cost."""
     text = f"cost {format_cost(finished.cost)}"
@@ -239,6 +249,7 @@ def stats_lines(stats: router_pb2.ChainStats, width: int = WIDTH) -> list[Text]:
             if stats.cost.total
             else []
         ),
+        *(arm_line(arm) for arm in stats.arms),
         Text(""),
         Text(f"  {'node':<{NAME_W}} {'n':>5} {'p50':>8} {'p90':>8} {'p99':>8} {'p99 share':>10}", "bold"),
     ]
