@@ -67,6 +67,7 @@ class HopDone:
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
     finish_reason: str = ""
+    cost: float = 0.0  # set by the caller that prices it (inferx.pricing); 0 = unpriced
 
 
 class ModelExecutor(Protocol):

@@ -334,7 +334,9 @@ class _ItemsReplyWriter:
         self._writer, self._reader, self._usage, self._shape = writer, reader, usage, shape
 
     def _usage_of(self, done: HopDone) -> dict[str, Any]:
-        return self._usage(done.prompt_tokens, done.completion_tokens, done.cached_prompt_tokens)
+        return _with_cost(
+            self._usage(done.prompt_tokens, done.completion_tokens, done.cached_prompt_tokens), done
+        )
 
     def whole(self, done: HopDone) -> dict[str, Any]:
         return self._writer.whole(self._reader, done.finish_reason, self._usage_of(done))
@@ -396,7 +398,17 @@ def _call_headers(result: CallDone) -> dict[str, str]:
 
 
 def _usage(done: HopDone) -> dict[str, Any]:
-    return schema.usage(done.prompt_tokens, done.completion_tokens, done.cached_prompt_tokens)
+    return _with_cost(
+        schema.usage(done.prompt_tokens, done.completion_tokens, done.cached_prompt_tokens), done
+    )
+
+
+def _with_cost(usage: dict[str, Any], done: HopDone) -> dict[str, Any]:
+    """InferX's usage extension: `cost`, what the call cost at its model's price
+    (inferx pool price; as OpenRouter's `usage.cost`), when the model is priced."""
+    if done.cost:
+        usage["cost"] = done.cost
+    return usage
 
 
 # The router's HTTP front is the shared embedded uvicorn server (HTTPS with the router's

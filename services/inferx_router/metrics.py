@@ -147,6 +147,8 @@ def observe_program_call(name: str, tenant: str, result: router_pb2.NodeFinished
     observe_node(program_label(name), PROGRAM_CALL_NODE, result)
     child(TENANT_TOKENS, tenant, "prompt").inc(result.usage.prompt_tokens)
     child(TENANT_TOKENS, tenant, "completion").inc(result.usage.completion_tokens)
+    if result.cost:
+        child(CHAIN_COST, program_label(name), tenant).inc(result.cost)
 
 
 def observe_program_end(

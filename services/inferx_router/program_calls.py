@@ -12,6 +12,7 @@ the chain/node metrics (chain = the program's name, node = "call"), and the reco
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -34,9 +35,10 @@ from inferx.openai_compat.render import chat_json, render_chat_and_head
 from inferx.openai_compat.schema import ReplyEvent, ReplyReader
 from inferx.openai_compat.toolcalls import DEFAULT_FORMAT, Content, ToolCall
 from inferx.pools import PoolDirectory
+from inferx.pricing import Price
 from inferx.tokens import shared_prefix
 from inferx.v1 import common_pb2, router_pb2
-from inferx_router import metrics
+from inferx_router import costs, metrics
 from inferx_router.access import AccessControl
 from inferx_router.hops import HopDone, ModelHop
 from inferx_router.program_homes import Continuation, ProgramHomes
@@ -89,6 +91,8 @@ class ProgramCalls:
         # Where each open program is held, across routers (None: this router alone).
         self.homes = homes(self.book) if homes is not None else None
         self.book.on_end = self._ended
+        # model -> its price (inferx.pricing; the router sets it): each call's cost
+        self.price_of: Callable[[str], Price] | None = None
 
     # ----- requests ---------------------------------------------------------------------------
 
@@ -231,7 +235,11 @@ class ProgramCalls:
             )
             try:
                 done = await self._hop(call, ticket, identity, result, reader, on_events)
+                if self.price_of is not None:  # what the call cost (inferx.pricing)
+                    result.cost = costs.cost_of_hop(self.price_of(call.model), result, done.engine_ms / 1000)
+                    done = dataclasses.replace(done, cost=result.cost)
             finally:
+                ticket.program.finished.cost += result.cost
                 self.book.finish(ticket, result)
                 metrics.PROGRAMS_OPEN.set(len(self.book))
                 kept = ticket.program.finished.hops[-1]
@@ -484,5 +492,6 @@ def finished_event(result: CallDone) -> router_pb2.ProgramCallEvent:
             latency_ms=result.latency_ms,
             tool_calls=[tool_call_message(call) for call in result.reply.calls],
             reasoning=result.reply.reasoning or "",
+            cost=done.cost,
         )
     )

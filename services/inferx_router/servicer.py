@@ -87,6 +87,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._latency = LearnedLatency()
         self._prices = prices or PriceBook(etcd.PRICES)  # the pools' prices (inferx pool price)
         self._ab = AbTests(store, etcd_client)  # A/B tests of chain configs
+        calls.price_of = self.price_of  # dynamic programs' calls are priced alike
 
     # ----- running chains -----------------------------------------------------------
 

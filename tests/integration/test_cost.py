@@ -129,3 +129,38 @@ def test_cli_shows_prices_costs_and_refuses_bad_prices(sim_stack: LocalStack) ->
     assert trace.returncode == 0 and "cost " in trace.stdout, trace.stdout + trace.stderr
     stats = _cli(sim_stack, "stats", "customer_service_agent")
     assert stats.returncode == 0 and "cost   p50" in stats.stdout, stats.stdout + stats.stderr
+
+
+async def test_program_calls_report_their_cost_in_the_openai_usage_and_call_model(
+    sim_stack: LocalStack,
+) -> None:
+    import httpx
+
+    async with InferxClient(sim_stack.router_address) as client:
+        await client.set_pool_price("qwen-72b", prompt_per_1k=1.0, cached_per_1k=0.5, output_per_1k=10.0)
+        events = [
+            e async for e in client.call_model("qwen-72b", "hi there", max_tokens=6, program_name="priced")
+        ]
+        finished = events[-1].finished
+        assert finished.cost > 0
+        assert finished.cost == pytest.approx(
+            hop_cost(
+                BIG,
+                prompt_tokens=finished.usage.prompt_tokens,
+                cached_prompt_tokens=finished.usage.cached_prompt_tokens,
+                completion_tokens=finished.usage.completion_tokens,
+            )
+        )
+        trace = await client._unary(client._stub.GetRun, router_pb2.GetRunRequest(run_id=finished.run_id))
+        assert trace.finished.hops[0].cost == pytest.approx(finished.cost)
+    body = {"model": "qwen-72b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    async with httpx.AsyncClient(base_url=sim_stack.router_http_url, timeout=30) as http:
+        reply = await http.post("/chat/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        usage = reply.json()["usage"]
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        want = (usage["prompt_tokens"] - cached + cached * 0.5 + usage["completion_tokens"] * 10) / 1000
+        assert usage["cost"] == pytest.approx(want)
+        assert usage["cost"] > 0
+        unpriced = await http.post("/chat/completions", json={**body, "model": "tiny-llama"})
+        assert "cost" not in unpriced.json()["usage"]  # no price: no cost key
