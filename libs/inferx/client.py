@@ -311,9 +311,13 @@ class InferxClient:
         max_concurrent_runs: int = 0,
         tokens_per_minute: int = 0,
         max_tier: common_pb2.Tier = common_pb2.TIER_UNSPECIFIED,
+        cost_per_hour: float = 0.0,
     ) -> router_pb2.Tenant:
         limits = router_pb2.TenantLimits(
-            max_concurrent_runs=max_concurrent_runs, tokens_per_minute=tokens_per_minute, max_tier=max_tier
+            max_concurrent_runs=max_concurrent_runs,
+            tokens_per_minute=tokens_per_minute,
+            max_tier=max_tier,
+            cost_per_hour=cost_per_hour,
         )
         return await self._unary(
             self._stub.CreateTenant, router_pb2.CreateTenantRequest(name=name, limits=limits)

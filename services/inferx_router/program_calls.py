@@ -191,7 +191,7 @@ class ProgramCalls:
             return await self._run(who, identity, call, reader or ReplyReader(), on_events, parent, result)
         finally:
             self._quotas.finished(
-                who.tenant, limits, result.usage.prompt_tokens + result.usage.completion_tokens
+                who.tenant, limits, result.usage.prompt_tokens + result.usage.completion_tokens, result.cost
             )
 
     async def _run(

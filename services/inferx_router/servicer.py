@@ -23,7 +23,7 @@ from inferx.discovery import ChannelPool, ServiceLocator
 from inferx.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from inferx.limits import RequestLimits
 from inferx.pools import PoolDirectory, no_worker_message
-from inferx.pricing import OverBudget, Price, PriceBook, parse_price
+from inferx.pricing import OverBudget, Price, PriceBook, check_amount, parse_price
 from inferx.v1 import (
     memory_pool_pb2,
     memory_pool_pb2_grpc,
@@ -32,7 +32,7 @@ from inferx.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from inferx_router import ab_tests, metrics, program_calls, records, shared_runs
+from inferx_router import ab_tests, costs, metrics, program_calls, records, shared_runs
 from inferx_router.ab_tests import AbTests
 from inferx_router.access import AccessControl, audit, caller
 from inferx_router.chain_store import ChainStore, StoredVersion
@@ -161,7 +161,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise
         limits = self._limits(tenant)
         try:
-            self._quotas.admit(tenant, limits, int(run.tier))
+            self._quotas.admit(
+                tenant, limits, int(run.tier), self._estimate(run) if limits.cost_per_hour else 0.0
+            )
         except (TierNotAllowed, QuotaExceeded) as exc:
             metrics.TENANT_REFUSALS.labels(tenant, exc.limit).inc()
             raise
@@ -208,13 +210,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._active_runs -= 1
         finished = done.result() if not done.cancelled() and done.exception() is None else None
         tokens = metrics.observe_tenant_run(tenant, finished) if finished is not None else 0
-        self._quotas.finished(tenant, limits, tokens)
+        self._quotas.finished(tenant, limits, tokens, finished.cost if finished is not None else 0.0)
         if finished is not None and finished.ab_arm:  # the guard rail of the chain's A/B test
             try:
                 name = records.RECENT.find(finished.run_id, tenant=tenant).chain
             except NotFound:
                 return
             self._ab.check_guard(tenant, name, records.RECENT.of_chain(name, tenant=tenant))
+
+    def _estimate(self, run: ChainRun) -> float:
+        """The run's estimated cost, for the tenant's cost budget (inferx.pricing)."""
+        if run.budget_plan is not None:
+            return run.budget_plan.estimate
+        return sum(
+            node.primary for node in costs.node_costs(run.config, run.inputs, self.price_of, self._latency)
+        )
 
     def _limits(self, tenant: str) -> TenantLimits:
         record = self._access.directory.tenant(tenant) if self._access.directory is not None else None
@@ -443,6 +453,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             max_concurrent_runs=request.limits.max_concurrent_runs,
             tokens_per_minute=request.limits.tokens_per_minute,
             max_tier=int(request.limits.max_tier),
+            cost_per_hour=check_amount("limits.cost_per_hour", request.limits.cost_per_hour),
         )
         if limits.max_tier > 3:
             raise InvalidArgument(f"limits.max_tier: unknown tier {limits.max_tier}")
@@ -582,6 +593,7 @@ def _tenant_message(record: TenantRecord) -> router_pb2.Tenant:
             max_concurrent_runs=record.limits.max_concurrent_runs,
             tokens_per_minute=record.limits.tokens_per_minute,
             max_tier=record.limits.max_tier,  # type: ignore[arg-type]
+            cost_per_hour=record.limits.cost_per_hour,
         ),
         created_by=record.created_by,
         created_unix_ms=record.created_unix_ms,

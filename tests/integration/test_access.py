@@ -235,6 +235,44 @@ async def test_tenant_limits(stack: LocalStack, admin_token: str) -> None:
         assert last.chain_finished.status == "ok"
 
 
+async def test_a_tenants_cost_budget_per_hour(stack: LocalStack, admin_token: str) -> None:
+    async with router(stack) as stub:
+        with pytest.raises(grpc.aio.AioRpcError) as bad:
+            await make_tenant(stub, admin_token, "negative", cost_per_hour=-1)
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "limits.cost_per_hour: must be a finite number >= 0" in (bad.value.details() or "")
+        # One output token costs 1 here: a run of the example chain costs tens.
+        await stub.SetPoolPrice(
+            router_pb2.PoolPrice(pool="tiny-llama", output_per_1k=1000),
+            metadata=auth(admin_token),
+            timeout=10,
+        )
+        await make_tenant(stub, admin_token, "budgeted", cost_per_hour=100)
+        manage = await make_token(stub, admin_token, "budgeted", "manage")
+        await stub.PutChain(router_pb2.PutChainRequest(config=CHAIN), metadata=auth(manage), timeout=10)
+        spent = 0.0
+        for _ in range(10):
+            try:
+                finished = await run_chain(stub, manage)
+            except grpc.aio.AioRpcError as exc:
+                refused = exc
+                break
+            spent += finished.cost
+            assert finished.cost > 0
+        else:
+            pytest.fail("the budget never refused a run")
+        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "its cost budget of 100 per hour (its cost_per_hour limit)" in (refused.details() or "")
+        assert 0 < spent <= 100
+        tenants = await stub.ListTenants(
+            router_pb2.ListTenantsRequest(), metadata=auth(admin_token), timeout=10
+        )
+        assert {t.name: t.limits.cost_per_hour for t in tenants.tenants}["budgeted"] == 100
+        await stub.SetPoolPrice(
+            router_pb2.PoolPrice(pool="tiny-llama"), metadata=auth(admin_token), timeout=10
+        )
+
+
 async def test_http_front_takes_the_same_tokens(stack: LocalStack, admin_token: str) -> None:
     url = stack.router_http_url
     assert url.startswith("https://")

@@ -399,9 +399,9 @@ async def test_the_tokens_of_a_reply_that_broke_tool_choice_count_against_its_te
             super().__init__()
             self.tokens = 0
 
-        def finished(self, tenant, limits, tokens) -> None:
+        def finished(self, tenant, limits, tokens, cost=0.0) -> None:
             self.tokens += tokens
-            super().finished(tenant, limits, tokens)
+            super().finished(tenant, limits, tokens, cost)
 
     quotas = Counting()
     calls = calls_with(FakeExecutor(("No tool.",)), RunStore(), quotas)

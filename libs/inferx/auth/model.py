@@ -50,6 +50,8 @@ class TenantLimits(BaseModel):
     max_concurrent_runs: int = Field(0, ge=0)
     tokens_per_minute: int = Field(0, ge=0)
     max_tier: int = Field(0, ge=0, le=3)  # highest tier the tenant may ask for (1 = realtime); 0 = any
+    # What the tenant's runs and calls may cost in any hour (inferx.pricing); 0 = no budget
+    cost_per_hour: float = Field(0.0, ge=0, allow_inf_nan=False)
 
 
 class TenantRecord(BaseModel):

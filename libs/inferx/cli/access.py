@@ -19,6 +19,7 @@ from rich.table import Table
 
 from inferx.cli import argtypes
 from inferx.errors import InvalidArgument
+from inferx.pricing import format_cost
 
 if TYPE_CHECKING:
     from inferx.client import InferxClient
@@ -71,6 +72,7 @@ async def cmd_tenant_create(args: argparse.Namespace) -> int:
             max_concurrent_runs=args.max_concurrent_runs,
             tokens_per_minute=args.tokens_per_minute,
             max_tier=TIERS[args.max_tier],  # type: ignore[arg-type]
+            cost_per_hour=args.cost_per_hour,
         )
     if args.json:
         print(json.dumps(_as_dict(tenant)))
@@ -85,13 +87,14 @@ async def cmd_tenant_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(_as_dict(reply)))
         return 0
-    table = Table("tenant", "concurrent runs", "tokens/min", "max tier", "created by", "created")
+    table = Table("tenant", "concurrent runs", "tokens/min", "cost/hour", "max tier", "created by", "created")
     names = {v: k for k, v in TIERS.items()}
     for t in reply.tenants:
         table.add_row(
             t.name,
             str(t.limits.max_concurrent_runs or "-"),
             str(t.limits.tokens_per_minute or "-"),
+            format_cost(t.limits.cost_per_hour) if t.limits.cost_per_hour else "-",
             names.get(int(t.limits.max_tier), "?"),
             t.created_by,
             _ms_time(t.created_unix_ms),
@@ -195,6 +198,13 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser, c
     )
     create.add_argument(
         "--tokens-per-minute", type=argtypes.count, default=0, metavar="N", help="0 = no limit"
+    )
+    create.add_argument(
+        "--cost-per-hour",
+        type=argtypes.amount,
+        default=0.0,
+        metavar="X",
+        help="what its runs and calls may cost in any hour, at the pools' prices (0 = no budget)",
     )
     create.add_argument("--max-tier", choices=list(TIERS), default="any", help="most urgent tier allowed")
     create.set_defaults(handler=cmd_tenant_create)
