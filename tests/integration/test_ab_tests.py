@@ -8,10 +8,11 @@ import pytest
 from inferx import etcd
 from inferx.ab import choose_arm
 from inferx.client import InferxClient
-from inferx.devstack import LocalStack
+from inferx.devstack import LocalStack, wait_serving
 from inferx.errors import FailedPrecondition, InvalidArgument, NotFound
 from inferx.etcd import make_client
 from inferx.v1 import router_pb2
+from tests.conftest import wait_workers_routed
 from tests.integration.test_chain_runs import _cli
 from tests.integration.test_chain_versions import config
 from tests.integration.test_observability import metrics_addresses, scrape, total
@@ -142,3 +143,42 @@ def test_cli_start_status_stop_and_bad_input(sim_stack: LocalStack) -> None:
     assert stopped.returncode == 0 and "kept a: v1 is active" in stopped.stdout, stopped.stderr
     stats = _cli(sim_stack, "stats", "ab_cli")
     assert stats.returncode == 0 and "arm " in stats.stdout, stats.stdout
+
+
+def test_a_router_started_during_a_test_applies_it_alike(sim_stack: LocalStack) -> None:
+    """The test lives in etcd: a router started (or restarted) while it runs reads it and
+    gives every session the arm the first router gives it."""
+    import asyncio
+
+    async def begin() -> router_pb2.AbTest:
+        async with InferxClient(sim_stack.router_address) as client:
+            await client.put_chain(config("ab_routers", TOKENS[1]))
+            await client.put_chain(config("ab_routers", TOKENS[2]))
+            return await client.start_ab_test("ab_routers", 1, 2, 50, min_runs=1000)
+
+    test = asyncio.run(begin())
+    second = sim_stack.start_service("router", replica=1)
+    try:
+        wait_serving(second, 60)
+        wait_workers_routed(sim_stack)
+
+        async def both() -> None:
+            async with (
+                InferxClient(sim_stack.router_address) as first,
+                InferxClient(second.address) as other,
+            ):
+                for i in range(8):
+                    session = f"roaming-{i}"
+                    here, there = (
+                        await run(first, "ab_routers", session),
+                        await run(other, "ab_routers", session),
+                    )
+                    want = choose_arm(session, 50, str(test.started_unix_ms))
+                    assert here.ab_arm == there.ab_arm == want
+                    assert here.chain_version == there.chain_version == {"a": 1, "b": 2}[want]
+                await other.stop_ab_test("ab_routers", "a")  # any router may end it
+
+        asyncio.run(both())
+    finally:
+        second.stop()
+        del sim_stack.services["router-1"]
