@@ -1,69 +1,104 @@
-"""Render `inferx sim --capacity --json` outputs as the markdown tables of
-docs/benchmarks.md: python benchmarks/capacity_markdown.py OUT.json [OUT.json ...]
-(a file of the same name with a prefix of ABLATIONS is read as that chain-aware
-ablation: `abl-` = realtime guard off, `fixed-` = the fixed 30 s KV hold)."""
+"""Render `inferx sim --capacity --json` outputs as the headline table of
+docs/benchmarks.md:
+
+    python benchmarks/capacity_markdown.py OUT.json [OUT.json ...]
+
+Files of the same workload and engine profile are merged by trace seed (e.g. one run of
+every policy on seed 1 and one of the strongest on seeds 2-3): a policy's capacity is
+the median over the seeds it was measured on, and the table says how many. The
+strongest peer is the peer with the highest median among those measured on every seed
+chain-aware was. With `--bound` results, the engine bound (median over seeds) and each
+policy's capacity as a share of it are shown too. Burst results (`--burst`) are refused:
+they are not sustained capacities.
+"""
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 CANDIDATE = "chain-aware"
-ABLATIONS = {"abl-": "chain-aware, guard off", "fixed-": "chain-aware, fixed 30 s hold"}
-
-
-def load(path: Path) -> dict:
-    return json.loads(path.read_text())
-
-
-def fmt(rates: dict) -> str:
-    return f"{rates['rate_per_s']:.3f} ({rates['min_rate_per_s']:.3f}-{rates['max_rate_per_s']:.3f})"
 
 
 def main(paths: list[str]) -> None:
-    rows = []
+    groups: dict[tuple[str, str], dict] = {}
     for raw in paths:
-        path = Path(raw)
-        if path.name.startswith(tuple(ABLATIONS)):
-            continue
-        data = load(path)
-        capacity = data["capacity"]
-        peer = data["strongest_peer"]
-        ours = capacity[CANDIDATE]
-        per_seed = [
-            a["rate_per_s"] / b["rate_per_s"]
-            for a, b in zip(ours["per_seed"], capacity[peer]["per_seed"], strict=True)
-            if b["rate_per_s"] > 0
-        ]
-        ablated = []
-        for prefix in ABLATIONS:
-            ablation = path.with_name(prefix + path.name)
-            measured = ablation.exists() and ablation.stat().st_size > 0  # empty: a run still going
-            ablated.append(fmt(load(ablation)["capacity"][CANDIDATE]) if measured else "-")
+        data = json.loads(Path(raw).read_text())
         context = data["context"]
-        rows.append(
-            (
-                context["trace"],
-                context["profile"]["name"].split(" ")[0],
-                fmt(ours),
-                f"{peer} {fmt(capacity[peer])}",
-                f"**{ours['rate_per_s'] / capacity[peer]['rate_per_s']:.2f}x** "
-                f"({min(per_seed):.2f}-{max(per_seed):.2f})",
-                *ablated,
-                ", ".join(
-                    f"{name} {capacity[name]['rate_per_s']:.3f}"
-                    for name in sorted(capacity, key=lambda n: -capacity[n]["rate_per_s"])
-                    if name not in (CANDIDATE, peer)
-                ),
-            )
+        if context.get("mode") != "steady":
+            raise SystemExit(f"{raw}: not a steady-state capacity search (mode {context.get('mode')!r})")
+        key = (context["trace"], context["profile"]["name"].split(" ")[0])
+        group = groups.setdefault(
+            key, {"rates": defaultdict(dict), "bounds": {}, "windows": set(), "workers": context["workers"]}
         )
-    columns = ("workload", "engine profile", "chain-aware", "strongest peer", "ratio (per seed)")
-    columns += (*ABLATIONS.values(), "other peers")
+        seeds = context["trace_seeds"]
+        for name, result in data["capacity"].items():
+            for seed, run in zip(seeds, result["per_seed"], strict=True):
+                group["rates"][name][seed] = run["rate_per_s"]
+        for window in context["window"]:
+            group["windows"].add(round(window["window_s"]))
+        for seed_bound in (data.get("bound") or {}).get("per_seed", []):
+            if "at_least" not in seed_bound:
+                continue  # measured before bounds were in nominal units (offered 1.3x): not comparable
+            group["bounds"][seed_bound["seed"]] = (seed_bound["bound_per_s"], seed_bound["at_least"])
+    columns = (
+        "workload",
+        "engine profile",
+        "window (s)",
+        "chain-aware",
+        "strongest peer",
+        "ratio (per seed)",
+        "engine bound",
+        "share of bound: chain-aware / peer",
+        "other peers",
+    )
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
+    for (trace, profile), group in groups.items():
+        rates = group["rates"]
+        ours = rates[CANDIDATE]
+        seeds = sorted(ours)
+        peers = [n for n in rates if n != CANDIDATE and set(seeds) <= set(rates[n])]
+        median = {n: statistics.median(rates[n].values()) for n in rates}
+        peer = max(peers, key=lambda n: median[n])
+        per_seed = [ours[s] / rates[peer][s] for s in seeds if rates[peer][s] > 0]
+        bounds = [group["bounds"][s] for s in seeds if s in group["bounds"]]
+        bound = statistics.median(b for b, _ in bounds) if bounds else None
+        at_least = ">= " if any(flag for _, flag in bounds) else ""
+
+        others = ", ".join(
+            f"{name} {median[name]:.3f}"
+            + (f" ({len(rates[name])} seed)" if len(rates[name]) < len(seeds) else "")
+            for name in sorted(rates, key=lambda n: -median[n])
+            if name not in (CANDIDATE, peer)
+        )
+        print(
+            "| "
+            + " | ".join(
+                (
+                    trace,
+                    profile,
+                    "/".join(str(w) for w in sorted(group["windows"])),
+                    _cell(rates[CANDIDATE], median[CANDIDATE]),
+                    f"{peer} {_cell(rates[peer], median[peer])}",
+                    f"**{median[CANDIDATE] / median[peer]:.2f}x** ({min(per_seed):.2f}-{max(per_seed):.2f}), "
+                    f"seeds {','.join(map(str, seeds))}",
+                    f"{at_least}{bound:.3f} ({len(bounds)} seeds)" if bound is not None else "-",
+                    f"{median[CANDIDATE] / bound:.0%} / {median[peer] / bound:.0%}" if bound else "-",
+                    others,
+                )
+            )
+            + " |"
+        )
+
+
+def _cell(by_seed: dict[int, float], median: float) -> str:
+    values = list(by_seed.values())
+    spread = f" ({min(values):.3f}-{max(values):.3f})" if len(values) > 1 else ""
+    return f"{median:.3f}{spread}"
 
 
 if __name__ == "__main__":
