@@ -19,7 +19,7 @@ import json
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from inferx.errors import FailedPrecondition, InvalidArgument
@@ -123,6 +123,7 @@ class NodeCost:
 class BudgetPlan:
     choices: Mapping[str, str]  # node id -> PRIMARY | FALLBACK_MODEL | SKIPPED
     estimate: float  # the plan's estimated cost
+    estimates: Mapping[str, float] = field(default_factory=dict)  # node id -> its share of it
 
     def choice(self, node_id: str) -> str:
         return self.choices.get(node_id, PRIMARY)
@@ -162,7 +163,7 @@ def plan_within(chain: str, nodes: Sequence[NodeCost], max_cost: float) -> Budge
     choices = {n.node_id: PRIMARY for n in nodes}
     total = sum(n.primary for n in nodes)
     if total <= max_cost:
-        return BudgetPlan(choices, total)
+        return BudgetPlan(choices, total, {n.node_id: n.primary for n in nodes})
     least = least_cost(nodes)
     if least > max_cost:
         raise OverBudget(chain, least, max_cost)
@@ -181,7 +182,23 @@ def plan_within(chain: str, nodes: Sequence[NodeCost], max_cost: float) -> Budge
             break
         total -= _cost_of(node, choices[node.node_id])
         choices[node.node_id] = SKIPPED
-    return BudgetPlan(choices, sum(_cost_of(n, choices[n.node_id]) for n in nodes))
+    estimates = {n.node_id: _cost_of(n, choices[n.node_id]) for n in nodes}
+    return BudgetPlan(choices, sum(estimates.values()), estimates)
+
+
+def step_within(left: float, estimate: float, fallback: float | None, *, skippable: bool) -> str:
+    """What a node about to run does once its prompt is known, with `left` of the run's
+    budget for it (max_cost - what finished nodes cost - the plan's estimates of the
+    others not finished): PRIMARY when its estimate fits, FALLBACK_MODEL when a cheaper
+    fallback model's does, SKIPPED when it may be skipped, else PRIMARY (a critical node
+    runs; the run then misses its cost SLO)."""
+    if estimate <= left:
+        return PRIMARY
+    if fallback is not None and fallback < estimate and fallback <= left:
+        return FALLBACK_MODEL
+    if skippable:
+        return SKIPPED
+    return PRIMARY
 
 
 def format_cost(value: float) -> str:

@@ -35,7 +35,15 @@ from inferx.chain.subchains import MAX_DEPTH, child_inputs, fan_out_items, targe
 from inferx.chain.template import MissingReferenceError, render, static_head
 from inferx.errors import Aborted, InferxError, InvalidArgument, NotFound, Unavailable
 from inferx.openai_compat.reasoning import split_reasoning
-from inferx.pricing import FALLBACK_MODEL, SKIPPED, BudgetPlan, Price
+from inferx.pricing import (
+    FALLBACK_MODEL,
+    PRIMARY,
+    SKIPPED,
+    BudgetPlan,
+    Price,
+    estimate_hop_cost,
+    step_within,
+)
 from inferx.resilience import Degradation, NodeFallbacks, RetryBudget, backoff_s, degradation_ladder
 from inferx.scheduling.views import Tier
 from inferx.tokens import estimate_tokens, shared_prefix
@@ -188,6 +196,36 @@ class ChainRun:
         if self._price_of is not None:
             self.budget_plan = costs.budget_plan(self.config, self.inputs, self._price_of, self._latency)
 
+    def _budget_step(self, node: NodeSpec) -> str:
+        """The plan's choice for a model node about to run, checked against what is left of
+        slo.max_cost now that its prompt is known (inferx.pricing.step_within)."""
+        plan, price_of = self.budget_plan, self._price_of
+        if plan is None or price_of is None or self.config.slo.max_cost is None:
+            return PRIMARY
+        finished = {n for n, outcome in self._outcomes.items() if outcome.done.is_set()}
+        spent = sum(self._outcomes[n].finished.cost for n in finished)
+        others = sum(cost for n, cost in plan.estimates.items() if n != node.id and n not in finished)
+        try:
+            prompt = render(node.prompt, self.inputs, self._outputs) if node.prompt else None
+        except MissingReferenceError:
+            prompt = node.prompt
+        tokens = estimate_tokens(
+            prompt if prompt is not None else default_prompt(node, self.inputs, self._outputs)
+        )
+        expected_s = self._latency.node_ms(self.config.name, node) / 1000
+
+        def estimate(model: str) -> float:
+            return estimate_hop_cost(
+                price_of(model), prompt_tokens=tokens, max_tokens=node.max_tokens, expected_s=expected_s
+            )
+
+        return step_within(
+            self.config.slo.max_cost - spent - others,
+            estimate(node.model or ""),
+            estimate(node.fallback_model) if node.fallback_model else None,
+            skippable=not node.critical,
+        )
+
     def _inherit(self, link: ParentLink) -> None:
         up = link.run
         self._deadline, self._deadline_unix_ms = up._deadline, up._deadline_unix_ms
@@ -317,6 +355,8 @@ class ChainRun:
     async def _execute(self, node: NodeSpec, result: router_pb2.NodeFinished) -> None:
         model = node.model or ""
         planned = self.budget_plan.choice(node.id) if self.budget_plan is not None else ""
+        if planned == PRIMARY and node.kind.is_model:
+            planned = self._budget_step(node)  # again, with the upstream outputs known now
         if planned == SKIPPED:
             self._skip(result, "budget")
             metrics.observe_degradation(self.config.name, node.id, "skipped")

@@ -164,3 +164,37 @@ async def test_program_calls_report_their_cost_in_the_openai_usage_and_call_mode
         assert usage["cost"] > 0
         unpriced = await http.post("/chat/completions", json={**body, "model": "tiny-llama"})
         assert "cost" not in unpriced.json()["usage"]  # no price: no cost key
+
+
+RUNTIME = """
+agent_chain:
+  name: budget_runtime
+  slo: {end_to_end_latency_p99: 20s, max_cost: 40}
+  inputs: [q]
+  nodes:
+    - {id: docs, type: tool_call, tool: vector_search, arguments: {query: "{{ inputs.q }}"}}
+    - {id: answer, type: model_inference, model: qwen-72b, fallback_model: qwen-7b, timeout: 15s,
+       max_tokens: 4, depends_on: [docs], prompt: "{{ nodes.docs.output }} {{ inputs.q }}"}
+"""
+
+
+async def test_a_prompt_larger_than_planned_takes_the_fallback_model_when_it_is_known(
+    sim_stack: LocalStack,
+) -> None:
+    """The plan cannot know a tool's output: once the prompt is rendered, a node whose
+    estimate no longer fits what is left of max_cost takes its cheaper fallback model."""
+    async with InferxClient(sim_stack.router_address) as client:
+        await client.set_pool_price("qwen-72b", prompt_per_1k=1000)  # 1 per prompt token
+        await client.set_pool_price("qwen-7b")  # free
+        await client.put_chain(RUNTIME)
+        run = await finish(client, "budget_runtime")
+        hops = {h.node_id: h for h in run.hops}
+        assert run.status == "ok", run.error
+        assert len(hops["docs"].output) > 4 * 40  # the documents alone are over the budget's tokens
+        answer = hops["answer"]
+        assert (answer.degradation, answer.degradation_reason, answer.model) == (
+            "fallback_model",
+            "budget",
+            "qwen-7b",
+        )
+        assert run.cost == 0 and run.slo_met

@@ -21,6 +21,7 @@ from inferx.pricing import (
     least_cost,
     parse_price,
     plan_within,
+    step_within,
 )
 
 
@@ -132,3 +133,20 @@ def test_cost_is_monotone_in_usage_and_caching_never_costs_more_when_cheaper(
         <= base + 1e-9
     )
     assert hop_cost(price, prompt_tokens=prompt + 1, completion_tokens=out, gpu_seconds=gpu_s) >= base
+
+
+def test_step_within_what_is_left() -> None:
+    assert step_within(1.0, 0.5, None, skippable=False) == PRIMARY
+    assert step_within(1.0, 2.0, 0.5, skippable=True) == FALLBACK_MODEL
+    assert step_within(1.0, 2.0, 1.5, skippable=True) == SKIPPED
+    assert step_within(1.0, 2.0, 1.5, skippable=False) == PRIMARY  # critical: runs, misses its cost SLO
+    assert step_within(-1.0, 0.0, None, skippable=False) == PRIMARY
+
+
+@given(node_costs, costs)
+def test_plan_estimates_add_up(nodes: list[NodeCost], max_cost: float) -> None:
+    if least_cost(nodes) > max_cost:
+        return
+    plan = plan_within("c", nodes, max_cost)
+    assert sum(plan.estimates.values()) == pytest.approx(plan.estimate)
+    assert set(plan.estimates) == {n.node_id for n in nodes}
