@@ -136,7 +136,10 @@ def test_cli_start_status_stop_and_bad_input(sim_stack: LocalStack) -> None:
     assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr and "no version 9" in unknown.stderr
     started = _cli(sim_stack, "chain", "ab", "start", "ab_cli", "--a", "v1", "--b", "v2", "--split", "10")
     assert started.returncode == 0 and "10% of sessions to b" in started.stdout, started.stderr
-    assert _cli(sim_stack, "run", "ab_cli", "-i", "q=x", "--session", "s1").returncode == 0
+    ran = _cli(sim_stack, "run", "ab_cli", "-i", "q=x", "--session", "s1")
+    assert ran.returncode == 0 and "A/B arm " in ran.stdout, ran.stdout + ran.stderr
+    traced = _cli(sim_stack, "trace", "--chain", "ab_cli")
+    assert traced.returncode == 0 and "A/B arm " in traced.stdout, traced.stdout + traced.stderr
     status = _cli(sim_stack, "chain", "ab", "status", "ab_cli")
     assert status.returncode == 0 and "significance: too few runs to tell" in status.stdout, status.stderr
     stopped = _cli(sim_stack, "chain", "ab", "stop", "ab_cli", "--keep", "a")

@@ -83,7 +83,8 @@ def _short(text: str, width: int = 60) -> str:
 
 def _print_run(finished: router_pb2.ChainFinished, chain: str) -> None:
     """One block per node (fits an 80-column terminal), then the chain's verdict."""
-    out.print(f"[bold]{chain}[/bold] v{finished.chain_version}  run {finished.run_id}")
+    arm = f"  A/B arm {finished.ab_arm}" if finished.ab_arm else ""
+    out.print(f"[bold]{chain}[/bold] v{finished.chain_version}  run {finished.run_id}{arm}")
     for hop in finished.hops:
         mark = "[green]ok[/green]" if hop.status == "ok" else f"[red]{hop.status}[/red]"
         what = f"model {hop.model}" if hop.model else f"tool {hop.tool or hop.node_type}"

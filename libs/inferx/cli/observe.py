@@ -151,7 +151,9 @@ def waterfall(trace: router_pb2.RunTrace, width: int = WIDTH, *, nested: bool = 
     else:
         lines = [
             Text.assemble(
-                (trace.chain, "bold"), f" v{finished.chain_version}  run {finished.run_id}  {trace.tier}"
+                (trace.chain, "bold"),
+                f" v{finished.chain_version}  run {finished.run_id}  {trace.tier}"
+                + (f"  A/B arm {finished.ab_arm}" if finished.ab_arm else ""),
             ),
             Text.assemble(
                 (finished.status, status_style),
