@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from inferx.scheduling.engine_fit import EngineSample, LearnsEngine
+from inferx.scheduling.off_peak import OffPeakRule, off_peak_decision
 from inferx.scheduling.policy import Policy
 from inferx.scheduling.prefix_index import PrefixIndex, WorkerFeed
 from inferx.scheduling.queue import DispatchQueue, QueuedHop, Rejected, WorkerSlots
@@ -213,6 +214,14 @@ class ClusterSim:
     # one replaced them (for tests and benchmarks).
     ticks_run: int = field(default=0, init=False)
     ticks_dropped: int = field(default=0, init=False)
+    # Off-peak batch (`inferx.scheduling.off_peak`): these chains' hops wait while their
+    # pool is busy (or outside the rule's quiet hours, of a day of `day_s` virtual
+    # seconds), never later than their deadline (arrival + SLO) allows. After `run`:
+    # how many checks made a hop wait.
+    off_peak: frozenset[str] = frozenset()
+    off_peak_rule: OffPeakRule | None = None
+    day_s: float = 86_400.0
+    off_peak_waits: int = field(default=0, init=False)
 
     def pool_names(self) -> list[str]:
         return [POOL] if self.pools == 1 else [f"{POOL}-{p}" for p in range(self.pools)]
@@ -448,6 +457,41 @@ class ClusterSim:
             if result.finished:
                 dispatch(now)
 
+        rule = self.off_peak_rule
+        self.off_peak_waits = 0
+        pool_workers = {pool: workers[p :: self.pools] for p, pool in enumerate(names)}
+
+        def pool_load(pool: str) -> float:
+            """KV the pool's running hops pin plus what its queued hops need, over its KV:
+            what `(running + queued) / capacity` is live, with KV as the capacity."""
+            members = pool_workers[pool]
+            queued = sum(
+                f.queued.view.kv_tokens
+                for f in flights.values()
+                if f.queued.worker_id is None and pool_of[f.chain.spec.chain_id] == pool
+            )
+            capacity = sum(w.engine.kv.capacity for w in members) or 1
+            return (sum(w.engine.kv.pinned for w in members) + queued) / capacity
+
+        def held(chain: _Chain, k: int, now: float) -> bool:
+            """An off-peak chain's hop that must wait: asked again `recheck_s` later."""
+            spec = chain.spec
+            if rule is None or spec.chain_id not in self.off_peak or chain.record.status != "running":
+                return False
+            decision = off_peak_decision(
+                rule,
+                now_s=now,
+                hour_of_day=(now % self.day_s) / self.day_s * 24,
+                load=pool_load(pool_of[spec.chain_id]),
+                deadline_s=spec.arrival_s + spec.slo_s,
+                remaining_s=chain.record.alone_s,
+            )
+            if decision.go:
+                return False
+            self.off_peak_waits += 1
+            push(now + rule.recheck_s, "hop", (chain, k))
+            return True
+
         now = 0.0
         while events and stop_reason is None:
             now, _, kind, payload = heapq.heappop(events)
@@ -462,7 +506,8 @@ class ClusterSim:
                     miss(chain)
             elif kind == "hop":
                 chain, k = cast(tuple[_Chain, int], payload)
-                hop_ready(chain, k, now)
+                if not held(chain, k, now):
+                    hop_ready(chain, k, now)
             elif kind == "step":
                 worker, version = cast(tuple[_Worker, int], payload)
                 if version == worker.version:
