@@ -9,6 +9,11 @@ MODEL_DIR := .inferx/models/tiny-llama
 PYTEST_ARGS ?=
 # The test targets (and so CI, .ci/run) end with the slowest tests and their times.
 PYTEST_DURATIONS := --durations=30
+# ... and run on two pytest-xdist workers, a module's tests together on one (its shared
+# stack started once); most tests wait on their stacks' processes, so two overlap well
+# on 2 cores. Each worker has its own ports (tests/conftest.py) and temporary directory.
+# `make test PYTEST_PARALLEL=` runs them in one process.
+PYTEST_PARALLEL ?= -n 2 --dist loadfile
 
 .PHONY: setup proto model etcd promtool nodejs check-deploy run test test-unit test-integration test-e2e lint bench bench-decisions bench-overload clean
 
@@ -65,18 +70,18 @@ run: setup
 	$(VENV)/bin/inferx up
 
 test: setup
-	$(VENV)/bin/pytest $(PYTEST_DURATIONS) $(PYTEST_ARGS)
+	$(VENV)/bin/pytest $(PYTEST_PARALLEL) $(PYTEST_DURATIONS) $(PYTEST_ARGS)
 
 test-unit: setup
-	$(VENV)/bin/pytest tests/unit $(PYTEST_DURATIONS) $(PYTEST_ARGS)
+	$(VENV)/bin/pytest tests/unit $(PYTEST_PARALLEL) $(PYTEST_DURATIONS) $(PYTEST_ARGS)
 
 # Every module under tests/integration and tests/e2e carries its marker (conftest.py
 # refuses one that does not), so selecting by marker runs exactly those directories.
 test-integration: setup
-	$(VENV)/bin/pytest -m integration $(PYTEST_DURATIONS) $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -m integration $(PYTEST_PARALLEL) $(PYTEST_DURATIONS) $(PYTEST_ARGS)
 
 test-e2e: setup
-	$(VENV)/bin/pytest -m e2e $(PYTEST_DURATIONS) $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -m e2e $(PYTEST_PARALLEL) $(PYTEST_DURATIONS) $(PYTEST_ARGS)
 
 # Lint, formatting and types; the paths and settings are in pyproject.toml. mypy
 # reads the generated stubs' .pyi files, hence proto.

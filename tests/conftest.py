@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import sys
 import types
 from collections.abc import Callable, Iterator, Sequence
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from inferx import devstack
 from inferx.devstack import LocalStack, ManagedProcess, StackError, StackPorts, read_models_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +40,15 @@ def load_benchmark_script(name: str) -> types.ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (`make test` runs `-n 2`), each worker process picks the ports
+    of its stacks from its own slice of free_port's range: two workers choosing at the
+    same moment could otherwise both take a port neither service has bound yet."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...
+    if worker.startswith("gw"):
+        devstack.port_slice = (int(worker[2:]), int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -75,6 +75,10 @@ def _terminated_with_parent(parent_pid: int) -> Callable[[], None] | None:
 
 #: ports this process has handed out, so two services of one stack never get the same one
 _handed_out: set[int] = set()
+#: (index, count): this process hands out ports from slice `index` of `count` equal slices
+#: of free_port's range only, so that processes choosing ports at the same time (parallel
+#: test processes: pytest-xdist's workers) never choose the same one before it is bound
+port_slice: tuple[int, int] = (0, 1)
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -101,12 +105,16 @@ def free_port() -> int:
     Chosen *below* the kernel's ephemeral range: a port from `bind(0)` lies inside it,
     where any outgoing connection (a gRPC or etcd client of another test's stack) may take
     it in the moment between this probe and the service's own bind, which failed CI once
-    with "Address already in use". Never the same port twice in one process."""
+    with "Address already in use". Never the same port twice in one process, nor one of
+    another process's `port_slice`."""
     low, _high = _ephemeral_range()
     floor = 20000
-    if low - floor >= 2000:
+    index, count = port_slice
+    if (low - floor) // count >= 2000:
+        width = (low - floor) // count
+        first = floor + index * width
         for _ in range(500):
-            port = random.randint(floor, low - 1)
+            port = random.randint(first, first + width - 1)
             if port not in _handed_out and _bindable(port):
                 _handed_out.add(port)
                 return port
@@ -175,9 +183,14 @@ class ManagedProcess:
         return self.popen.wait(timeout_s)
 
     def stop(self, timeout_s: float = 20.0) -> None:
+        self.signal(signal.SIGTERM)
+        self.reap(timeout_s)
+
+    def reap(self, timeout_s: float = 20.0) -> None:
+        """Once it was sent SIGTERM: wait for its exit (SIGKILL after `timeout_s`), then
+        end whatever is left of its process group."""
         if self.popen is None:
             return
-        self.signal(signal.SIGTERM)
         try:
             self.popen.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -194,6 +207,16 @@ class ManagedProcess:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+
+def stop_together(procs: Sequence[ManagedProcess], timeout_s: float = 20.0) -> None:
+    """Stop `procs` at once: SIGTERM to each, then wait for them all, within one
+    `timeout_s` (SIGKILL for any still running then)."""
+    for proc in procs:
+        proc.signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        proc.reap(max(0.0, deadline - time.monotonic()))
 
 
 def wait_serving(proc: ManagedProcess, timeout_s: float, service: str = "") -> float:
@@ -858,11 +881,11 @@ class LocalStack:
     # ----- teardown -----------------------------------------------------------------
 
     def stop(self) -> None:
-        """Workers first (they drain), then the services, etcd last."""
-        for proc in reversed(self.workers):
-            proc.stop()
-        for proc in reversed(list(self.services.values())):
-            proc.stop()
+        """Workers first (they drain), then the services, etcd last; the processes of
+        each group stop together (each one's drain and deregistration grace, a second
+        or more, at once rather than one after another)."""
+        stop_together(list(reversed(self.workers)))
+        stop_together(list(reversed(self.services.values())))
         if self.etcd is not None:
             self.etcd.stop()
         self.stack_file.unlink(missing_ok=True)  # nothing to connect to any more

@@ -8,6 +8,7 @@ import asyncio
 import collections
 import json
 import signal
+import time
 from pathlib import Path
 
 import grpc
@@ -78,12 +79,16 @@ async def test_chains_go_on_while_etcd_is_down_and_registrations_come_back(stack
     assert len(before) == 6  # router, scheduler, memory-pool, cache, 2 workers
     assert stack.etcd is not None
     stack.etcd.stop()
+    down_at = time.monotonic()
     try:
-        # Longer than every lease TTL (3 s here): services keep what they hold.
-        for _ in range(3):
+        # Down for twice every lease TTL (3 s here), a batch of chains every 2 s: services
+        # keep what they hold (a duration, not a synchronisation).
+        batches = 0
+        while batches < 3 or time.monotonic() - down_at < 2 * stack.lease_ttl_s:
             outcomes = await run_batch(stack, "customer_service_agent", queries())
             assert all(o.ok for o in outcomes), describe(outcomes)
-            await asyncio.sleep(5)
+            batches += 1
+            await asyncio.sleep(2)
     finally:
         stack.fresh_etcd = False
         stack.start_etcd()

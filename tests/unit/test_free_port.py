@@ -40,3 +40,14 @@ def test_a_port_handed_out_is_usable() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
         sock.listen()
+
+
+def test_each_slice_hands_out_ports_of_its_own_part_of_the_range(monkeypatch) -> None:
+    """Parallel test processes (pytest-xdist's workers) each take their own slice."""
+    monkeypatch.setattr(devstack, "_ephemeral_range", lambda: (32768, 60999))
+    halves = []
+    for index in (0, 1):
+        monkeypatch.setattr(devstack, "port_slice", (index, 2))
+        halves.append({free_port() for _ in range(50)})
+    assert all(20000 <= port < 26384 for port in halves[0])
+    assert all(26384 <= port < 32768 for port in halves[1])
