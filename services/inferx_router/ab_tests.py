@@ -15,7 +15,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import aetcd
 
@@ -31,13 +31,15 @@ log = logging.getLogger("inferx.router.ab")
 audit_log = logging.getLogger("inferx.audit")
 
 WINNER_LABEL = "ab-winner"
+GUARD_EVERY_S = 0.5
 
 
 class AbTests:
     def __init__(self, store: ChainStore, client: aetcd.Client) -> None:
         self._store = store
         self._client = client
-        self._checking: set[tuple[str, str]] = set()  # guard checks in flight
+        self._checking: set[tuple[str, str]] = set()  # guard stops in flight
+        self._checked_at: dict[tuple[str, str], float] = {}  # monotonic time of each chain's last check
 
     def current(self, tenant: str, name: str) -> AbTest | None:
         """The chain's running test, from the mirror (None: none, or unreadable)."""
@@ -150,13 +152,18 @@ class AbTests:
 
     # ----- the guard rail -------------------------------------------------------------
 
-    def check_guard(self, tenant: str, name: str, kept: Sequence[RunRecord]) -> None:
+    def check_guard(self, tenant: str, name: str, kept: Callable[[], Sequence[RunRecord]]) -> None:
         """After an A/B run: stop the test when an arm has fallen a margin below the
-        other (on this router's kept runs), once at a time per chain."""
+        other (on this router's kept runs), once at a time per chain and at most every
+        GUARD_EVERY_S (the figures go over every kept run of the chain)."""
         test = self.current(tenant, name)
         if test is None or (tenant, name) in self._checking:
             return
-        a, b = figures(test, kept)
+        now = time.monotonic()
+        if now - self._checked_at.get((tenant, name), -GUARD_EVERY_S) < GUARD_EVERY_S:
+            return
+        self._checked_at[(tenant, name)] = now
+        a, b = figures(test, kept())
         verdict = ab.guard(a, b, margin=test.margin, min_runs=test.min_runs)
         if verdict is None:
             return

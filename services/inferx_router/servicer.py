@@ -216,7 +216,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 name = records.RECENT.find(finished.run_id, tenant=tenant).chain
             except NotFound:
                 return
-            self._ab.check_guard(tenant, name, records.RECENT.of_chain(name, tenant=tenant))
+            self._ab.check_guard(tenant, name, lambda: records.RECENT.of_chain(name, tenant=tenant))
 
     def _estimate(self, run: ChainRun) -> float:
         """The run's estimated cost, for the tenant's cost budget (inferx.pricing)."""
