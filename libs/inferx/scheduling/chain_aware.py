@@ -354,8 +354,9 @@ class ChainAwarePolicy:
         chain's small exact prefill estimate where it is held, herds every new chain of a
         program onto the workers that already hold that prompt -- measured on the
         simulator's mix at 0.43x the capacity of the estimate (the session log, `git show
-        afbf7ed:docs/benchmarks.md`, "Own context only"). Only the prefill estimate of a chain under way takes the whole
-        match (own=False): that is the work the engine will do."""
+        afbf7ed:docs/benchmarks.md`, "Own context only"). Only the prefill estimate of a
+        chain under way takes the whole match (own=False): that is the work the engine
+        will do."""
         index = self._prefix_index
         if not self.config.exact_prefix or index is None or worker_id is None or not hop.prompt_blocks:
             return None
