@@ -106,6 +106,8 @@ class InferxClient:
         tier: common_pb2.Tier = common_pb2.TIER_UNSPECIFIED,
         final_only: bool = False,
         batch_events: bool = True,
+        schedule: str = "",
+        off_peak_within_ms: int = 0,
     ) -> AsyncIterator[router_pb2.RunEvent]:
         """The run's events: node_started / node_finished per node, then chain_finished
         (every hop's result is in it too); `final_only`: chain_finished alone.
@@ -122,6 +124,8 @@ class InferxClient:
             tier=tier,
             final_only=final_only,
             batch_events=batch_events,
+            schedule=schedule,
+            off_peak_within_ms=off_peak_within_ms,
         )
         try:
             async for event in self._stub.RunChain(request, timeout=self._timeout_s, metadata=self._metadata):
@@ -145,13 +149,23 @@ class InferxClient:
         label: str = "",
         session_id: str = "",
         tier: common_pb2.Tier = common_pb2.TIER_UNSPECIFIED,
+        schedule: str = "",
+        off_peak_within_ms: int = 0,
     ) -> router_pb2.ChainFinished:
         """Run a chain and return its `ChainFinished` (every hop's result is in `hops`),
         asking the router for that event alone (`final_only`): the cheapest way to run a
         chain when its progress is not shown."""
         finished = None
         async for event in self.run_chain(
-            chain, inputs, version=version, label=label, session_id=session_id, tier=tier, final_only=True
+            chain,
+            inputs,
+            version=version,
+            label=label,
+            session_id=session_id,
+            tier=tier,
+            final_only=True,
+            schedule=schedule,
+            off_peak_within_ms=off_peak_within_ms,
         ):
             if event.HasField("chain_finished"):
                 finished = event.chain_finished

@@ -57,6 +57,13 @@ class LoadMonitor:
             return False  # unknown load: do not degrade on a guess
         return overloaded(load.running, load.queued, load.capacity, self.threshold)
 
+    def load(self, model: str) -> float | None:
+        """The model's pool: (running + queued) / capacity; None when not known yet."""
+        load = self.pools.get(self._directory.pool_of(model))
+        if load is None or load.capacity <= 0:
+            return None
+        return (load.running + load.queued) / load.capacity
+
     async def _poll(self) -> None:
         while True:
             await asyncio.sleep(self._interval_s)

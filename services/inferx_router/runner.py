@@ -52,6 +52,7 @@ from inferx_router import costs, metrics, records
 from inferx_router.chain_store import StoredVersion
 from inferx_router.hops import ModelExecutor, ModelHop, NextHop
 from inferx_router.load import LoadMonitor
+from inferx_router.off_peak import OffPeakPlan, Waiting, wait_for_room
 from inferx_router.tools import SESSION_MEMORY, CircuitOpen, ToolCall, ToolRouter
 
 log = logging.getLogger("inferx.router.run")
@@ -139,6 +140,7 @@ class ChainRun:
         reasoning_parser: Callable[[str], str] | None = None,
         resolve_chain: ResolveChain | None = None,
         parent: ParentLink | None = None,
+        off_peak: OffPeakPlan | None = None,
         price_of: Callable[[str], Price] | None = None,
         run_id: str = "",
         ab_arm: str = "",
@@ -185,6 +187,13 @@ class ChainRun:
         self._hop_counter = [0]  # model hops of the whole tree of runs so far
         self._slo_ms = self.config.slo.latency_p99_ms
         self._has_children = any(node.type == "chain" for node in self.config.nodes)
+        # An off-peak run (schedule: off_peak): its deadline is `within` from now, and its
+        # model hops wait for room (inferx_router.off_peak).
+        self._off_peak = off_peak
+        if off_peak is not None:
+            self._deadline = self._started + off_peak.within_s
+            self._deadline_unix_ms = int(time.time() * 1000 + off_peak.within_s * 1000)
+            self._slo_ms = off_peak.within_s * 1000
         if parent is not None:
             self._inherit(parent)
         # Cost (inferx.pricing): model -> its pool's price; the plan within slo.max_cost.
@@ -235,6 +244,7 @@ class ChainRun:
         self._hop_prefix = up._hop_prefix + link.hop_prefix
         self._ancestry = (*up._ancestry, self.config.name)
         self._hop_counter = up._hop_counter
+        self._off_peak = up._off_peak
 
     def _at_ms(self) -> float:
         return (time.monotonic() - self._started) * 1000
@@ -372,6 +382,8 @@ class ChainRun:
             elif not node.critical:
                 self._skip(result, "overload")
                 return
+        if self._off_peak is not None and node.kind.is_model:
+            await self._wait_for_room(node, model)
         try:
             await self._bounded(node, self._attempts(node, result, model))
             result.status = "ok"
@@ -387,6 +399,22 @@ class ChainRun:
             failure = exc
         result.error = _describe(failure, node)
         await self._degrade(node, result, failure, tried_fallback_model=model != (node.model or ""))
+
+    async def _wait_for_room(self, node: NodeSpec, model: str) -> None:
+        """An off-peak run's model hop: wait while its pool is busy (or outside quiet
+        hours), never past the latest start that still meets the run's deadline."""
+        assert self._off_peak is not None
+        monitor = self._load
+        waiting = Waiting(
+            self.run_id, self.chain.tenant, self.config.name, node.id, model, time.monotonic(), "", 0
+        )
+        await wait_for_room(
+            self._off_peak,
+            waiting,
+            deadline=self._deadline,
+            remaining_s=self.plan.remaining_path_ms(node.id, self._latency) / 1000,
+            load=lambda: monitor.load(model) if monitor is not None else None,
+        )
 
     async def _bounded(self, node: NodeSpec, work) -> None:
         """Run `work` within the node's timeout and the chain's remaining budget."""

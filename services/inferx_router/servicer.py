@@ -38,6 +38,7 @@ from inferx_router.access import AccessControl, audit, caller
 from inferx_router.chain_store import ChainStore, StoredVersion
 from inferx_router.executors import SchedulerExecutor
 from inferx_router.load import LoadMonitor
+from inferx_router.off_peak import plan_of, waiting_messages
 from inferx_router.program_calls import ProgramCalls
 from inferx_router.runner import ChainRun
 from inferx_router.tools import ToolRouter, cache_key, stale_key
@@ -150,6 +151,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             node_events=not request.final_only,
             reasoning_parser=self._directory.reasoning_parser,
             resolve_chain=self._store.resolve,  # sub-agent chains (type: chain nodes)
+            off_peak=plan_of(chain.config, request.schedule, request.off_peak_within_ms),
             price_of=self.price_of,
             run_id=run_id,
             ab_arm=arm,
@@ -338,6 +340,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def GetStatus(self, request, context):
         reply = router_pb2.SystemStatus(services=self._services.all(), workers=self._directory.all_workers())
+        who = caller()  # off-peak hops waiting for room: the caller's tenant's (an admin: all)
+        reply.off_peak_waiting.extend(waiting_messages(None if who.role >= Role.ADMIN else who.tenant))
         # Every scheduler: each answers for the model pools it owns (partitions).
         schedulers = [info.address for info in self._services.instances("scheduler")]
         if not schedulers:

@@ -109,3 +109,20 @@ def parse_availability(value: object, *, what: str = "availability") -> float:
     if fraction is None or not math.isfinite(fraction) or not 0 < fraction <= 1:
         raise ValueFormatError(what, f"{_AVAILABILITY_PROBLEM}, got {_show(value)}")
     return fraction
+
+
+def parse_quiet_hours(text: str) -> tuple[tuple[float, float], ...]:
+    """``"22-6,13-14"`` -> ((22, 6), (13, 14)); "" -> (). ValueError naming the bad part."""
+    spans = []
+    for part in filter(None, (piece.strip() for piece in text.split(","))):
+        start, sep, end = part.partition("-")
+        try:
+            if not sep:
+                raise ValueError
+            span = (float(start), float(end))
+        except ValueError:
+            raise ValueError(f"quiet hours: {part!r} is not START-END in hours (e.g. 22-6)") from None
+        if not (0 <= span[0] <= 24 and 0 <= span[1] <= 24) or span[0] == span[1]:
+            raise ValueError(f"quiet hours: {part!r} is not a span of hours within 0-24")
+        spans.append(span)
+    return tuple(spans)

@@ -39,6 +39,7 @@ from inferx.chain.durations import (
     format_duration_ms,
     parse_availability,
     parse_duration_ms,
+    parse_quiet_hours,
 )
 from inferx.chain.kinds import MEMORY_RETRIEVAL, node_kind, node_kinds
 from inferx.chain.template import INPUT_NAME_RE, NODE_ID_RE
@@ -175,6 +176,25 @@ class SloSpec(BaseModel):
     max_cost: float | None = Field(None, ge=0, allow_inf_nan=False)
 
 
+class OffPeakSpec(BaseModel):
+    """`schedule: off_peak`: the run may finish as late as `within` after it starts; its
+    model hops wait while their pool's load is above `max_load`, or outside
+    `quiet_hours` (UTC, e.g. "22-6"; empty: any hour), never later than `within` allows
+    (inferx.scheduling.off_peak)."""
+
+    model_config = _MODEL_CONFIG
+
+    within_ms: DurationMs = Field(8 * 3_600_000.0, alias="within")
+    max_load: float = Field(0.6, ge=0, le=10, allow_inf_nan=False)
+    quiet_hours: str = ""
+
+    @field_validator("quiet_hours")
+    @classmethod
+    def _hours(cls, value: str) -> str:
+        parse_quiet_hours(value)  # ValueError names the bad part
+        return value
+
+
 class NodeSpec(BaseModel):
     """One step of the chain: a model call, a tool call or a memory lookup."""
 
@@ -284,6 +304,9 @@ class ChainConfig(BaseModel):
     # Retries a whole run may spend across its nodes before taking degradation paths.
     retry_budget: int = Field(3, ge=0, le=100)
     nodes: list[NodeSpec]
+    # `off_peak`: runs wait for room (off_peak: within, max_load, quiet_hours); `now`: run at once.
+    schedule: Literal["now", "off_peak"] = "now"
+    off_peak: OffPeakSpec | None = None
 
     @field_validator("inputs", mode="before")
     @classmethod
@@ -340,6 +363,14 @@ class ChainConfig(BaseModel):
         if self.slo.max_cost is not None:
             chain["slo"]["max_cost"] = self.slo.max_cost
         chain["retry_budget"] = self.retry_budget
+        if self.schedule != "now":
+            chain["schedule"] = self.schedule
+        if self.off_peak is not None:
+            chain["off_peak"] = {
+                "within": format_duration_ms(self.off_peak.within_ms),
+                "max_load": self.off_peak.max_load,
+                "quiet_hours": self.off_peak.quiet_hours,
+            }
         chain["nodes"] = [node.to_document() for node in self.nodes]
         return {"agent_chain": chain}
 
@@ -381,6 +412,8 @@ def _model_at(parent: tuple[Any, ...]) -> type[BaseModel] | None:
         return ChainConfig
     if parent == ("slo",):
         return SloSpec
+    if parent == ("off_peak",):
+        return OffPeakSpec
     if len(parent) == 2 and parent[0] == "nodes" and isinstance(parent[1], int):
         return NodeSpec
     if len(parent) == 2 and parent[0] == "inputs":

@@ -32,6 +32,19 @@ at_least_one = whole_number(1)
 port = whole_number(0, 65535)
 
 
+def duration_ms(text: str) -> float:
+    """A duration (``500ms``, ``3s``, ``8h``) in ms, positive and at most 30 days."""
+    from inferx.chain.durations import ValueFormatError, parse_duration_ms
+
+    try:
+        ms = parse_duration_ms(text)
+    except ValueFormatError as exc:
+        raise argparse.ArgumentTypeError(exc.problem) from None
+    if ms > 30 * 24 * 3_600_000:
+        raise argparse.ArgumentTypeError(f"at most 30 days, got {text!r}")
+    return ms
+
+
 def amount(text: str) -> float:
     """A price or budget: a finite number >= 0."""
     try:

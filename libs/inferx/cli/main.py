@@ -128,6 +128,8 @@ async def cmd_run(args: argparse.Namespace) -> int:
             version=args.version,
             label=args.label or "",
             session_id=args.session or "",
+            schedule="off_peak" if args.off_peak else "",
+            off_peak_within_ms=int(args.off_peak) if args.off_peak else 0,
         )
     if args.json:
         print(json.dumps(_msg_json(finished), indent=2))
@@ -318,6 +320,22 @@ async def cmd_status(args: argparse.Namespace) -> int:
     for queue in status.queues:
         queues.add_row(queue.pool, str(queue.queued), str(queue.running))
     out.print(queues)
+    if status.off_peak_waiting:  # off-peak hops held back, and why
+        waits = Table(title="off-peak, waiting for room", title_justify="left")
+        for column in ("run", "chain", "node", "model", "waiting", "why", "goes by"):
+            waits.add_column(column)
+        for wait in status.off_peak_waiting:
+            goes_by = time.strftime("%H:%M:%S", time.localtime(wait.latest_start_unix_ms / 1000))
+            waits.add_row(
+                wait.run_id,
+                wait.chain,
+                wait.node_id,
+                wait.model,
+                f"{wait.waiting_s:.0f} s",
+                wait.reason,
+                goes_by,
+            )
+        out.print(waits)
     if status.tools:
         out.print("tools: " + ", ".join(status.tools))
     if status.circuit_breakers:
@@ -398,6 +416,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--version", type=argtypes.count, default=0, help="config version (default: active)")
     run.add_argument("--label", help="config label, e.g. prod")
     run.add_argument("--session", help="session id: turns of one conversation share memory")
+    run.add_argument(
+        "--off-peak",
+        type=argtypes.duration_ms,
+        metavar="WITHIN",
+        help="run off-peak: wait for room, finish within WITHIN (e.g. 8h; the command waits)",
+    )
     run.set_defaults(handler=cmd_run)
 
     chain = sub.add_parser("chain", help="validate and manage chain configs")

@@ -21,6 +21,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from inferx.chain.durations import parse_quiet_hours
+
+__all__ = [
+    "OffPeakDecision",
+    "OffPeakRule",
+    "in_quiet_hours",
+    "latest_start_s",
+    "off_peak_decision",
+    "parse_quiet_hours",
+]
+
 DEFAULT_WITHIN_S = 8 * 3600.0  # `schedule: off_peak` without `off_peak_within`
 
 
@@ -49,23 +60,6 @@ class OffPeakRule:
 class OffPeakDecision:
     go: bool
     reason: str  # why it goes or waits, for `inferx status`
-
-
-def parse_quiet_hours(text: str) -> tuple[tuple[float, float], ...]:
-    """``"22-6,13-14"`` -> ((22, 6), (13, 14)); "" -> (). ValueError naming the bad part."""
-    spans = []
-    for part in filter(None, (piece.strip() for piece in text.split(","))):
-        start, sep, end = part.partition("-")
-        try:
-            if not sep:
-                raise ValueError
-            span = (float(start), float(end))
-        except ValueError:
-            raise ValueError(f"quiet hours: {part!r} is not START-END in hours (e.g. 22-6)") from None
-        if not (0 <= span[0] <= 24 and 0 <= span[1] <= 24) or span[0] == span[1]:
-            raise ValueError(f"quiet hours: {part!r} is not a span of hours within 0-24")
-        spans.append(span)
-    return tuple(spans)
 
 
 def in_quiet_hours(hour: float, spans: tuple[tuple[float, float], ...]) -> bool:
