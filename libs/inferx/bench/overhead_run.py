@@ -31,7 +31,7 @@ from inferx.bench.overhead import (
     path_name,
 )
 from inferx.bench.runner import ProgressFactory
-from inferx.devstack import LocalStack, StackPorts, wait_serving
+from inferx.devstack import LocalStack, StackPorts
 from inferx.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 CALL_TIMEOUT_S = 30.0
@@ -79,7 +79,7 @@ def start_overhead_stack(state_dir: Path, options: OverheadOptions) -> LocalStac
         stack.start_core()
         stack.load_models({MODEL: MODEL})
         stack.start_worker(MODEL, "sim", ["--sim-speed", str(options.speed)])
-        wait_serving(stack.workers[0], READY_TIMEOUT_S)
+        stack.wait_workers(READY_TIMEOUT_S)  # SERVING, and routed: no call meets "no live worker"
         files = []
         for hops in sorted({1, options.hops}):
             path = state_dir / f"{chain_name(hops)}.yaml"

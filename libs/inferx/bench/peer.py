@@ -261,9 +261,9 @@ def start_environment(state_dir: Path, spec: EnvSpec) -> Environment:
             wait_serving(worker, READY_TIMEOUT_S)
         env.worker_urls = [f"http://127.0.0.1:{port}" for port in ports]
         if spec.inferx:
-            from inferx.bench.live import _wait_workers_seen
-
-            asyncio.run(_wait_workers_seen(stack.scheduler_address, spec.workers, stack.transport))
+            # SERVING is not routed yet: the router's front would answer 503 "no live
+            # worker" until its, the scheduler's and the memory-pool's watches see them.
+            stack.wait_workers(READY_TIMEOUT_S)
             base = f"http://127.0.0.1:{stack.ports.router_http}"
             _wait_http(f"{base}/v1/models", lambda r: MODEL in r.text, stack.services["router"])
             env.fronts[INFERX] = base

@@ -197,8 +197,9 @@ def start_stack(state_dir: Path, config: str, options: SeedOptions, knowledge: P
                 extra += ["--sim-kv-capacity-tokens", str(options.kv_cache_tokens)]
         for _ in range(options.workers):
             stack.start_worker(sa.MODEL, options.engine, extra)
-        for worker in stack.workers:
-            wait_serving(worker, 600)
+        # SERVING, and seen by the router, the scheduler and the memory-pool: a chain
+        # run before then fails "no live worker serves model ...".
+        stack.wait_workers(600)
         return stack
     except BaseException:
         stack.stop()
