@@ -192,9 +192,9 @@ def observe_tenant_run(tenant: str, finished: router_pb2.ChainFinished) -> int:
     return prompt + completion
 
 
-def observe_cost(chain: str, tenant: str, finished: router_pb2.ChainFinished) -> None:
-    if finished.cost:
-        child(CHAIN_COST, chain, tenant).inc(finished.cost)
+def observe_cost(chain: str, tenant: str, cost: float) -> None:
+    if cost:
+        child(CHAIN_COST, chain, tenant).inc(cost)
 
 
 def observe_ab_run(chain: str, arm: str, finished: router_pb2.ChainFinished) -> None:

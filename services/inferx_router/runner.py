@@ -315,7 +315,12 @@ class ChainRun:
             finished.slo_met = False
         tier = self.tier.label
         metrics.observe_chain(self.config.name, tier, finished, slo_target=self.config.slo.availability)
-        metrics.observe_cost(self.config.name, self.chain.tenant, finished)
+        # Each chain's counter counts its own hops: a child run counts its hops under its own
+        # chain, so the parent's `type: chain` nodes are left out here (no double count).
+        own_cost = sum(
+            hop.cost for node, hop in zip(self.config.nodes, hops, strict=True) if node.type != "chain"
+        )
+        metrics.observe_cost(self.config.name, self.chain.tenant, own_cost)
         if self.ab_arm:
             metrics.observe_ab_run(self.config.name, self.ab_arm, finished)
         records.record_run(
@@ -625,10 +630,13 @@ class ChainRun:
                 node_events=False,
                 reasoning_parser=self._reasoning_parser,
                 resolve_chain=self._resolve_chain,
+                price_of=self._price_of,  # a child's hops are priced as the parent's are
                 parent=ParentLink(self, node.id, prefix),
             )
             for prefix, inputs in batches
         ]
+        for run in runs:
+            run.plan_cost()  # a child's own slo.max_cost, as a run's (OverBudget: the node fails)
         del result.child_run_ids[:]  # a retry's children replace the last try's
         result.child_run_ids.extend(run.run_id for run in runs)
         gate = asyncio.Semaphore(node.max_concurrency)
@@ -639,6 +647,9 @@ class ChainRun:
 
         finished = await asyncio.gather(*(one(run) for run in runs))
         for done in finished:
+            # What the children cost is this node's (a failed child's hops cost all the same):
+            # the run's cost, its slo.max_cost and the tenant's hourly budget include it.
+            result.cost += done.cost
             for hop in done.hops:
                 result.usage.prompt_tokens += hop.usage.prompt_tokens
                 result.usage.completion_tokens += hop.usage.completion_tokens

@@ -112,6 +112,59 @@ async def test_prices_costs_and_the_budget(sim_stack: LocalStack) -> None:
     assert total(samples, "inferx_chain_budget_refusals_total", chain="budget_refused") == 1
 
 
+SUB_PARENT = """
+agent_chain:
+  name: priced_parent
+  slo: {end_to_end_latency_p99: 30s, max_cost: MAX}
+  inputs: [q]
+  nodes:
+    - {id: ask, type: model_inference, model: qwen-7b, timeout: 15s, max_tokens: 8,
+       prompt: "Plan {{ inputs.q }}"}
+    - {id: sub, type: chain, chain: priced_child, depends_on: [ask], timeout: 15s,
+       inputs: {q: "{{ nodes.ask.output }}"}}
+"""
+
+
+async def test_a_sub_agents_cost_is_its_parents(sim_stack: LocalStack) -> None:
+    """A `type: chain` node costs what its child run cost: the parent's run cost (and so
+    its slo.max_cost) includes it, while the per-chain counter counts each hop once."""
+    async with InferxClient(sim_stack.router_address) as client:
+        await client.set_pool_price("qwen-72b", prompt_per_1k=1.0, cached_per_1k=0.5, output_per_1k=10.0)
+        await client.set_pool_price("qwen-7b", prompt_per_1k=0.1, output_per_1k=1.0)
+        await client.put_chain(chain("priced_child"))
+        await client.put_chain(SUB_PARENT.replace("MAX", "100"))
+        run = await finish(client, "priced_parent")
+        assert run.status == "ok", run.error
+        ask, sub = run.hops
+        assert ask.cost == pytest.approx(expected(ask, SMALL)) and ask.cost > 0
+        (child_id,) = sub.child_run_ids
+        child = await client._unary(client._stub.GetRun, router_pb2.GetRunRequest(run_id=child_id))
+        assert child.finished.cost > 0 and sub.cost == pytest.approx(child.finished.cost)
+        assert run.cost == pytest.approx(ask.cost + child.finished.cost)
+
+        # The children's cost counts against the parent's budget: over it, the SLO is missed.
+        # (the budget fits the parent's own model node, the plan's estimate, but not the child)
+        await client.put_chain(SUB_PARENT.replace("MAX", f"{ask.cost + child.finished.cost / 2:.6f}"))
+        over = await finish(client, "priced_parent")
+        assert over.cost > over.max_cost and not over.slo_met
+
+        # A child's own slo.max_cost is planned as a run's: one that cannot fit fails the node.
+        await client.put_chain(chain("priced_tight_child", 0.0001))
+        await client.put_chain(
+            SUB_PARENT.replace("priced_parent", "priced_tight_parent")
+            .replace("priced_child", "priced_tight_child")
+            .replace("MAX", "100")
+        )
+        tight = await finish(client, "priced_tight_parent")
+        assert tight.status == "error" and "over its slo.max_cost 0.0001" in tight.error, tight
+
+    samples = {}
+    for address in (await metrics_addresses(sim_stack))["router"]:
+        samples.update(scrape(address))
+    parents = total(samples, "inferx_chain_cost_total", chain="priced_parent")
+    assert parents == pytest.approx(ask.cost + over.hops[0].cost)  # its own hops, not the child's
+
+
 def test_cli_shows_prices_costs_and_refuses_bad_prices(sim_stack: LocalStack) -> None:
     result = _cli(sim_stack, "pool", "price", "qwen-7b", "--prompt-per-1k", "0.1", "--output-per-1k", "1")
     assert result.returncode == 0, result.stderr
