@@ -160,3 +160,65 @@ def test_a_dag_trace_is_probed_in_steady_state_with_its_alone_times_kept() -> No
     by_id = {c.chain_id: c for c in trace.chains}
     for record in run.chains[: 2 * len(base.chains)]:
         assert record.alone_s == pytest.approx(alone_latency_s(by_id[record.chain_id], PROFILE))
+
+
+def _record(chain_id: str, serving_s: float, *, done: bool = True):
+    from inferx.sim.records import ChainRecord
+
+    record = ChainRecord(chain_id, "k", "standard", 0.0, 100.0, alone_s=serving_s + 5.0, delays_s=5.0)
+    if done:
+        record.finish("ok", serving_s + 5.0)
+    return record
+
+
+def test_the_bound_counts_chains_of_the_mix_not_whatever_finishes() -> None:
+    """Overloaded, a policy that finishes every cheap chain and starves the costly ones
+    finishes 90% of the chains but serves a fraction of the work: its bound is the work's
+    share (chains of the trace's mix per second), not the chains' count."""
+    from inferx.sim.capacity import throughput_of
+
+    window = steady_window(small_trace(), 300.0)
+    cheap = [_record(f"c{i}", 1.0) for i in range(90)]
+    costly = [_record(f"x{i}", 30.0, done=False) for i in range(10)]
+    starving = throughput_of("p", 2.0, cheap + costly, cheap, window)
+    assert starving.completed_chains_rate_per_s == pytest.approx(1.8)  # 90 of 100, times 2/s
+    assert starving.completed_rate_per_s == pytest.approx(2.0 * 90 / (90 + 300))
+    assert starving.saturated
+    fair = throughput_of("p", 2.0, cheap + costly, cheap[:45] + costly[:5], window)
+    assert fair.completed_rate_per_s == pytest.approx(1.0)
+    assert fair.completed_rate_per_s > starving.completed_rate_per_s
+    kept_up = throughput_of("p", 2.0, cheap, cheap, window)
+    assert kept_up.completed_rate_per_s == pytest.approx(2.0) and not kept_up.saturated
+
+
+def test_cli_bound_reports_the_engines_bound_and_each_share(capsys, tmp_path) -> None:
+    from inferx.cli.main import main
+
+    argv = ["sim", "--capacity", "--duration", "20", "--window-s", "60", "--json", "--workers", "1"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            [
+                *argv,
+                "--bound",
+                "--compare",
+                "round-robin",
+                "least-loaded",
+                "--results",
+                str(tmp_path / "r.json"),
+            ]
+        )
+    assert exit_info.value.code == 0
+    data = json.loads(capsys.readouterr().out)
+    bound = data["bound"]
+    (seed,) = bound["per_seed"]
+    assert set(seed["throughput"]) == {"round-robin", "least-loaded"}  # the top policies (up to 3)
+    assert (
+        bound["rate_per_s"]
+        == seed["bound_per_s"]
+        == max(t["completed_rate_per_s"] for t in seed["throughput"].values())
+    )
+    for name, result in data["capacity"].items():
+        assert seed["share"][name] == pytest.approx(result["per_seed"][0]["rate_per_s"] / seed["bound_per_s"])
+    assert "bound_method" in data["context"] and "serving time alone" in data["context"]["bound_method"]
+    raw = json.loads((tmp_path / "r.json").read_text())
+    assert raw["complete"] and raw["bound"]["rate_per_s"] == bound["rate_per_s"]

@@ -289,9 +289,11 @@ def cmd_capacity(
         bound = _bounds(per_seed, traces, windows, profile, args, options, jobs, err, report)
         context["bound_method"] = (
             f"the {BOUND_POLICIES} policies of highest capacity on each seed offered {BOUND_OVERLOAD:g}x the "
-            "highest capacity found over the same steady window; chains finished per second of the "
-            "measured window (within SLO or not), in the trace's nominal rate units; the bound is the "
-            "highest of them (at_least: no run fell behind, so the workers can do more)"
+            "highest capacity found over the same steady window; the share of the arrived work "
+            "(each chain's serving time alone) that chains finishing in the measured window served "
+            "(within SLO or not), times the offered rate: chains of the trace's mix per second, in its "
+            "nominal rate units; the bound is the highest of them (at_least: no run fell behind, so "
+            "the workers can do more)"
         )
     context["wall_s"] = time.perf_counter() - started
     rates = {name: [c.rate_per_s for c in caps] for name, caps in per_seed.items()}
@@ -520,7 +522,8 @@ def _bounds(
         found.setdefault(task.seed_index, {})[task.policy] = result
         report(
             f"  {task.policy} (seed {task.trace.meta.config.seed}) offered {task.offered_rate_per_s:.4g} "
-            f"chains/s: completes {result.completed_rate_per_s:.4g}/s"
+            f"chains/s: serves {result.completed_rate_per_s:.4g}/s of the mix "
+            f"({result.completed_chains_rate_per_s:.4g} chains/s finished, each counted as one)"
             + ("" if result.saturated else " (kept up: the bound is higher)")
         )
 

@@ -28,6 +28,7 @@ from pydantic import BaseModel
 
 from inferx.sim.cluster import ClusterSim, sim_policy
 from inferx.sim.profile import EngineProfile
+from inferx.sim.records import ChainRecord
 from inferx.sim.steady import SteadyWindow, burst_trace, steady_trace
 from inferx.sim.trace import Trace
 from inferx.stats import percentile
@@ -261,20 +262,34 @@ class Throughput(BaseModel):
     """What a policy completes per second with more offered than it can serve: the
     engines' bound on a workload, by the steady-state method (every worker busy).
 
-    Rates are in the trace's nominal units, as capacities are (a trace's Poisson sample
-    holds a few percent more or fewer chains than its nominal rate says): the chains
-    completed per second of the window, scaled by offered / arrived."""
+    Counted in chains *of the trace's mix*: overloaded, a policy that finishes cheap
+    chains and starves costly ones finishes more chains per second without serving more,
+    so each finished chain weighs its serving time alone (its time alone on an idle
+    engine less its tool and think time) over the mean of the chains that arrived. Rates
+    are in the trace's nominal units, as capacities are (a trace's Poisson sample holds a
+    few percent more or fewer chains than its nominal rate says)."""
 
     policy: str
     offered_rate_per_s: float  # nominal, as a capacity
     arrived_per_s: float  # chains arriving in the measured window, per second of it
     completed_per_s: float  # chains finished during the window (within SLO or not), per second
     completed_within_slo_per_s: float
-    completed_rate_per_s: float  # completed_per_s in nominal units: comparable with capacities
-    # Fewer finished than arrived (by more than 5%): the workers could not keep up, so
-    # `completed_rate_per_s` is what they get through. False: they kept up, and the bound
-    # is at least the offered rate.
+    # The served share of the arrived work (serving time alone), times the offered rate:
+    # comparable with capacities. The bound.
+    completed_rate_per_s: float
+    # completed_per_s in nominal units, every chain counted as one (what a starving
+    # policy inflates): shown, not the bound.
+    completed_chains_rate_per_s: float
+    # Less of the arrived work served than arrived (by more than 5%): the workers could
+    # not keep up, so `completed_rate_per_s` is what they get through. False: they kept
+    # up, and the bound is at least the offered rate.
     saturated: bool
+
+
+def serving_work_s(chain: ChainRecord) -> float:
+    """A chain's serving time alone: what the engines must spend on it (its weight in
+    the trace's mix), as opposed to the tool and think time no scheduler serves."""
+    return max(chain.alone_s - chain.delays_s, 0.0)
 
 
 def saturated_throughput(
@@ -288,9 +303,10 @@ def saturated_throughput(
     programs: bool = False,
 ) -> Throughput:
     """`trace` offered at `offered_rate_per_s` (above what the policy sustains) over the
-    steady window: the chains that finish during the measured window, per second of it.
-    With the queue never empty, that is what the workers, all busy, complete under this
-    policy (its batching and cache reuse included)."""
+    steady window: the work of the chains that finish during the measured window, per
+    second of it, over the work that arrived (see `Throughput`). With the queue never
+    empty, that is what the workers, all busy, serve under this policy (its batching and
+    cache reuse included)."""
     probe, measured = steady_trace(trace, offered_rate_per_s, window)
     end = window.warmup_s + window.window_s
     sim = ClusterSim(
@@ -302,14 +318,31 @@ def saturated_throughput(
         for c in result.chains
         if c.latency_s is not None and window.warmup_s <= c.arrival_s + c.latency_s < end
     ]
-    arrived = len(measured) / window.window_s
+    return throughput_of(
+        policy, offered_rate_per_s, [c for c in result.chains if c.chain_id in measured], finished, window
+    )
+
+
+def throughput_of(
+    policy: str,
+    offered_rate_per_s: float,
+    arrived: list[ChainRecord],
+    finished: list[ChainRecord],
+    window: SteadyWindow,
+) -> Throughput:
+    """The figures of one saturated run (pure: `saturated_throughput` does the replay)."""
+    arrived_work = sum(serving_work_s(c) for c in arrived)
+    finished_work = sum(serving_work_s(c) for c in finished)
+    served = finished_work / arrived_work if arrived_work > 0 else 0.0
     completed = len(finished) / window.window_s
+    arrived_per_s = len(arrived) / window.window_s
     return Throughput(
         policy=policy,
         offered_rate_per_s=offered_rate_per_s,
-        arrived_per_s=arrived,
+        arrived_per_s=arrived_per_s,
         completed_per_s=completed,
         completed_within_slo_per_s=sum(1 for c in finished if c.slo_met) / window.window_s,
-        completed_rate_per_s=completed * offered_rate_per_s / arrived if arrived else 0.0,
-        saturated=completed < 0.95 * arrived,
+        completed_rate_per_s=served * offered_rate_per_s,
+        completed_chains_rate_per_s=completed * offered_rate_per_s / arrived_per_s if arrived_per_s else 0.0,
+        saturated=served < 0.95,
     )
