@@ -94,25 +94,38 @@ lint: $(STAMP) proto
 # included) and each workload's engine bound, in the simulator (issue #42): three
 # workloads x two engine profiles x BENCH_SEEDS trace seeds. Every probe is a steady-state
 # run (>= 30 min and >= 20 median chain SLOs of arrivals measured; docs/benchmarks.md).
-# What keeps it short on 2 cores: two searches at a time (--jobs 2), a probe stops as soon
-# as its misses exceed what the targets allow, a chain's alone time is computed once per
-# content, and round-robin and least-loaded are left out (session-affinity beats both at
-# every rate measured; add them with BENCH_POLICIES=...). Raw results land in
-# .inferx/bench-results/<workload>-<profile>.json, plots in .inferx/bench-plots/.
+# What keeps it within 2 hours on 2 cores: every policy on the first seed, then on the
+# other seeds only chain-aware and the BENCH_TOP_PEERS strongest peers of the first (a
+# peer well behind on one seed does not become the strongest on the median); two searches
+# at a time (--jobs 2); a probe stops as soon as its misses exceed what the targets allow;
+# a chain's alone time is computed once per content; round-robin and least-loaded left
+# out (session-affinity beats both at every rate measured; add them with
+# BENCH_POLICIES=...). Raw results land in .inferx/bench-results/<workload>-<profile>-*.json,
+# plots in .inferx/bench-plots/; the headline table is printed at the end.
 BENCH_POLICIES ?= session-affinity prefix-aware program-las tier-priority tier-pools chain-aware
 BENCH_PROFILES ?= default benchmarks/llama2-7b-mha-a100.yaml
 BENCH_WORKLOADS ?= mix coding research
 BENCH_SEEDS ?= 3
+BENCH_TOP_PEERS ?= 2
 bench: setup
 	@mkdir -p .inferx/bench-results .inferx/bench-plots
-	@set -e; for workload in $(BENCH_WORKLOADS); do for profile in $(BENCH_PROFILES); do \
-	  name=$$(basename $$profile .yaml); \
-	  echo "== $$workload on $$name"; \
-	  $(VENV)/bin/inferx sim --capacity --workload $$workload --seeds $(BENCH_SEEDS) --bound --jobs 2 \
-	    $$( [ $$profile = default ] || echo --profile $$profile ) \
+	@set -e; files=; for workload in $(BENCH_WORKLOADS); do for profile in $(BENCH_PROFILES); do \
+	  name=$$(basename $$profile .yaml); out=.inferx/bench-results/$$workload-$$name; \
+	  with_profile=$$( [ $$profile = default ] || echo --profile $$profile ); \
+	  echo "== $$workload on $$name: seed 1, every policy"; \
+	  $(VENV)/bin/inferx sim --capacity --workload $$workload --seeds 1 --bound --jobs 2 $$with_profile \
 	    --compare $(BENCH_POLICIES) --plot .inferx/bench-plots/$$workload-$$name.png \
-	    --results .inferx/bench-results/$$workload-$$name.json; \
-	done; done
+	    --results $$out-seed1.json; \
+	  files="$$files $$out-seed1.json"; \
+	  if [ $(BENCH_SEEDS) -gt 1 ]; then \
+	    peers=$$($(PY) benchmarks/capacity_markdown.py --top-peers $(BENCH_TOP_PEERS) $$out-seed1.json); \
+	    echo "== $$workload on $$name: seeds 2-$(BENCH_SEEDS), chain-aware and $$peers"; \
+	    $(VENV)/bin/inferx sim --capacity --workload $$workload --seed 2 --seeds $$(($(BENCH_SEEDS) - 1)) \
+	      --bound --jobs 2 $$with_profile --compare $$peers chain-aware --results $$out-seeds.json; \
+	    files="$$files $$out-seeds.json"; \
+	  fi; \
+	done; done; \
+	$(PY) benchmarks/capacity_markdown.py $$files
 	$(MAKE) bench-decisions
 
 # The scheduler's decision cost per hop at 4, 32 and 128 workers and 10..1000 queued hops,

@@ -2,6 +2,7 @@
 docs/benchmarks.md:
 
     python benchmarks/capacity_markdown.py OUT.json [OUT.json ...]
+    python benchmarks/capacity_markdown.py --top-peers 2 OUT.json   # names, for `make bench`
 
 Files of the same workload and engine profile are merged by trace seed (e.g. one run of
 every policy on seed 1 and one of the strongest on seeds 2-3): a policy's capacity is
@@ -23,7 +24,24 @@ from pathlib import Path
 CANDIDATE = "chain-aware"
 
 
+def top_peers(count: int, paths: list[str]) -> list[str]:
+    """The `count` peers of highest median capacity in these results: `make bench`
+    measures every policy on the first seed, then only these and chain-aware on the rest
+    (a peer well behind on one seed does not become the strongest on the median)."""
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for raw in paths:
+        for name, runs in _per_seed(raw, json.loads(Path(raw).read_text())).items():
+            by_name[name].extend(run["rate_per_s"] for run in runs)
+    peers = [name for name in by_name if name != CANDIDATE]
+    return sorted(peers, key=lambda n: -statistics.median(by_name[n]))[:count]
+
+
 def main(paths: list[str]) -> None:
+    if paths[:1] == ["--top-peers"]:
+        if len(paths) < 3 or not paths[1].isdigit():
+            raise SystemExit("usage: capacity_markdown.py --top-peers N OUT.json [OUT.json ...]")
+        print(" ".join(top_peers(int(paths[1]), paths[2:])))
+        return
     groups: dict[tuple[str, str], dict] = {}
     for raw in paths:
         data = json.loads(Path(raw).read_text())
@@ -35,8 +53,8 @@ def main(paths: list[str]) -> None:
             key, {"rates": defaultdict(dict), "bounds": {}, "windows": set(), "workers": context["workers"]}
         )
         seeds = context["trace_seeds"]
-        for name, result in data["capacity"].items():
-            for seed, run in zip(seeds, result["per_seed"], strict=True):
+        for name, runs in _per_seed(raw, data).items():
+            for seed, run in zip(seeds, runs, strict=True):
                 group["rates"][name][seed] = run["rate_per_s"]
         for window in context["window"]:
             group["windows"].add(round(window["window_s"]))
@@ -93,6 +111,17 @@ def main(paths: list[str]) -> None:
             )
             + " |"
         )
+
+
+def _per_seed(path: str, data: dict) -> dict[str, list[dict]]:
+    """Each policy's searches in seed order, from `--json`'s output (`per_seed`) or a
+    `--results` file (a list per policy; refused while the run had not finished)."""
+    if data.get("complete") is False:
+        raise SystemExit(f"{path}: an unfinished run (complete: false)")
+    return {
+        name: result if isinstance(result, list) else result["per_seed"]
+        for name, result in data["capacity"].items()
+    }
 
 
 def _cell(by_seed: dict[int, float], median: float) -> str:
