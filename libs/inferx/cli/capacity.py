@@ -30,6 +30,7 @@ from inferx.sim.capacity import (
     Capacity,
     CapacityProbe,
     Throughput,
+    engine_bound,
     find_capacity,
     saturated_throughput,
     simulated_evaluator,
@@ -292,8 +293,9 @@ def cmd_capacity(
             "highest capacity found over the same steady window; the share of the arrived work "
             "(each chain's serving time alone) that chains finishing in the measured window served "
             "(within SLO or not), times the offered rate: chains of the trace's mix per second, in its "
-            "nominal rate units; the bound is the highest of them (at_least: no run fell behind, so "
-            "the workers can do more)"
+            "nominal rate units; the bound is the highest of them, or the best capacity where that is "
+            "higher (throughput collapsing under overload); at_least: no run fell behind, so the "
+            "workers can do more"
         )
     context["wall_s"] = time.perf_counter() - started
     rates = {name: [c.rate_per_s for c in caps] for name, caps in per_seed.items()}
@@ -533,7 +535,10 @@ def _bounds(
     shares: dict[str, list[float]] = {name: [] for name in per_seed}
     for index in sorted(found):
         runs = found[index]
-        bound = max(r.completed_rate_per_s for r in runs.values())
+        bound, by = engine_bound(
+            {n: r.completed_rate_per_s for n, r in runs.items()},
+            {n: caps[index].rate_per_s for n, caps in per_seed.items()},
+        )
         bounds.append(bound)
         for name, caps in per_seed.items():
             shares[name].append(caps[index].rate_per_s / bound)
@@ -541,7 +546,7 @@ def _bounds(
             {
                 "seed": traces[index].meta.config.seed,
                 "bound_per_s": bound,
-                "by": max(runs, key=lambda n: runs[n].completed_rate_per_s),
+                "by": by,
                 # No run fell behind its arrivals: the workers can do more (a lower bound).
                 "at_least": not any(r.saturated for r in runs.values()),
                 "throughput": {n: r.model_dump() for n, r in runs.items()},

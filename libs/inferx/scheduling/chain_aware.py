@@ -167,10 +167,15 @@ class ChainAwareConfig:
     # window allows -- and are shed (RESOURCE_EXHAUSTED, a retry hint) once more
     # than `overload_shed_factor` windows' worth of them wait.
     overload_control: bool = False  # off by default: near capacity it sheds chains that would have made it
-    overload_max_stretch: float = 2.0
+    # A realtime chain's SLO is 3x its time alone: hops already running at 2x leave its
+    # queueing no room, so the lower tiers are held back from 1.25x, and a new chain past
+    # one window's worth waiting is shed at once (waiting longer it misses anyway). At 2x
+    # the strongest peer's capacity (docs/benchmarks.md) that kept realtime >= 99% on mix,
+    # research and research on the 7B profile, where 2.0 / 2.0 let it fall to 87%.
+    overload_max_stretch: float = 1.25
     overload_cooldown_s: float = 5.0
     overload_min_chains: float = 2.0
-    overload_shed_factor: float = 2.0
+    overload_shed_factor: float = 1.0
     # Where a prompt's blocks are cached, from the workers' KV events (an index the
     # scheduler / simulator attaches), instead of where the chain last ran.
     exact_prefix: bool = False

@@ -323,6 +323,18 @@ def saturated_throughput(
     )
 
 
+def engine_bound(served: dict[str, float], capacities: dict[str, float]) -> tuple[float, str]:
+    """The engines' bound on one seed, and what set it: the most any policy served
+    overloaded (`served`, per policy), or the best sustained capacity where that is higher
+    -- a capacity is served work too, and where overload makes throughput collapse (long
+    contexts thrashing the KV cache) every overloaded run serves less."""
+    by_served = max(served, key=lambda n: served[n])
+    by_capacity = max(capacities, key=lambda n: capacities[n])
+    if served[by_served] >= capacities[by_capacity]:
+        return served[by_served], by_served
+    return capacities[by_capacity], f"{by_capacity} (its capacity: overloaded, every run served less)"
+
+
 def throughput_of(
     policy: str,
     offered_rate_per_s: float,
