@@ -51,7 +51,10 @@ def test_it_reports_each_entry_per_seed(capsys: pytest.CaptureFixture[str]) -> N
             assert 0.0 <= row["realtime"] <= 1.0 and 0.0 <= row["shed"] <= 1.0 and row["preemptions"] >= 0
             # far below capacity every measured chain finishes: as many per second of the
             # window as arrived in it (about the rate: Poisson, ~30 chains in 600 s)
-            assert row["completed"] == 1.0 and row["work_served"] == pytest.approx(1.0)
+            assert row["completed"] == 1.0
+            # ... and the engines keep up: the work finishing in the window is the work
+            # arriving in it (within a short window's edges)
+            assert row["work_served"] == pytest.approx(1.0, abs=0.15)
             assert row["finished_per_s"] == pytest.approx(row["measured_chains"] / 600)
             assert 0.5 * 0.05 < row["finished_per_s"] < 2 * 0.05
 
