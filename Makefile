@@ -134,13 +134,16 @@ bench-decisions: setup
 	$(VENV)/bin/inferx sim --decision-cost --cost-scan --cost-workers 4 32 128 \
 	  --cost-depths 10 100 1000 --cost-cycles 150 --duration 20
 
-# Past capacity (issue #13): realtime attainment, shed and preemptions at 2x the strongest
-# peer's capacity at SLO on the Llama-3-8B profile (the rates are docs/benchmarks.md's).
+# Past capacity (issues #13, #42): realtime attainment, what is shed and the work served at
+# 2x the strongest peer's sustained capacity at SLO (docs/benchmarks.md's headline medians),
+# the peer against chain-aware with overload control, 3 seeds each.
+OVERLOAD_RUNS ?= "mix default 3.67 program-las" "research default 0.50 prefix-aware" \
+  "research benchmarks/llama2-7b-mha-a100.yaml 0.166 program-las" "coding default 0.043 prefix-aware"
 bench-overload: setup
-	@set -e; for run in "mix 4.86 program-las" "coding 0.040 prefix-aware" "research 0.534 program-las"; do \
+	@set -e; for run in $(OVERLOAD_RUNS); do \
 	  set -- $$run; \
-	  $(VENV)/bin/python benchmarks/overload.py --workload $$1 --rate $$2 --seeds 3 \
-	    --compare $$3 chain-aware chain-aware:overload_control=true; \
+	  $(PY) benchmarks/overload.py --workload $$1 $$( [ $$2 = default ] || echo --profile $$2 ) \
+	    --rate $$3 --seeds 3 --compare $$4 chain-aware:overload_control=true; \
 	done
 
 clean:
