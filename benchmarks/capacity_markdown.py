@@ -88,7 +88,7 @@ def main(paths: list[str]) -> None:
         at_least = ">= " if any(flag for _, flag in bounds) else ""
 
         others = ", ".join(
-            f"{name} {median[name]:.3f}"
+            f"{name} {median[name]:.3g}"
             + (f" ({len(rates[name])} seed)" if len(rates[name]) < len(seeds) else "")
             for name in sorted(rates, key=lambda n: -median[n])
             if name not in (CANDIDATE, peer)
@@ -104,7 +104,7 @@ def main(paths: list[str]) -> None:
                     f"{peer} {_cell(rates[peer], median[peer])}",
                     f"**{median[CANDIDATE] / median[peer]:.2f}x** ({min(per_seed):.2f}-{max(per_seed):.2f}), "
                     f"seeds {','.join(map(str, seeds))}",
-                    f"{at_least}{bound:.3f} ({len(bounds)} seeds)" if bound is not None else "-",
+                    f"{at_least}{bound:.3g} ({len(bounds)} seeds)" if bound is not None else "-",
                     f"{median[CANDIDATE] / bound:.0%} / {median[peer] / bound:.0%}" if bound else "-",
                     others,
                 )
@@ -126,8 +126,8 @@ def _per_seed(path: str, data: dict) -> dict[str, list[dict]]:
 
 def _cell(by_seed: dict[int, float], median: float) -> str:
     values = list(by_seed.values())
-    spread = f" ({min(values):.3f}-{max(values):.3f})" if len(values) > 1 else ""
-    return f"{median:.3f}{spread}"
+    spread = f" ({min(values):.3g}-{max(values):.3g})" if len(values) > 1 else ""
+    return f"{median:.3g}{spread}"
 
 
 if __name__ == "__main__":

@@ -57,11 +57,11 @@ def test_seeds_merge_across_files_and_the_strongest_peer_is_measured_on_every_se
     row = capsys.readouterr().out.strip().splitlines()[-1]
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[:3] == ["mix", "llama-3-8b/a100-80gb", "1800"]
-    assert cells[3] == "3.000 (2.700-3.300)"
-    assert cells[4] == "tier-pools 2.400 (1.900-2.500)"  # median over 3 seeds beats program-las'
+    assert cells[3] == "3 (2.7-3.3)"  # three significant digits: coding rates are ~0.002
+    assert cells[4] == "tier-pools 2.4 (1.9-2.5)"  # median over 3 seeds beats program-las'
     assert cells[5].startswith("**1.25x**") and "seeds 1,2,3" in cells[5]
-    assert cells[6] == "4.000 (1 seeds)" and cells[7] == "75% / 60%"
-    assert "session-affinity 1.000 (1 seed)" in cells[8]
+    assert cells[6] == "4 (1 seeds)" and cells[7] == "75% / 60%"
+    assert "session-affinity 1 (1 seed)" in cells[8]
 
 
 def test_unfinished_and_burst_results_are_refused(tmp_path: Path) -> None:
