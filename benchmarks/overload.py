@@ -31,7 +31,7 @@ import sys
 import yaml
 
 from inferx.scheduling.registry import make_policy
-from inferx.sim.capacity import attainment, throughput_of
+from inferx.sim.capacity import attainment, finished_in_window, throughput_of
 from inferx.sim.cluster import ClusterSim
 from inferx.sim.profile import load_profile
 from inferx.sim.steady import steady_trace, steady_window
@@ -66,13 +66,7 @@ def run(name: str, options: dict[str, object], args: argparse.Namespace, seed: i
     cached = sum(c.cached_tokens for c in chains)
     loaded = sum(c.loaded_tokens for c in chains)
     finished = [c for c in chains if c.latency_s is not None]
-    window_end = window.warmup_s + window.window_s  # what the engine bound counts
-    in_window = [
-        c
-        for c in result.chains
-        if c.latency_s is not None and window.warmup_s <= c.arrival_s + c.latency_s < window_end
-    ]
-    served = throughput_of(name, args.rate, chains, in_window, window)
+    served = throughput_of(name, args.rate, chains, finished_in_window(result.chains, window), window)
     return {
         "prefilled": (prompt - cached - loaded) / prompt,
         "gpu_cached": cached / prompt,

@@ -313,14 +313,22 @@ def saturated_throughput(
         probe, sim_policy(policy, profile, options), profile, workers, programs=programs, until_s=end
     )
     result = sim.run()
-    finished = [
-        c
-        for c in result.chains
-        if c.latency_s is not None and window.warmup_s <= c.arrival_s + c.latency_s < end
-    ]
     return throughput_of(
-        policy, offered_rate_per_s, [c for c in result.chains if c.chain_id in measured], finished, window
+        policy,
+        offered_rate_per_s,
+        [c for c in result.chains if c.chain_id in measured],
+        finished_in_window(result.chains, window),
+        window,
     )
+
+
+def finished_in_window(chains: list[ChainRecord], window: SteadyWindow) -> list[ChainRecord]:
+    """The chains (of any arrival time) that finished during the measured window: what
+    the engines served in it."""
+    end = window.warmup_s + window.window_s
+    return [
+        c for c in chains if c.latency_s is not None and window.warmup_s <= c.arrival_s + c.latency_s < end
+    ]
 
 
 def engine_bound(served: dict[str, float], capacities: dict[str, float]) -> tuple[float, str]:
