@@ -5,12 +5,14 @@ scoping, and a store whose etcd is down never failing anything."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 from types import SimpleNamespace
 
 import aetcd
 import pytest
+from google.protobuf import json_format
 
 from inferx import etcd
 from inferx.errors import InvalidArgument, NotFound
@@ -57,6 +59,24 @@ def test_a_record_of_another_format_version_or_not_a_record_is_refused() -> None
     for value in (json.dumps(document).encode(), b"[]", b"not json", b'{"v": 1}'):
         with pytest.raises(ValueError):
             decode(value)
+
+
+def test_a_record_written_by_a_router_of_format_1_is_still_read() -> None:
+    # During a rolling upgrade the routers of the last release write format 1: `finished`
+    # as protobuf JSON, not as the message's bytes.
+    original = record("0123456789abcdef", 5000, program_id="p1", starts_ms={"a": 0.0})
+    document = json.loads(encode(original))
+    document["v"] = 1
+    document["finished"] = json_format.MessageToDict(original.finished, preserving_proto_field_name=True)
+    assert decode(json.dumps(document).encode()) == original
+
+
+def test_a_record_whose_message_bytes_are_damaged_is_refused_by_name() -> None:
+    document = json.loads(encode(record("r1", 1000)))
+    for damaged in ("not base64!", base64.b64encode(b"\xff\xff\xff").decode()):
+        document["finished"] = damaged
+        with pytest.raises(ValueError, match="not a run record"):
+            decode(json.dumps(document).encode())
 
 
 def test_a_record_over_the_bound_loses_its_outputs_then_is_not_shared() -> None:
