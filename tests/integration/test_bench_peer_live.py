@@ -68,3 +68,28 @@ def test_peer_bench_runs_both_fronts_on_a_tiny_trace(vllm_router: str, tmp_path:
     assert set(comparison) >= {"capacity_ratio", "added_latency_gap_p50_ms", "best_peer"}
     saved = json.loads(results.read_text())
     assert saved["complete"] is True and saved["kind"] == "peer" and saved["seeds"]
+
+
+def test_peer_bench_probes_in_steady_state_by_default(vllm_router: str, tmp_path: Path) -> None:
+    """Without --probe-chains a probe replays the trace over warm-up, measured window and
+    drain, and counts only the chains arriving in the window (issue #42)."""
+    trace = tmp_path / "chat.jsonl"
+    write_trace(generate(TraceConfig(seed=4, duration_s=40, rate_per_s=0.5, mix={"chat": 1.0})), trace)
+    results = tmp_path / "peer.json"
+    argv = [sys.executable, "-m", "inferx.cli.main", "bench", "--peer", "vllm-router", "--trace", str(trace)]
+    argv += ["--peer-modes", "consistent_hash", "--window-s", "30", "--max-probes", "1", "--rate", "0.2"]
+    argv += ["--speed", "20", "--count", "4", "--warmup", "1", "--timeout", "240"]
+    argv += ["--state-dir", str(tmp_path / "state"), "--results", str(results), "--json"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    ladder = report["context"]["ladder"]
+    assert ladder["steady"] and ladder["window"]["window_s"] == 30
+    assert "NOT steady state" in ladder["probes"]  # 30 s is ~1 median chat SLO: labelled
+    (seed,) = report["seeds"]
+    assert [f["front"] for f in seed["fronts"]] == ["vllm-router consistent_hash", "inferx"]
+    for front in seed["fronts"]:
+        (probe,) = front["probes"]
+        assert probe["errors"] == {}, (front["front"], probe["errors"])
+        # warm-up and drain replayed, not counted: ~0.2/s x 30 s counted
+        assert 1 <= probe["chains"] <= 15 < probe["replayed"], probe

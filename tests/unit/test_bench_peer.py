@@ -374,3 +374,83 @@ def test_two_ladder_steps_meet_the_target_despite_floating_point():
     assert peer.meets_ratio(0.735 * step**2 / 0.735, peer.CAPACITY_TARGET)
     assert not peer.meets_ratio(step, peer.CAPACITY_TARGET)
     assert not peer.meets_ratio(1.49, peer.CAPACITY_TARGET)
+
+
+def mix_trace():
+    return generate(TraceConfig(seed=7, duration_s=300, rate_per_s=1.0, mix={"chat": 0.6, "bfcl": 0.4}))
+
+
+def test_a_steady_probe_spans_the_same_window_at_every_rate_and_counts_only_the_window() -> None:
+    """The live ladder probes in steady state, as the simulator does (issue #42): the
+    old probe (the first N chains at the rate) let a front absorb one short burst and
+    call that its capacity."""
+    from inferx.sim.steady import steady_window
+
+    base = mix_trace()
+    window = steady_window(base, 600.0)
+    ladder = peer.LadderOptions(start_rate=0.5, window=window)
+    spans = []
+    for rate in (0.5, 1.0, 2.0):
+        trace, measured = peer.probe_trace(base, rate, ladder)
+        arrivals = [c.arrival_s for c in trace.chains]
+        spans.append(max(arrivals))
+        assert window.span_s - 2 / rate <= max(arrivals) < window.span_s
+        # the chains that count arrived in the measured window, and all of those count
+        assert measured == {c.chain_id for c in trace.chains if window.measured(c.arrival_s)}
+        assert len(measured) == pytest.approx(rate * window.window_s, rel=0.25)
+        assert len(trace.chains) > len(measured)  # warm-up and drain replayed, not counted
+    assert max(spans) - min(spans) < 5.0  # same span whatever the rate: not a burst
+    burst, counted = peer.probe_trace(base, 2.0, peer.LadderOptions(start_rate=0.5, probe_chains=30))
+    assert len(burst.chains) == 30 and counted == {c.chain_id for c in burst.chains}
+    assert "BURST" in peer.LadderOptions(start_rate=0.5, probe_chains=30).describe(4.0)
+    assert "steady state" in ladder.describe(4.0) and "NOT steady" not in ladder.describe(4.0)
+    short = peer.LadderOptions(start_rate=0.5, window=steady_window(base, 100.0))
+    assert "NOT steady state" in short.describe(4.0)  # 100 s is 4 median SLOs
+
+
+def test_a_probe_counts_only_its_measured_chains() -> None:
+    from inferx.sim.records import ChainRecord
+
+    def record(chain_id: str, latency_s: float | None) -> ChainRecord:
+        return ChainRecord(
+            chain_id,
+            "chat",
+            "realtime",
+            0.0,
+            10.0,
+            1.0,
+            status="ok" if latency_s else "running",
+            latency_s=latency_s,
+        )
+
+    # warm-up chains that missed their SLO (or never finished) do not fail the probe
+    records = [record("w1", 50.0), record("w2", None), *(record(f"m{i}", 5.0) for i in range(20))]
+    measured = frozenset(f"m{i}" for i in range(20))
+    counted = peer.summarize_probe("f", 1.0, 0, records, peer_stats(), 1.0, measured)
+    assert counted.meets and counted.chains == 20 and counted.replayed == 22
+    everything = peer.summarize_probe("f", 1.0, 0, records, peer_stats(), 1.0)
+    assert not everything.meets and everything.chains == 22
+    # ... but a measured chain that missed does
+    records[2] = record("m0", 50.0)
+    assert not peer.summarize_probe("f", 1.0, 0, records, peer_stats(), 1.0, measured).meets
+
+
+def peer_stats():
+    from inferx.bench.agent_http import ReplayStats
+
+    return ReplayStats()
+
+
+def test_cli_probes_in_steady_state_unless_a_burst_is_asked_for() -> None:
+    args = parse("--peer", "vllm-router")
+    check_args(args)
+    assert args.probe_chains is None  # steady state by default
+    args = parse("--peer", "vllm-router", "--burst", "12")
+    check_args(args)
+    assert args.probe_chains == 12  # --burst: the simulator's name for the same burst
+    for argv, message in (
+        (("--probe-chains", "5", "--window-s", "600"), "give one of them"),
+        (("--probe-chains", "5", "--burst", "6"), "same burst"),
+    ):
+        with pytest.raises(InvalidArgument, match=message):
+            check_args(parse("--peer", "vllm-router", *argv))

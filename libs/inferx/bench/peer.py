@@ -63,6 +63,7 @@ from inferx.errors import FailedPrecondition, InvalidArgument
 from inferx.sim.capacity import OVERALL_TARGET, REALTIME_TARGET, attainment, meets_slo
 from inferx.sim.profile import EngineProfile
 from inferx.sim.records import ChainRecord
+from inferx.sim.steady import SteadyWindow, burst_trace, steady_trace
 from inferx.sim.trace import Trace, TraceChain, TraceHop
 from inferx.stats import percentile
 
@@ -416,12 +417,14 @@ def overhead_summary(paths: list[PathLatency]) -> list[dict[str, Any]]:
 # ----- 2. capacity at SLO ------------------------------------------------------------------
 
 
-def probe_trace(base: Trace, rate: float, chains: int) -> Trace:
-    """The first `chains` chains of `base`, arriving at `rate` per second."""
-    at = base.at_rate(rate)
-    kept = at.chains[:chains]
-    meta = at.meta.model_copy(update={"chains": len(kept)})
-    return Trace(meta=meta, chains=kept)
+def probe_trace(base: Trace, rate: float, ladder: LadderOptions) -> tuple[Trace, frozenset[str]]:
+    """What one probe replays at `rate`, and the ids of the chains it counts: in steady
+    state (`ladder.window`) `base`'s chains repeated over warm-up, measured window and
+    drain, only those arriving in the window counted (`inferx.sim.steady`, as the
+    simulator's capacity search); else a burst of the first `ladder.probe_chains`."""
+    if ladder.window is None:
+        return burst_trace(base, rate, ladder.probe_chains)
+    return steady_trace(base, rate, ladder.window)
 
 
 @dataclass
@@ -442,9 +445,22 @@ class Probe:
     errors: dict[str, int]
     calls: int
     wall_s: float
+    replayed: int = 0  # chains replayed, warm-up and drain included (`chains`: those counted)
 
 
-def summarize_probe(front: str, rate: float, index: int, records, stats, wall_s: float) -> Probe:
+def summarize_probe(
+    front: str,
+    rate: float,
+    index: int,
+    records: list[ChainRecord],
+    stats,
+    wall_s: float,
+    measured: frozenset[str] | None = None,
+) -> Probe:
+    """The probe's figures over the chains it counts (`measured`; None: all of them)."""
+    replayed = len(records)
+    if measured is not None:
+        records = [r for r in records if r.chain_id in measured]
     result = attainment(records)
     latencies = [math.inf if r.latency_s is None else r.latency_s for r in records]
     ttfts = [t for r in records for t in r.ttft_s]
@@ -471,6 +487,7 @@ def summarize_probe(front: str, rate: float, index: int, records, stats, wall_s:
         errors=dict(stats.errors),
         calls=stats.calls,
         wall_s=wall_s,
+        replayed=replayed,
     )
 
 
@@ -492,8 +509,30 @@ class LadderOptions:
     start_rate: float
     step: float = DEFAULT_RATE_STEP
     max_probes: int = 4
+    # Steady state (the default of `inferx bench --peer`): every probe's arrivals span
+    # this window whatever its rate. None: a burst of `probe_chains` chains instead.
+    window: SteadyWindow | None = None
     probe_chains: int = 40
-    timeout_s: float = 900.0
+    timeout_s: float = 900.0  # wall seconds a probe may run after its last arrival
+
+    @property
+    def steady(self) -> bool:
+        return self.window is not None
+
+    def describe(self, speed: float) -> str:
+        """What each probe replays, for the progress notes and the report."""
+        if self.window is None:
+            return (
+                f"a BURST of {self.probe_chains} chains per probe (how each front absorbs one burst, "
+                "not a sustained rate)"
+            )
+        w = self.window
+        return (
+            f"steady state: per probe {w.warmup_s:.0f} s warm-up + {w.window_s:.0f} s measured "
+            f"({w.window_slos:.1f} median chain SLOs) + {w.drain_s:.0f} s drain of arrivals, "
+            f"~{w.span_s / speed / 60:.0f} min wall at x{speed:g}"
+            + ("" if w.steady else "; NOT steady state: the window is under 20 median SLOs")
+        )
 
 
 def walk_ladder(
@@ -724,7 +763,11 @@ async def _capacity_for_trace(
             embedded_scheduler=options.embedded_scheduler,
         )
         state = root / f"probe-{next(counter)}"
-        probe_chains = probe_trace(trace, rate, ladder.probe_chains)
+        probe_chains, measured = probe_trace(trace, rate, ladder)
+        # the timeout runs from the probe's last arrival (a steady probe's arrivals alone
+        # take its whole span)
+        last_arrival_s = max((c.arrival_s for c in probe_chains.chains), default=0.0)
+        timeout_s = ladder.timeout_s + last_arrival_s / options.speed
         env = start_environment(state, spec)
         try:
             kind: Identity = "inferx" if mode is None else PEER_MODES[mode].identity
@@ -740,13 +783,11 @@ async def _capacity_for_trace(
             with progress(
                 f"{label} at {rate:.3f} chains/s (x{options.speed:g})", len(probe_chains.chains)
             ) as advance:
-                records = asyncio.run_coroutine_threadsafe(
-                    replay.run(ladder.timeout_s, advance), loop
-                ).result()
+                records = asyncio.run_coroutine_threadsafe(replay.run(timeout_s, advance), loop).result()
             wall = time.perf_counter() - started
         finally:
             env.stop()
-        probe = summarize_probe(label, rate, index, records, replay.stats, wall)
+        probe = summarize_probe(label, rate, index, records, replay.stats, wall, measured)
         on_probe(probe, records)
         verdict = "meets the SLO" if probe.meets else "misses the SLO"
         realtime = "-" if probe.realtime is None else f"{probe.realtime:.0%}"
@@ -767,10 +808,8 @@ async def _capacity_for_trace(
         return results, diagnostics
 
     note(
-        f"capacity at SLO (trace seed {trace.meta.config.seed}): a BURST of {ladder.probe_chains} chains per "
-        f"probe (how each front absorbs one burst, not a sustained rate: `inferx sim --capacity` measures "
-        f"that), rates {ladder.start_rate:.3f} x {ladder.step:.3f}^i, "
-        f"at most {ladder.max_probes} probes per front"
+        f"capacity at SLO (trace seed {trace.meta.config.seed}): {ladder.describe(options.speed)}; "
+        f"rates {ladder.start_rate:.3f} x {ladder.step:.3f}^i, at most {ladder.max_probes} probes per front"
     )
     return await asyncio.to_thread(ladder_walk)
 

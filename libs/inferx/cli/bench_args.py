@@ -75,9 +75,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         metavar="S",
-        help="--capacity: seconds of arrivals measured at every probed rate, after a warm-up and "
-        "before a drain that are not counted (default: at least 20 median chain SLOs and at least "
-        "1800 s; shorter windows are reported as not steady state)",
+        help="--capacity, --peer: seconds of arrivals measured at every probed rate (trace time), "
+        "after a warm-up and before a drain that are not counted (default: at least 20 median chain "
+        "SLOs and at least 1800 s; shorter windows are reported as not steady state)",
     )
     parser.add_argument(
         "--burst",
@@ -237,7 +237,8 @@ def _peer_arguments(parser: argparse.ArgumentParser) -> None:
         "at SLO, P99 chain latency, TTFT and the added latency per call of each front (vs calling a "
         "worker directly), in one run. Uses --workload (mix) or --trace, --workers (2), --speed (4), "
         "--rate (where the rate ladder starts), --seeds, --count/--warmup (calls per path for the "
-        "added latency), --timeout (per probe)",
+        "added latency), --window-s or --probe-chains (what a probe replays), --timeout (wall "
+        "seconds a probe may run after its last arrival)",
     )
     group.add_argument(
         "--peer-modes",
@@ -249,9 +250,13 @@ def _peer_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--probe-chains",
         type=int,
-        default=40,
-        help="--peer: agent programs replayed per probe (40): a burst at the probed rate, "
-        "not a steady-state window (a live window of 30 min per probe would take hours)",
+        default=None,
+        metavar="N",
+        help="--peer: instead of steady state, replay a BURST of N agent programs per probe at the "
+        "probed rate, all counted (quick, but how a front absorbs one burst, not a capacity). "
+        "Default: steady-state probes as `inferx sim --capacity` (--window-s of arrivals measured "
+        "after a warm-up; default at least 20 median chain SLOs and 30 min of trace time, so "
+        "~10 min of wall time per probe at --speed 4)",
     )
     group.add_argument(
         "--max-probes", type=int, default=4, help="--peer: probes (arrival rates) per front and seed (4)"

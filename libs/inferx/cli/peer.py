@@ -45,8 +45,16 @@ def check_args(args: argparse.Namespace) -> None:
         raise InvalidArgument("give --trace FILE or --workload NAME, not both")
     if args.trace and args.seeds > 1:
         raise InvalidArgument("--seeds repeats on generated traces: drop --trace, or --seeds")
+    if args.burst is not None:  # `inferx sim --capacity`'s name for the same burst
+        if args.probe_chains is not None and args.probe_chains != args.burst:
+            raise InvalidArgument("--burst and --probe-chains name the same burst: give one of them")
+        args.probe_chains = args.burst
+    if args.probe_chains is not None and args.window_s is not None:
+        raise InvalidArgument(
+            "--probe-chains replays a burst, --window-s a steady-state window: give one of them"
+        )
     for name, value, low in (
-        ("--probe-chains", args.probe_chains, 1),
+        ("--probe-chains", 1 if args.probe_chains is None else args.probe_chains, 1),
         ("--max-probes", args.max_probes, 1),
         ("--count", args.count, 1),
         ("--warmup", args.warmup, 0),
@@ -73,7 +81,7 @@ def _traces(args: argparse.Namespace, profile):
         name = args.workload or "mix"
         traces = [generate(workload(name, args.seed + i), profile) for i in range(args.seeds)]
     for trace in traces:
-        if len(trace.chains) < args.probe_chains:
+        if args.probe_chains is not None and len(trace.chains) < args.probe_chains:
             raise InvalidArgument(
                 f"the trace has {len(trace.chains)} chains, fewer than --probe-chains {args.probe_chains}"
             )
@@ -156,11 +164,13 @@ def capacity_table(seed: dict[str, Any]) -> Table:
 
 
 def probes_lines(seed: dict[str, Any]) -> list[str]:
-    """Every probe: rate, met (+) or missed (x), realtime and overall attainment."""
+    """Every probe: rate, met (+) or missed (x), realtime and overall attainment, and
+    how many chains were counted."""
     lines = []
     for result in seed["fronts"]:
         probes = ", ".join(
-            f"{p.rate_per_s:.3f}{'+' if p.meets else 'x'} ({_pct(p.realtime)} rt, {_pct(p.overall)} all)"
+            f"{p.rate_per_s:.3f}{'+' if p.meets else 'x'} ({_pct(p.realtime)} rt, {_pct(p.overall)} all "
+            f"of {p.chains})"
             for p in result.probes
         )
         lines.append(f"  {_short(result.front)}: {probes}")
@@ -249,6 +259,7 @@ async def cmd_peer(args: argparse.Namespace, progress, out: Console, err: Consol
     )
     from inferx.bench.results import jsonable
     from inferx.sim.profile import load_profile
+    from inferx.sim.steady import steady_window
 
     if args.peer != "vllm-router":
         raise InvalidArgument(f"--peer {args.peer}: only vllm-router is supported")
@@ -257,11 +268,15 @@ async def cmd_peer(args: argparse.Namespace, progress, out: Console, err: Consol
     profile = load_profile(args.profile)
     workers = args.workers if args.workers_given else DEFAULT_WORKERS
     traces = _traces(args, profile)
+    # Steady state unless a burst is asked for (--probe-chains): the window sized on the
+    # first trace's SLOs (or --window-s), the same for every seed and front.
+    burst = args.probe_chains is not None
     ladder = LadderOptions(
         start_rate=_start_rate(args, workers, traces),
         step=args.rate_step,
         max_probes=args.max_probes,
-        probe_chains=args.probe_chains,
+        window=None if burst else steady_window(traces[0], args.window_s),
+        probe_chains=args.probe_chains if burst else 0,
         timeout_s=args.timeout,
     )
     options = PeerOptions(
@@ -288,7 +303,7 @@ async def cmd_peer(args: argparse.Namespace, progress, out: Console, err: Consol
         "profile": profile.model_dump(),
         "trace": args.trace or f"--workload {args.workload or 'mix'}",
         "trace_seeds": [t.meta.config.seed for t in traces],
-        "ladder": ladder.__dict__,
+        "ladder": ladder.__dict__ | {"steady": ladder.steady, "probes": ladder.describe(args.speed)},
         "added_latency_calls": {"count": args.count, "warmup": args.warmup},
         "auth": "InferX's router started with --insecure when it has that flag: benchmarks run without auth",
     }
@@ -308,6 +323,7 @@ async def cmd_peer(args: argparse.Namespace, progress, out: Console, err: Consol
         f"workers each ({profile.name}), x{args.speed:g} time; {context['machine']}"
     )
     out.print(overhead_table(result["overhead"]))
+    out.print(f"capacity probes: {context['ladder']['probes']}", style="dim")
     for seed in result["seeds"]:
         out.print(capacity_table(seed))
         out.print("probes (chains/s; + met the SLO, x missed):", style="dim")
