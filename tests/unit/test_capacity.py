@@ -260,3 +260,40 @@ def test_cli_refuses_a_workload_and_a_trace_together(tmp_path, capsys) -> None:
         )
     assert exit_info.value.code == 1
     assert "either --workload or --trace" in capsys.readouterr().err
+
+
+def test_capacity_traces_regenerate_a_written_trace_from_the_seed_given(tmp_path) -> None:
+    import argparse
+
+    from inferx.cli.capacity import capacity_traces
+    from inferx.sim.trace import write_trace
+
+    path = tmp_path / "t.jsonl"
+    write_trace(generate(TraceConfig(seed=101, duration_s=10, mix={"chat": 0.7, "swe": 0.3})), path)
+
+    def seeds(**flags) -> list[int]:
+        args = argparse.Namespace(trace=str(path), workload=None, duration=None, **flags)
+        traces = capacity_traces(args, None)
+        assert all(t.meta.config.mix == {"chat": 0.7, "swe": 0.3} for t in traces)  # the trace's own mix
+        return [t.meta.config.seed for t in traces]
+
+    assert seeds(seed=None, seeds=2) == [101, 102]
+    assert seeds(seed=102, seeds=2) == [102, 103]  # not the file's seed 101 again
+    assert seeds(seed=7, seeds=1) == [7]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["sim", "--workload", "coding", "--compare", "chain-aware"],
+        ["sim", "--seed", "3"],
+        ["bench", "--engine", "sim", "--seeds", "2"],
+    ],
+)
+def test_cli_refuses_trace_generating_flags_a_replay_would_ignore(argv, capsys) -> None:
+    from inferx.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 1
+    assert "choose the generated traces of a capacity search" in capsys.readouterr().err

@@ -190,6 +190,26 @@ def runner_json(summaries, comparison, context):
     return to_json(summaries, comparison, context)
 
 
+def _replays_one_trace(args: argparse.Namespace) -> None:
+    """Outside a capacity search and --peer, a run replays one trace file: the flags that
+    generate traces would otherwise be ignored without a word."""
+    given = [
+        flag
+        for flag, value in (
+            ("--workload", getattr(args, "workload", None)),
+            ("--seed", getattr(args, "seed", None)),
+            ("--seeds", (getattr(args, "seeds", 1) or 1) > 1 or None),
+        )
+        if value is not None
+    ]
+    if given:
+        raise InvalidArgument(
+            f"{', '.join(given)} choose the generated traces of a capacity search (--capacity) or "
+            "of --peer; this run replays --trace FILE (default benchmarks/default_trace.jsonl): "
+            "write one with `inferx workload -o FILE --seed N --mix ...`"
+        )
+
+
 def cmd_sim(args: argparse.Namespace) -> int:
     if getattr(args, "decision_cost", False):
         from inferx.cli.decision_cost import cmd_decision_cost
@@ -203,6 +223,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         return cmd_capacity(args, policies, _progress_factory(not args.json), out, err, saved)
     if getattr(args, "programs", False):
         raise InvalidArgument("--programs replays the capacity search as dynamic programs: add --capacity")
+    _replays_one_trace(args)
     profile, trace, choice = _prepare(args)
     saved = _Results(args, "sim")
     options = runner.policy_options(args.option, policies)
@@ -300,6 +321,8 @@ async def cmd_bench(args: argparse.Namespace) -> int:
         saved = _Results(args, "peer")
         progress = (_progress_factory(not args.json, "calls"), _progress_factory(not args.json, "chains"))
         return await cmd_peer(args, progress, out, err, saved)
+    if not args.simulate:
+        _replays_one_trace(args)
     if args.overhead:
         from inferx.cli.overhead import DEFAULT_SPEED, check_args, cmd_overhead
 

@@ -107,8 +107,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "--seeds",
         type=argtypes.at_least_one,
         default=1,
-        help="--capacity: repeat on N traces (seeds from the trace's own, or from --seed with "
-        "--workload) and report the median and spread (default 1)",
+        help="--capacity: repeat on N traces (seeds from --seed, or from the trace's own) and "
+        "report the median and spread (default 1)",
     )
     parser.add_argument(
         "--workload",
@@ -117,7 +117,11 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "agent; research = deep-research agent, parallel branches joined by a report) instead of --trace",
     )
     parser.add_argument(
-        "--seed", type=argtypes.count, default=1, help="--workload: the first trace seed (default 1)"
+        "--seed",
+        type=argtypes.count,
+        default=None,
+        help="--capacity/--peer: the first trace seed, of --workload (default 1) or of a --trace "
+        "`inferx workload` wrote, regenerated with it (default: the trace's own)",
     )
     parser.add_argument(
         "--option",

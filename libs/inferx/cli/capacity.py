@@ -67,16 +67,21 @@ def capacity_traces(args: argparse.Namespace, profile) -> list[Trace]:
         traces = [generate(config, profile) for config in configs]
     else:
         trace = runner.load_trace(args.trace)
+        first = getattr(args, "seed", None)
         traces = [trace]
-        if seeds > 1:
+        if seeds > 1 or first is not None:
             if not trace.meta.generator.startswith("inferx.sim.trace"):
                 raise InvalidArgument(
-                    "--seeds needs a trace `inferx workload` wrote (it is regenerated with other "
-                    "seeds) or --workload; for a trace from elsewhere, run once per trace file"
+                    "--seeds and --seed need a trace `inferx workload` wrote (it is regenerated "
+                    "with other seeds) or --workload; for a trace from elsewhere, run once per "
+                    "trace file"
                 )
             base = trace.meta.config
+            if first is not None and first != base.seed:
+                traces = [generate(base.model_copy(update={"seed": first}), profile)]
+            start = traces[0].meta.config.seed
             traces += [
-                generate(base.model_copy(update={"seed": base.seed + i}), profile) for i in range(1, seeds)
+                generate(base.model_copy(update={"seed": start + i}), profile) for i in range(1, seeds)
             ]
     if args.duration is not None:
         traces = [trace.head(args.duration) for trace in traces]  # seconds of the trace at its own rate

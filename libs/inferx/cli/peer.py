@@ -43,8 +43,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise InvalidArgument("--peer runs SIMULATED sim workers: drop --engine vllm")
     if args.trace and args.workload:
         raise InvalidArgument("give --trace FILE or --workload NAME, not both")
-    if args.trace and args.seeds > 1:
-        raise InvalidArgument("--seeds repeats on generated traces: drop --trace, or --seeds")
+    if args.trace and (args.seeds > 1 or args.seed is not None):
+        raise InvalidArgument("--seeds and --seed choose generated traces: drop --trace, or them")
     if args.burst is not None:  # `inferx sim --capacity`'s name for the same burst
         if args.probe_chains is not None and args.probe_chains != args.burst:
             raise InvalidArgument("--burst and --probe-chains name the same burst: give one of them")
@@ -79,7 +79,7 @@ def _traces(args: argparse.Namespace, profile):
         traces = [runner.load_trace(args.trace)]
     else:
         name = args.workload or "mix"
-        traces = [generate(workload(name, args.seed + i), profile) for i in range(args.seeds)]
+        traces = [generate(workload(name, (args.seed or 1) + i), profile) for i in range(args.seeds)]
     for trace in traces:
         if args.probe_chains is not None and len(trace.chains) < args.probe_chains:
             raise InvalidArgument(
