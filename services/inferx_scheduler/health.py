@@ -48,6 +48,8 @@ class WorkerHealth:
         self._on_silent = on_silent
         self.breakers = BreakerBoard(CircuitBreaker(failure_threshold=HOP_FAILURES_TO_OPEN, open_s=OPEN_S))
         self._health_failures: dict[str, int] = {}
+        # Workers whose breakers health checks opened: health checks close them again.
+        self._taken_out_by_health: set[str] = set()
         self._task: asyncio.Task[None] | None = None
 
     def usable(self, worker_id: str, now: float | None = None) -> bool:
@@ -61,6 +63,7 @@ class WorkerHealth:
         breaker = self.breakers.get(worker_id)
         before = breaker.state
         breaker.force_open(time.monotonic())
+        self._taken_out_by_health.discard(worker_id)  # a hop probes it now, not health checks
         if before != BreakerState.OPEN:
             log.warning("worker %s failed a hop: no new hops for %.0fs", worker_id, OPEN_S)
 
@@ -94,6 +97,7 @@ class WorkerHealth:
             for worker, ok in zip(workers, results, strict=True):
                 if ok:
                     self._health_failures.pop(worker.worker_id, None)
+                    self._answers_again(worker.worker_id)
                     continue
                 failures = self._health_failures.get(worker.worker_id, 0) + 1
                 self._health_failures[worker.worker_id] = failures
@@ -105,6 +109,7 @@ class WorkerHealth:
                         changed = True
                     # Still failing: the open period starts again, no probe goes to it.
                     self.breakers.get(worker.worker_id).force_open(time.monotonic())
+                    self._taken_out_by_health.add(worker.worker_id)
                 if failures == HEALTH_FAILURES_TO_ABANDON and self._on_silent is not None:
                     reason = f"worker {worker.worker_id} failed {failures} health checks in a row"
                     log.warning("%s: giving up the hops running on it (they are re-dispatched)", reason)
@@ -112,6 +117,22 @@ class WorkerHealth:
             if changed:
                 self._on_change()
             await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
+
+    def _answers_again(self, worker_id: str) -> None:
+        """A worker that health checks took out (frozen, starved) and that answers them
+        again once its open period has passed is closed by that answer, as a hop probe
+        would close it: with no traffic for its pool no hop would come to probe it, and
+        its breaker would read "open" (`inferx status`, `wait_workers`) for as long as the
+        pool stays idle. A breaker a failed hop opened waits for a hop to probe it."""
+        if worker_id not in self._taken_out_by_health:
+            return
+        breaker = self.breakers.breakers.get(worker_id)
+        now = time.monotonic()
+        if breaker is None:
+            self._taken_out_by_health.discard(worker_id)
+        elif breaker.admits(now):  # the open period has passed: half-open
+            breaker.record(True, now)
+            self._taken_out_by_health.discard(worker_id)
 
     def _forget_all_but(self, present: set[str]) -> None:
         """A worker that left the directory (deregistered, its lease expired) takes its
@@ -122,6 +143,7 @@ class WorkerHealth:
             del self.breakers.breakers[gone]
         for gone in [w for w in self._health_failures if w not in present]:
             del self._health_failures[gone]
+        self._taken_out_by_health &= present
 
     async def _probe(self, address: str, timeout_s: float) -> bool:
         stub = health_pb2_grpc.HealthStub(self._channels.get(address))

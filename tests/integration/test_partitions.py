@@ -271,7 +271,7 @@ async def test_kill_9_of_the_owning_scheduler_moves_the_partition_and_loses_no_c
         await owner_of(stack, client)  # connected before the kill: the poll below times the move only
         doomed.signal(signal.SIGKILL)
         killed_at = time.monotonic()
-        while time.monotonic() - killed_at < LEASE_TTL_S + 5:
+        while time.monotonic() - killed_at < LEASE_TTL_S + 10:
             now_owner = await owner_of(stack, client)
             if now_owner is not None and now_owner.address != owner.address:
                 moved_s = time.monotonic() - killed_at
@@ -281,8 +281,11 @@ async def test_kill_9_of_the_owning_scheduler_moves_the_partition_and_loses_no_c
     print(f"partition moved {moved_s} s after kill -9 (lease TTL {LEASE_TTL_S} s)")
     assert moved_s is not None, "the partition did not move"
     # etcd ends an expired lease on its next expiry scan (every 0.5 s), then the others'
-    # watch sees it and one campaigns: the TTL plus that scan, plus a margin for 2 cores.
-    assert moved_s <= LEASE_TTL_S + 1.0
+    # watch sees it and one campaigns: the TTL plus that scan, ~2.5 s on a quiet box. A
+    # loaded 2-core CI box has taken 5.1 s (etcd and the surviving scheduler starved), so
+    # the bound only tells "within a lease or two" from "never" or "a keepalive timeout
+    # later" (30 s+); docs/architecture.md says partitions move after the lease TTL.
+    assert moved_s <= 3 * LEASE_TTL_S + 1.0
     assert_all_ok(finished)
     resent = resends_logged(stack, "owner_lost") - resent_before
     assert resent >= 1, "no hop was in flight on the killed scheduler"
@@ -328,7 +331,7 @@ async def test_kill_9_of_the_ledger_moves_it_and_loses_no_chain_nor_leaks(stack:
         doomed.signal(signal.SIGKILL)
         killed_at = time.monotonic()
         moved_s = None
-        while time.monotonic() - killed_at < LEASE_TTL_S + 5:
+        while time.monotonic() - killed_at < LEASE_TTL_S + 10:
             now = await ledger_owner(client)
             if now is not None and now.address != leader.address:
                 moved_s, leader = time.monotonic() - killed_at, now
@@ -336,7 +339,7 @@ async def test_kill_9_of_the_ledger_moves_it_and_loses_no_chain_nor_leaks(stack:
             await asyncio.sleep(0.02)
     finished = await runs
     print(f"ledger moved {moved_s} s after kill -9 of its memory-pool (lease TTL {LEASE_TTL_S} s)")
-    assert moved_s is not None and moved_s <= LEASE_TTL_S + 1.0
+    assert moved_s is not None and moved_s <= 3 * LEASE_TTL_S + 1.0  # as the partition's, above
     assert_all_ok(finished)
     # Nothing leaked: once the chains are done, the new ledger (taught by the schedulers'
     # budget syncs) counts nothing reserved on any worker, budgets of live schedulers only.

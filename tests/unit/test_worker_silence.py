@@ -103,3 +103,44 @@ async def test_a_worker_that_leaves_the_directory_leaves_the_breaker_board() -> 
     finally:
         await watch.close()
         await channels.close()
+
+
+async def test_a_worker_health_checks_took_out_is_closed_when_it_answers_again(monkeypatch) -> None:
+    """Frozen, then resumed on an idle pool: no hop comes to probe it, so its answering
+    health checks close the breaker (it read "open" for as long as the pool was idle, and
+    the test harness's `wait_workers` waited on it in vain). One a failed hop opened waits
+    for a hop to probe it."""
+    from grpc_health.v1 import health as grpc_health
+    from grpc_health.v1 import health_pb2_grpc
+
+    monkeypatch.setattr(health, "OPEN_S", 0.2)
+    port = free_port()
+    directory = PoolDirectory()
+    directory.workers_by_pool = {
+        "p": {"w1": common_pb2.WorkerInfo(worker_id="w1", pool="p", address=f"127.0.0.1:{port}")}
+    }
+    channels = ChannelPool(Transport())
+    watch = WorkerHealth(directory, channels, on_change=lambda: None)
+
+    async def state_becomes(state: str) -> None:
+        for _ in range(300):
+            if watch.states().get("w1") == state:
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"w1's breaker is {watch.states().get('w1')}, not {state}")
+
+    watch.start(interval_s=0.05)
+    server = grpc.aio.server()
+    try:
+        await state_becomes("open")  # nobody answers: taken out
+        health_pb2_grpc.add_HealthServicer_to_server(grpc_health.aio.HealthServicer(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await state_becomes("closed")
+        watch.hop_failed("w1")
+        await asyncio.sleep(0.5)  # past the open period, health checks answering all along
+        assert watch.states() == {"w1": "open"} and watch.usable("w1")  # half-open on the next hop
+    finally:
+        await watch.close()
+        await server.stop(None)
+        await channels.close()
