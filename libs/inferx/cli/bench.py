@@ -195,12 +195,12 @@ def _replays_one_trace(args: argparse.Namespace) -> None:
     generate traces would otherwise be ignored without a word."""
     given = [
         flag
-        for flag, value in (
-            ("--workload", getattr(args, "workload", None)),
-            ("--seed", getattr(args, "seed", None)),
-            ("--seeds", (getattr(args, "seeds", 1) or 1) > 1 or None),
+        for flag, is_given in (
+            ("--workload", args.workload is not None),
+            ("--seed", args.seed is not None),
+            ("--seeds", args.seeds > 1),
         )
-        if value is not None
+        if is_given
     ]
     if given:
         raise InvalidArgument(

@@ -77,11 +77,12 @@ def capacity_traces(args: argparse.Namespace, profile) -> list[Trace]:
                     "trace file"
                 )
             base = trace.meta.config
-            if first is not None and first != base.seed:
-                traces = [generate(base.model_copy(update={"seed": first}), profile)]
-            start = traces[0].meta.config.seed
-            traces += [
-                generate(base.model_copy(update={"seed": start + i}), profile) for i in range(1, seeds)
+            start = base.seed if first is None else first
+            traces = [
+                trace
+                if start + i == base.seed
+                else generate(base.model_copy(update={"seed": start + i}), profile)
+                for i in range(seeds)
             ]
     if args.duration is not None:
         traces = [trace.head(args.duration) for trace in traces]  # seconds of the trace at its own rate
