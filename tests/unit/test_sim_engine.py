@@ -10,7 +10,7 @@ import pytest
 
 from inferx.sim.engine import EngineModel, SimRequest
 from inferx.sim.profile import EngineProfile
-from inferx_worker.engines.base import EngineRequest
+from inferx_worker.engines.base import EngineError, EngineRequest
 from inferx_worker.engines.sim_engine import (
     UNSET_REPLY_TOKENS,
     SimEngine,
@@ -89,6 +89,20 @@ async def test_a_request_without_max_tokens_stops_where_the_model_does_or_when_i
     assert (told[-1].completion_tokens, told[-1].finish_reason) == (300, "stop")
     room = 1024 - full[-1].prompt_tokens  # the context room: the whole KV pool here
     assert (full[-1].completion_tokens, full[-1].finish_reason) == (room, "length")
+
+
+async def test_a_prompt_that_fills_the_pool_is_refused_as_a_client_error() -> None:
+    engine = SimEngine(_fast(kv_capacity_tokens=1024))
+    await engine.start()
+    try:
+        with pytest.raises(EngineError, match="max_model_len .* 1,024") as refused:
+            await _run(engine, "x" * 8192, max_tokens=4)
+        capped = await _run(engine, "y" * 4000, max_tokens=500)  # more than the room left
+    finally:
+        await engine.stop()
+    assert isinstance(refused.value.__cause__, ValueError)  # the worker answers INVALID_ARGUMENT
+    room = 1024 - capped[-1].prompt_tokens
+    assert (capped[-1].completion_tokens, capped[-1].finish_reason) == (room, "length")
 
 
 async def test_next_hop_hits_the_prompt_and_the_previous_output() -> None:

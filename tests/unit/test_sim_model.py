@@ -81,6 +81,28 @@ def test_sequences_are_preempted_when_kv_runs_out_and_still_finish() -> None:
     assert engine.kv.pinned == 0
 
 
+def test_a_reply_stops_when_its_sequence_fills_the_pool_and_the_engine_goes_on() -> None:
+    """vLLM caps a sequence at max_model_len (at most the KV pool). Without the cap a
+    sequence outgrowing the pool preempted itself, could never be admitted again and,
+    at the head of the queue, blocked every later request on that engine for good."""
+    engine = EngineModel(EngineProfile(kv_capacity_tokens=1000, max_batched_tokens=4096))
+    greedy = SimRequest("greedy", (Segment(None, 990),), 40)
+    after = SimRequest("after", (Segment(None, 100),), 5)
+    engine.add(greedy)
+    engine.add(after)
+    run_alone(engine, SimRequest("last", (Segment(None, 10),), 1))
+    assert greedy.finished_at is not None and greedy.generated == 10  # cut at the pool
+    assert after.finished_at is not None
+    assert engine.preemptions == 0 and engine.kv.pinned == 0
+
+
+def test_a_prompt_longer_than_the_pool_is_refused_not_queued() -> None:
+    engine = EngineModel(EngineProfile(kv_capacity_tokens=1000))
+    with pytest.raises(InvalidArgument, match="1,000 tokens .*max_model_len"):
+        engine.add(SimRequest("huge", (Segment(None, 1000),), 1))
+    assert engine.idle
+
+
 def test_priority_orders_admission_and_equal_priorities_are_fcfs() -> None:
     engine = EngineModel(EngineProfile(max_num_seqs=1))
     for name, priority in (("late-low", 5), ("high", 0), ("low", 5)):

@@ -12,6 +12,9 @@ Each iteration:
   * waiting sequences are admitted in priority order while there is budget, a free
     sequence slot and KV memory for their uncached prompt (prefix-cache hits are free);
   * the step costs `EngineProfile.step_ms(decodes, prefill tokens, context tokens)`.
+A sequence is at most the KV pool long (vLLM's max_model_len, which vLLM will not start
+with larger than its KV cache): a longer prompt is refused (`PromptTooLong`) and a reply
+stops when the sequence fills the pool (finish reason "length"), as vLLM caps it.
 With a host KV tier (`EngineProfile.host_kv_capacity_tokens`), prefix entries the GPU
 evicts go to host memory (`inferx.sim.host_kv`); a request whose prefix is there is
 admitted with room for it and first loads it back at `host_load_tokens_per_s`. The
@@ -29,9 +32,15 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
+from inferx.errors import InvalidArgument
 from inferx.sim.host_kv import HostKv
 from inferx.sim.kv import KvPool, Segment
 from inferx.sim.profile import EngineProfile, prefill_pairs
+
+
+class PromptTooLong(InvalidArgument, ValueError):
+    """A prompt that leaves no room in the engine's KV pool for a single reply token
+    (vLLM refuses it too: longer than max_model_len)."""
 
 
 @dataclass(eq=False)
@@ -100,9 +109,26 @@ class EngineModel:
 
     # ----- requests -------------------------------------------------------------------
 
+    @property
+    def max_model_len(self) -> int:
+        """Prompt + reply tokens one sequence may hold: the whole KV pool."""
+        return self.kv.capacity
+
     def add(self, request: SimRequest) -> None:
+        """Queue a request; its reply is cut to what the pool holds past its prompt.
+
+        Without the cut a sequence outgrowing the pool preempts itself and can never be
+        admitted again: at the head of the queue it blocked the engine for good (a
+        coding trace on the 7B profile, ~111.6k-token contexts in a 111,616-token pool)."""
+        prompt_tokens = sum(s.tokens for s in request.prompt)
+        if prompt_tokens >= self.max_model_len:
+            raise PromptTooLong(
+                f"request {request.request_id}: a prompt of {prompt_tokens:,} tokens leaves no room for a "
+                f"reply in this engine's KV pool of {self.max_model_len:,} tokens (its max_model_len)"
+            )
         request.seq = next(self._seq)
-        request.prompt_tokens = sum(s.tokens for s in request.prompt)
+        request.prompt_tokens = prompt_tokens
+        request.output_tokens = min(request.output_tokens, self.max_model_len - prompt_tokens)
         self.waiting.append(request)
 
     def abort(self, request_id: str) -> bool:

@@ -354,6 +354,7 @@ def _coding(rng: random.Random) -> tuple[str, int, list[TraceHop]]:
     turns = max(1, min(8, int(round(rng.gauss(4, 1.2)))))
     hops: list[TraceHop] = []
     context = shared
+    full = False  # the context reached the cap: no more calls
     for turn in range(turns):
         calls = max(2, min(16, int(round(rng.gauss(8, 2.5)))))
         for call in range(calls):
@@ -364,9 +365,12 @@ def _coding(rng: random.Random) -> tuple[str, int, list[TraceHop]]:
             else:
                 new = int(_lognormal(rng, 1_500, 1.0, 80, 20_000))  # tool output
             out = int(_lognormal(rng, 510, 0.6, 40, 3_000))
-            # Contexts stop near 110k tokens (agents truncate old tool output there).
+            # Contexts stop at 110k tokens: a call that would pass it cuts its tool output
+            # to fit; once nothing fits the session is over. (Calls past it once crept on
+            # by 60 tokens each, to prompts longer than the 7B profile's whole KV pool.)
             room = 110_000 - context - out
-            new, out = (max(20, min(new, room)), out) if room > 20 else (20, 40)
+            full = full or room <= 20
+            new = max(20, min(new, room))
             last_of_turn = call == calls - 1
             if last_of_turn:
                 delay = _lognormal(rng, 30.0, 0.9, 3.0, 600.0) if turn < turns - 1 else 0.0
@@ -379,8 +383,12 @@ def _coding(rng: random.Random) -> tuple[str, int, list[TraceHop]]:
                     if test_run
                     else _lognormal(rng, 1.5, 1.0, 0.05, 60.0)
                 )
+            if full:
+                continue  # the random draws go on, so the chains after this one stay as they were
             hops.append(TraceHop(new_tokens=new, output_tokens=out, delay_after_s=round(delay, 4)))
             context += new + out
+    if hops[-1].delay_after_s:
+        hops[-1] = hops[-1].model_copy(update={"delay_after_s": 0.0})
     return "coding-system", shared, hops
 
 

@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from prometheus_client import Counter
 
 from inferx.chat_template import Chat, ChatTemplate
-from inferx.sim.engine import EngineModel, SimRequest
+from inferx.sim.engine import EngineModel, PromptTooLong, SimRequest
 from inferx.sim.kv import Segment
 from inferx.sim.profile import EngineProfile
 from inferx.sim.script import SimScript
@@ -69,6 +69,7 @@ from inferx_worker.engines.base import (
     EngineCapacity,
     EngineChunk,
     EngineCounters,
+    EngineError,
     EngineLoad,
     EngineRequest,
 )
@@ -323,10 +324,15 @@ class SimEngine(Engine):
         p = self.params
         block = p.profile.block_size
         tokens = split_tokens(request.prompt, p.chars_per_token)
-        if request.max_tokens is None:  # not set: up to the context room, the KV pool here
-            wanted = max(1, p.profile.kv_capacity_tokens - len(tokens))
-        else:
-            wanted = max(1, request.max_tokens)
+        # Up to the context room, the KV pool here (vLLM stops a reply at max_model_len).
+        room = p.profile.kv_capacity_tokens - len(tokens)
+        if room < 1:
+            too_long = PromptTooLong(
+                f"the prompt has {len(tokens):,} tokens; this engine's max_model_len (its KV pool) is "
+                f"{p.profile.kv_capacity_tokens:,}: no room for a reply"
+            )
+            raise EngineError(str(too_long)) from too_long
+        wanted = room if request.max_tokens is None else max(1, min(request.max_tokens, room))
         scripted = self.script.reply(request.prompt) if self.script is not None else None
         if scripted is not None:
             out = split_tokens(scripted, p.chars_per_token)[:wanted]
