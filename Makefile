@@ -138,7 +138,7 @@ bench-decisions: setup
 # 2x the strongest peer's sustained capacity at SLO (docs/benchmarks.md's headline medians),
 # the peer against chain-aware with overload control, 3 seeds each.
 OVERLOAD_RUNS ?= "mix default 3.67 program-las" "research default 0.50 prefix-aware" \
-  "research benchmarks/llama2-7b-mha-a100.yaml 0.166 program-las" "coding default 0.043 prefix-aware"
+  "research benchmarks/llama2-7b-mha-a100.yaml 0.166 program-las" "coding default 0.044 prefix-aware"
 bench-overload: setup
 	@set -e; for run in $(OVERLOAD_RUNS); do \
 	  set -- $$run; \
