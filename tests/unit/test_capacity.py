@@ -297,3 +297,17 @@ def test_cli_refuses_trace_generating_flags_a_replay_would_ignore(argv, capsys) 
         main(argv)
     assert exit_info.value.code == 1
     assert "choose the generated traces of a capacity search" in capsys.readouterr().err
+
+
+def test_cli_names_a_prompt_longer_than_the_profiles_kv_pool(tmp_path, capsys) -> None:
+    """A trace whose contexts outgrow the engines' KV pool is refused with the sizes, not
+    replayed with engines that can never serve it (or a traceback)."""
+    from inferx.cli.main import main
+
+    profile = tmp_path / "small.yaml"
+    profile.write_text("kv_capacity_tokens: 50000\n")
+    argv = ["sim", "--capacity", "--workload", "coding", "--profile", str(profile), "--jobs", "1"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--compare", "chain-aware", "--results", str(tmp_path / "r.json")])
+    assert exit_info.value.code == 1
+    assert "leaves no room for a reply in this engine's KV pool of 50,000 tokens" in capsys.readouterr().err
