@@ -454,3 +454,16 @@ def test_cli_probes_in_steady_state_unless_a_burst_is_asked_for() -> None:
     ):
         with pytest.raises(InvalidArgument, match=message):
             check_args(parse("--peer", "vllm-router", *argv))
+
+
+def test_a_diagnostic_probe_keeps_its_variant_in_the_report() -> None:
+    """The variant's label is in square brackets, which rich would take for a tag."""
+    from rich.console import Console
+
+    from inferx.cli import peer as cli_peer
+
+    diagnostic = probe(False, 0, 0.9)
+    diagnostic.front = "inferx [inferx-end-marks]"
+    console = Console(record=True, width=200)
+    console.print(cli_peer.diagnostic_line(diagnostic))
+    assert "diagnostic inferx [inferx-end-marks] at 0.900/s: misses the SLO" in console.export_text()

@@ -14,6 +14,7 @@ from typing import Any
 from rich import box
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from inferx.errors import InvalidArgument
 
@@ -163,6 +164,17 @@ def capacity_table(seed: dict[str, Any]) -> Table:
     return t
 
 
+def diagnostic_line(probe: Any) -> Text:
+    """A diagnostic probe's result, as plain text: its front label ("inferx
+    [inferx-end-marks]") would otherwise be read as a rich markup tag and vanish."""
+    return Text(
+        f"diagnostic {probe.front} at {probe.rate_per_s:.3f}/s: "
+        f"{'meets' if probe.meets else 'misses'} the SLO ({_pct(probe.realtime)} realtime, "
+        f"{_pct(probe.overall)} all, P99 {_s(probe.p99_latency_s)} s); not in the ratio",
+        style="dim",
+    )
+
+
 def probes_lines(seed: dict[str, Any]) -> list[str]:
     """Every probe: rate, met (+) or missed (x), realtime and overall attainment, and
     how many chains were counted."""
@@ -290,7 +302,8 @@ async def cmd_peer(args: argparse.Namespace, progress, out: Console, err: Consol
         diagnostics=args.inferx_diagnostics,
         embedded_scheduler=bool(args.embedded_scheduler),
     )
-    note = (lambda s: None) if args.json else (lambda s: err.print(s, style="dim"))
+    # markup=False: a front label such as "inferx [inferx-end-marks]" is text, not a rich tag
+    note = (lambda s: None) if args.json else (lambda s: err.print(s, style="dim", markup=False))
     context = {
         "machine": machine(),
         "peer": {"name": "vllm-router", "version": binary.version, "path": binary.path, "modes": modes},
@@ -333,12 +346,7 @@ async def cmd_peer(args: argparse.Namespace, progress, out: Console, err: Consol
         if same is not None:
             out.print(same)
         for probe in seed.get("diagnostics", ()):
-            out.print(
-                f"diagnostic {probe.front} at {probe.rate_per_s:.3f}/s: "
-                f"{'meets' if probe.meets else 'misses'} the SLO ({_pct(probe.realtime)} realtime, "
-                f"{_pct(probe.overall)} all, P99 {_s(probe.p99_latency_s)} s); not in the ratio",
-                style="dim",
-            )
+            out.print(diagnostic_line(probe))
     for line in verdict_lines(last, result["summary"]):
         out.print(line)
     return 0
