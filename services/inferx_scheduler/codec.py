@@ -1,9 +1,10 @@
 """Protobuf <-> the scheduler's plain values, at the service edge only.
 
 Everything behind the servicer (dispatcher, policy, look-ahead) works on `HopView`
-values built here once per hop: the prompt's token estimate, the default
-`max_tokens`, the tier enum and the monotonic deadline are worked out in this one
-place, so the policy and the KV reservation can never disagree about a hop's size.
+values built here once per hop: the prompt's token estimate (in the pool's engine
+tokens, `inferx.tokens.TokenRatio`), the default `max_tokens`, the tier enum and the
+monotonic deadline are worked out in this one place, so the policy and the KV
+reservation can never disagree about a hop's size.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import math
 import time
 
 from inferx.scheduling.views import TIER_NAMES, HopView, Tier
-from inferx.tokens import DEFAULT_MAX_TOKENS, estimate_tokens
+from inferx.tokens import DEFAULT_MAX_TOKENS, TokenRatio
 from inferx.v1 import scheduler_pb2
 
 
@@ -26,8 +27,10 @@ def monotonic_deadline(unix_ms: int, *, now_mono: float | None = None, now_unix:
     return now_mono + unix_ms / 1000 - now_unix
 
 
-def hop_view(pool: str, request: scheduler_pb2.HopRequest) -> HopView:
-    """What the policy sees of a submitted hop."""
+def hop_view(pool: str, request: scheduler_pb2.HopRequest, tokens: TokenRatio | None = None) -> HopView:
+    """What the policy sees of a submitted hop; token counts by the pool's learned ratio
+    (`tokens`; None: the prior, `estimate_tokens`)."""
+    tokens = tokens or TokenRatio()
     ctx = request.context
     tier = _tier(ctx.tier)
     return HopView(
@@ -37,7 +40,7 @@ def hop_view(pool: str, request: scheduler_pb2.HopRequest) -> HopView:
         session_id=ctx.session_id,
         tier=tier,
         node_priority=ctx.priority,
-        prompt_tokens=estimate_tokens(request.prompt),
+        prompt_tokens=tokens.estimate(request.prompt),
         max_tokens=request.sampling.max_tokens or DEFAULT_MAX_TOKENS,  # 0: not set (an estimate)
         deadline=monotonic_deadline(ctx.chain_deadline_unix_ms),
         hop_index=ctx.hop_index,
@@ -48,7 +51,7 @@ def hop_view(pool: str, request: scheduler_pb2.HopRequest) -> HopView:
         last_worker_id=ctx.last_worker_id,
         kv_retention_s=_retention_s(ctx),
         prefix_id=ctx.prefix_id,
-        prefix_tokens=ctx.prefix_tokens if ctx.prefix_id else 0,
+        prefix_tokens=tokens.rescale(ctx.prefix_tokens) if ctx.prefix_id else 0,  # the router's estimate
     )
 
 
@@ -61,9 +64,12 @@ def _retention_s(ctx) -> float | None:
     return value if math.isfinite(value) and value >= 0 else None
 
 
-def next_hop_views(hop: HopView, request: scheduler_pb2.HopRequest, pool_of) -> list[HopView]:
+def next_hop_views(
+    hop: HopView, request: scheduler_pb2.HopRequest, pool_of, tokens_of=lambda pool: None
+) -> list[HopView]:
     """The chain's next model hops (as the router announced them) as views in their
-    pools; `pool_of(model)` names a model's pool, or None when nobody serves it."""
+    pools; `pool_of(model)` names a model's pool, or None when nobody serves it;
+    `tokens_of(pool)` its learned `TokenRatio` (None: the prior)."""
     views = []
     for nxt in request.context.next_hops:
         pool = pool_of(nxt.model) if nxt.model else None
@@ -76,7 +82,7 @@ def next_hop_views(hop: HopView, request: scheduler_pb2.HopRequest, pool_of) -> 
                 hop_id=nxt.hop_id,
                 session_id=hop.session_id,
                 tier=hop.tier,
-                prompt_tokens=int(nxt.prompt_tokens),
+                prompt_tokens=(tokens_of(pool) or TokenRatio()).rescale(int(nxt.prompt_tokens)),
                 max_tokens=nxt.max_tokens or DEFAULT_MAX_TOKENS,
                 hop_index=hop.hop_index + 1,
                 last_worker_id=nxt.last_worker_id,

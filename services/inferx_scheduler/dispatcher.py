@@ -15,6 +15,7 @@ from inferx.scheduling.prefix_index import ChainContexts, PrefixIndex
 from inferx.scheduling.queue import DispatchQueue, QueuedHop, WorkerSlots
 from inferx.scheduling.registry import make_policy
 from inferx.scheduling.views import HopView
+from inferx.tokens import TokenRatio
 from inferx.v1 import common_pb2
 from inferx_scheduler import metrics
 
@@ -42,6 +43,8 @@ class HopDispatcher:
         # kept only for a policy that places by them (exact prefix).
         self.prefix_index = PrefixIndex()
         self.contexts = ChainContexts()
+        # pool -> engine tokens per prompt character, from what its workers counted
+        self.token_ratios: dict[str, TokenRatio] = {}
         self.reads_prompt_blocks = self.queue.policy.use_prefix_index(self.prefix_index)
         self._waiters: dict[int, asyncio.Future[str]] = {}
         self._engine_fits: dict[str, int] = {}  # pool -> the refit its engine gauges show
@@ -54,6 +57,20 @@ class HopDispatcher:
         self._depth_changed: set[str] = set()  # pools whose queue gauges are due
         # pool -> (its workers dict, (usable flags, conservative), the slots made of them)
         self._slots_cache: dict[str, tuple[object, _SlotsKey, tuple[WorkerSlots, ...]]] = {}
+
+    def token_ratio(self, pool: str) -> TokenRatio:
+        """The pool's engine tokens per prompt character (the prior until learned)."""
+        ratio = self.token_ratios.get(pool)
+        if ratio is None:
+            ratio = self.token_ratios[pool] = TokenRatio()
+        return ratio
+
+    def counted_tokens(self, pool: str, prompt_chars: int, prompt_tokens: int) -> None:
+        """A finished hop's prompt as its worker counted it: the pool's ratio learns it."""
+        ratio = self.token_ratio(pool)
+        ratio.observe(prompt_chars, prompt_tokens)
+        if ratio.learned:
+            child(metrics.PROMPT_CHARS_PER_TOKEN, pool).set(1 / ratio.tokens_per_char)
 
     def submit(self, view: HopView) -> tuple[QueuedHop, asyncio.Future[str]]:
         """Queue a hop; the future resolves to the worker it is assigned to."""

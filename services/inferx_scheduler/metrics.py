@@ -38,6 +38,13 @@ ENGINE_KV_READ = Gauge(
     "What a decode step costs per token of KV in flight on its worker, as the scheduler prices it",
     ["pool"],
 )
+# What the scheduler sizes prompts by: characters per engine token, learned per pool
+# from the counts workers report (`inferx.tokens.TokenRatio`; unset: the prior, 3).
+PROMPT_CHARS_PER_TOKEN = Gauge(
+    "inferx_scheduler_prompt_chars_per_token",
+    "Prompt characters per engine token in the pool, as learned from its workers' counts",
+    ["pool"],
+)
 
 KV_RETENTION_HINTS = Counter(
     "inferx_scheduler_kv_retention_hints_total",

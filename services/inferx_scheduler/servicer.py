@@ -182,7 +182,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if not self._directory.workers_for(request.model):
             raise Unavailable(no_worker_message(request.model, pool))
         await self._check_owner(pool)
-        view = hop_view(pool, request)  # the hop's facts, worked out once
+        view = hop_view(pool, request, self._dispatcher.token_ratio(pool))  # the hop's facts, worked out once
         # The chain's context the prompt starts with: its blocks, as keyed in the workers'
         # KV events, say exactly where that context is cached (for a policy that reads them).
         if self._dispatcher.reads_prompt_blocks:
@@ -288,6 +288,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                         output.append(event.text)
                     if event.kind == Event.KIND_FINISHED:
                         outcome.context_tokens = event.usage.prompt_tokens + event.usage.completion_tokens
+                        self._dispatcher.counted_tokens(pool, len(request.prompt), event.usage.prompt_tokens)
                         outcome.service_s = event.engine_ms / 1000
                         outcome.engine = _engine_sample(event)
                         if output is not None:
@@ -316,7 +317,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         def pool_of(model: str) -> str | None:
             return self._directory.pool_of(model) if self._directory.workers_for(model) else None
 
-        return next_hop_views(view, request, pool_of)
+        return next_hop_views(view, request, pool_of, self._dispatcher.token_ratio)
 
     async def _run_on_worker(
         self,
