@@ -146,20 +146,22 @@ class AuthDirectory:
     """The router's watched copy of tenants and tokens: authenticates without a round trip."""
 
     def __init__(self, client: aetcd.Client) -> None:
-        self.tokens = etcd.PrefixMirror(client, etcd.AUTH_TOKENS, self._load_tokens)
-        self.tenants_mirror = etcd.PrefixMirror(client, etcd.AUTH_TENANTS, self._load_tenants)
+        # One watch over tenants and tokens, so this copy sees them in etcd's order: a
+        # token made right after its tenant is never seen here before that tenant (with
+        # a watch each, it could be, and was refused as "tenant no longer exists").
+        self.mirror = etcd.PrefixMirror(client, etcd.AUTH, self._load)
         self._tokens: dict[str, TokenRecord] = {}
         self._tenants: dict[str, TenantRecord] = {}
 
     @property
     def mirrors(self) -> list[etcd.PrefixMirror]:
-        return [self.tokens, self.tenants_mirror]
+        return [self.mirror]
 
-    def _load_tokens(self, items: dict[str, bytes]) -> None:
-        self._tokens = _parse_all(items, TokenRecord, lambda r: r.token_id)
-
-    def _load_tenants(self, items: dict[str, bytes]) -> None:
-        self._tenants = _parse_all(items, TenantRecord, lambda r: r.name)
+    def _load(self, items: dict[str, bytes]) -> None:
+        tokens = {k: v for k, v in items.items() if k.startswith(etcd.AUTH_TOKENS)}
+        tenants = {k: v for k, v in items.items() if k.startswith(etcd.AUTH_TENANTS)}
+        self._tokens = _parse_all(tokens, TokenRecord, lambda r: r.token_id)
+        self._tenants = _parse_all(tenants, TenantRecord, lambda r: r.name)
 
     def tenant(self, name: str) -> TenantRecord | None:
         return self._tenants.get(name)
