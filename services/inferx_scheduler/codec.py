@@ -65,11 +65,11 @@ def _retention_s(ctx) -> float | None:
 
 
 def next_hop_views(
-    hop: HopView, request: scheduler_pb2.HopRequest, pool_of, tokens_of=lambda pool: None
+    hop: HopView, request: scheduler_pb2.HopRequest, pool_of, tokens_of=lambda pool: TokenRatio()
 ) -> list[HopView]:
     """The chain's next model hops (as the router announced them) as views in their
     pools; `pool_of(model)` names a model's pool, or None when nobody serves it;
-    `tokens_of(pool)` its learned `TokenRatio` (None: the prior)."""
+    `tokens_of(pool)` its learned `TokenRatio` (default: the prior)."""
     views = []
     for nxt in request.context.next_hops:
         pool = pool_of(nxt.model) if nxt.model else None
@@ -82,7 +82,7 @@ def next_hop_views(
                 hop_id=nxt.hop_id,
                 session_id=hop.session_id,
                 tier=hop.tier,
-                prompt_tokens=(tokens_of(pool) or TokenRatio()).rescale(int(nxt.prompt_tokens)),
+                prompt_tokens=tokens_of(pool).rescale(int(nxt.prompt_tokens)),
                 max_tokens=nxt.max_tokens or DEFAULT_MAX_TOKENS,
                 hop_index=hop.hop_index + 1,
                 last_worker_id=nxt.last_worker_id,

@@ -13,25 +13,14 @@ import asyncio
 from prometheus_client import REGISTRY
 
 from inferx import hopstream
-from inferx.discovery import ChannelPool
-from inferx.pools import PoolDirectory
-from inferx.tls import Transport
 from inferx.v1 import common_pb2, scheduler_pb2, worker_pb2
 from inferx_scheduler.dispatcher import HopDispatcher
-from inferx_scheduler.servicer import SchedulerServicer
+from tests.local_scheduler import local_scheduler
 
 Event = scheduler_pb2.HopEvent
 WORKER = common_pb2.WorkerInfo(
     worker_id="w1", pool="m", address="w1:1", max_concurrency=1, kv_capacity_tokens=100_000
 )
-
-
-class Health:
-    def hop_succeeded(self, worker_id: str) -> None:
-        pass
-
-    def hop_failed(self, worker_id: str) -> None:
-        pass
 
 
 class Engine:
@@ -57,19 +46,9 @@ class Engine:
 
 
 def scheduler(**policy_options: object) -> tuple[hopstream.LocalPeer, HopDispatcher, Engine]:
-    directory = PoolDirectory()
-    directory.workers_by_pool = {"m": {"w1": WORKER}}
-    dispatcher = HopDispatcher(directory, 16, policy_options=policy_options)
-    servicer = SchedulerServicer(
-        dispatcher,
-        None,  # type: ignore[arg-type]  # no memory-pool: reserve_kv is off
-        ChannelPool(Transport.plaintext()),
-        reserve_kv=False,
-        health=Health(),  # type: ignore[arg-type]
-    )
     engine = Engine()
-    servicer.worker_streams.serve_locally(WORKER.address, engine.generate)
-    return hopstream.LocalPeer(servicer.SubmitHop, hopstream.HOPS), dispatcher, engine
+    peer, dispatcher = local_scheduler(WORKER, engine.generate, **policy_options)
+    return peer, dispatcher, engine
 
 
 def hop(hop_id: str, kv_retention_s: float | None = None) -> scheduler_pb2.HopRequest:

@@ -12,16 +12,13 @@ from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
 from inferx import hopstream
-from inferx.discovery import ChannelPool
-from inferx.pools import PoolDirectory
 from inferx.scheduling.chain_aware import ChainAwarePolicy
 from inferx.scheduling.views import HopView
-from inferx.tls import Transport
 from inferx.tokens import CHARS_PER_TOKEN, TokenRatio, estimate_tokens
 from inferx.v1 import common_pb2, scheduler_pb2, worker_pb2
 from inferx_scheduler.codec import hop_view, next_hop_views
 from inferx_scheduler.dispatcher import HopDispatcher
-from inferx_scheduler.servicer import SchedulerServicer
+from tests.local_scheduler import local_scheduler
 
 ENGINE_CHARS_PER_TOKEN = 4  # the engine below cuts 4 characters per token; the prior assumes 3
 
@@ -103,14 +100,6 @@ WORKER = common_pb2.WorkerInfo(
 )
 
 
-class Health:
-    def hop_succeeded(self, worker_id: str) -> None:
-        pass
-
-    def hop_failed(self, worker_id: str) -> None:
-        pass
-
-
 async def counting_engine(request: worker_pb2.GenerateRequest, context):
     """Counts the prompt at ENGINE_CHARS_PER_TOKEN characters per token; one output token."""
     yield worker_pb2.GenerateChunk(
@@ -127,9 +116,7 @@ async def counting_engine(request: worker_pb2.GenerateRequest, context):
 
 
 def scheduler() -> tuple[hopstream.LocalPeer, HopDispatcher, list[HopView]]:
-    directory = PoolDirectory()
-    directory.workers_by_pool = {"m": {"w1": WORKER}}
-    dispatcher = HopDispatcher(directory, 16)
+    peer, dispatcher = local_scheduler(WORKER, counting_engine)
     seen: list[HopView] = []
     submit = dispatcher.submit
 
@@ -138,15 +125,7 @@ def scheduler() -> tuple[hopstream.LocalPeer, HopDispatcher, list[HopView]]:
         return submit(view)
 
     dispatcher.submit = recording_submit  # type: ignore[method-assign]
-    servicer = SchedulerServicer(
-        dispatcher,
-        None,  # type: ignore[arg-type]  # no memory-pool: reserve_kv is off
-        ChannelPool(Transport.plaintext()),
-        reserve_kv=False,
-        health=Health(),  # type: ignore[arg-type]
-    )
-    servicer.worker_streams.serve_locally(WORKER.address, counting_engine)
-    return hopstream.LocalPeer(servicer.SubmitHop, hopstream.HOPS), dispatcher, seen
+    return peer, dispatcher, seen
 
 
 async def run_hop(
