@@ -435,6 +435,21 @@ def test_a_probe_counts_only_its_measured_chains() -> None:
     assert not peer.summarize_probe("f", 1.0, 0, records, peer_stats(), 1.0, measured).meets
 
 
+def test_a_probe_reports_the_realtime_tiers_own_tail() -> None:
+    from inferx.sim.records import ChainRecord
+
+    def record(chain_id: str, tier: str, latency_s: float, ttft_s: float) -> ChainRecord:
+        return ChainRecord(chain_id, "chat", tier, 0.0, 100.0, 1.0, status="ok", latency_s=latency_s, ttft_s=[ttft_s])
+
+    records = [record(f"r{i}", "realtime", 2.0, 0.1) for i in range(10)]
+    records += [record(f"b{i}", "batch", 60.0, 30.0) for i in range(10)]
+    probe = peer.summarize_probe("f", 1.0, 0, records, peer_stats(), 1.0)
+    assert probe.ttft_p99_s == 30.0 and probe.p99_latency_s == 60.0  # all tiers: batch's tail
+    assert probe.realtime_ttft_p99_s == 0.1 and probe.realtime_p99_latency_s == 2.0
+    no_realtime = peer.summarize_probe("f", 1.0, 0, records[10:], peer_stats(), 1.0)
+    assert no_realtime.realtime_ttft_p99_s is None and no_realtime.realtime_p99_latency_s is None
+
+
 def peer_stats():
     from inferx.bench.agent_http import ReplayStats
 

@@ -446,6 +446,10 @@ class Probe:
     calls: int
     wall_s: float
     replayed: int = 0  # chains replayed, warm-up and drain included (`chains`: those counted)
+    # The realtime tier's own tail: a front may keep other tiers' prefills waiting (within
+    # their SLO) to keep realtime calls fast, which the all-tier figures above hide.
+    realtime_p99_latency_s: float | None = None
+    realtime_ttft_p99_s: float | None = None
 
 
 def summarize_probe(
@@ -464,11 +468,17 @@ def summarize_probe(
     result = attainment(records)
     latencies = [math.inf if r.latency_s is None else r.latency_s for r in records]
     ttfts = [t for r in records for t in r.ttft_s]
+    realtime = [r for r in records if r.tier == "realtime"]
+    realtime_latencies = [math.inf if r.latency_s is None else r.latency_s for r in realtime]
+    realtime_ttfts = [t for r in realtime for t in r.ttft_s]
     prompt = sum(r.prompt_tokens for r in records)
     cached = sum(r.cached_tokens for r in records)
 
     def finite(value: float) -> float | None:
         return value if math.isfinite(value) else None
+
+    def p99(values: list[float]) -> float | None:
+        return finite(percentile(values, 99, method="nearest-rank")) if values else None
 
     return Probe(
         front=front,
@@ -488,6 +498,8 @@ def summarize_probe(
         calls=stats.calls,
         wall_s=wall_s,
         replayed=replayed,
+        realtime_p99_latency_s=p99(realtime_latencies),
+        realtime_ttft_p99_s=p99(realtime_ttfts),
     )
 
 
