@@ -439,7 +439,9 @@ def test_a_probe_reports_the_realtime_tiers_own_tail() -> None:
     from inferx.sim.records import ChainRecord
 
     def record(chain_id: str, tier: str, latency_s: float, ttft_s: float) -> ChainRecord:
-        return ChainRecord(chain_id, "chat", tier, 0.0, 100.0, 1.0, status="ok", latency_s=latency_s, ttft_s=[ttft_s])
+        return ChainRecord(
+            chain_id, "chat", tier, 0.0, 100.0, 1.0, status="ok", latency_s=latency_s, ttft_s=[ttft_s]
+        )
 
     records = [record(f"r{i}", "realtime", 2.0, 0.1) for i in range(10)]
     records += [record(f"b{i}", "batch", 60.0, 30.0) for i in range(10)]
