@@ -466,19 +466,22 @@ def summarize_probe(
     if measured is not None:
         records = [r for r in records if r.chain_id in measured]
     result = attainment(records)
-    latencies = [math.inf if r.latency_s is None else r.latency_s for r in records]
-    ttfts = [t for r in records for t in r.ttft_s]
     realtime = [r for r in records if r.tier == "realtime"]
-    realtime_latencies = [math.inf if r.latency_s is None else r.latency_s for r in realtime]
-    realtime_ttfts = [t for r in realtime for t in r.ttft_s]
     prompt = sum(r.prompt_tokens for r in records)
     cached = sum(r.cached_tokens for r in records)
 
-    def finite(value: float) -> float | None:
-        return value if math.isfinite(value) else None
+    def latencies(chains: list[ChainRecord]) -> list[float]:
+        return [math.inf if r.latency_s is None else r.latency_s for r in chains]
 
-    def p99(values: list[float]) -> float | None:
-        return finite(percentile(values, 99, method="nearest-rank")) if values else None
+    def ttfts(chains: list[ChainRecord]) -> list[float]:
+        return [t for r in chains for t in r.ttft_s]
+
+    def pct(values: list[float], q: float) -> float | None:
+        """Nearest-rank percentile; None when there is none or it is inf (unfinished)."""
+        if not values:
+            return None
+        value = percentile(values, q, method="nearest-rank")
+        return value if math.isfinite(value) else None
 
     return Probe(
         front=front,
@@ -489,17 +492,17 @@ def summarize_probe(
         realtime_chains=result.realtime_chains,
         overall=result.overall,
         realtime=result.realtime,
-        p99_latency_s=finite(percentile(latencies, 99, method="nearest-rank")) if latencies else None,
-        p50_latency_s=finite(percentile(latencies, 50, method="nearest-rank")) if latencies else None,
-        ttft_p50_s=finite(percentile(ttfts, 50, method="nearest-rank")) if ttfts else None,
-        ttft_p99_s=finite(percentile(ttfts, 99, method="nearest-rank")) if ttfts else None,
+        p99_latency_s=pct(latencies(records), 99),
+        p50_latency_s=pct(latencies(records), 50),
+        ttft_p50_s=pct(ttfts(records), 50),
+        ttft_p99_s=pct(ttfts(records), 99),
         cached_ratio=cached / prompt if prompt else None,
         errors=dict(stats.errors),
         calls=stats.calls,
         wall_s=wall_s,
         replayed=replayed,
-        realtime_p99_latency_s=p99(realtime_latencies),
-        realtime_ttft_p99_s=p99(realtime_ttfts),
+        realtime_p99_latency_s=pct(latencies(realtime), 99),
+        realtime_ttft_p99_s=pct(ttfts(realtime), 99),
     )
 
 
