@@ -113,6 +113,24 @@ def test_realtime_hops_as_spread_as_under_a_moderate_load_hold_nothing_back() ->
     assert q.assign(WORKERS, 100.0) == [new]
 
 
+def test_one_realtime_hop_far_past_its_time_alone_holds_new_batch_chains_back() -> None:
+    # The median of the latest hops is on track, but one ran 5x its time alone: past
+    # `overload_hop_stretch`, the window shrinks without waiting for the median.
+    q = DispatchQueue(policy=ChainAwarePolicy(ChainAwareConfig(overload_control=True, realtime_guard=False)))
+    for i in range(8):
+        q.submit("p", f"b{i}", "0", 0.0, HopView("p", f"b{i}", "0", tier=TIER_BATCH, remaining_hops=3))
+        q.assign(WORKERS, 0.0)
+    for i in range(32):
+        now = 1.0 + i
+        view = HopView("p", f"rt{i}", "0", tier=TIER_REALTIME, prompt_tokens=500, max_tokens=100)
+        hop = q.submit("p", f"rt{i}", "0", now, view)
+        q.assign(WORKERS, now)
+        service = 5.0 if i == 31 else 1.0
+        q.finished(hop, now + service, context_tokens=600, service_s=service)
+    q.submit("p", "new", "0", 100.0, HopView("p", "new", "0", tier=TIER_BATCH, remaining_hops=3))
+    assert q.assign(WORKERS, 100.0) == []  # 8 batch chains under way, the window is 4
+
+
 def test_past_the_shed_factor_new_chains_are_refused_with_a_retry_hint() -> None:
     q = overloaded_queue(overload_shed_factor=1.0, retry_after_s=7.0)
     for i in range(4):  # a window's worth of new batch chains may wait

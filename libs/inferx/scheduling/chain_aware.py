@@ -164,16 +164,25 @@ class ChainAwareConfig:
     # Tiers protected under overload (`inferx.scheduling.overload`): while hops of a tier
     # finish stretched (the median queueing + service of its last
     # `overload_stretch_hops` hops over `overload_max_stretch` times their time alone on
-    # the engine), new chains of the tiers below wait to start -- as many run as an AIMD
-    # window allows -- and are shed (RESOURCE_EXHAUSTED, a retry hint) once more
-    # than `overload_shed_factor` windows' worth of them wait.
-    overload_control: bool = False  # off by default: near capacity it sheds chains that would have made it
+    # the engine, or one hop over `overload_hop_stretch`), new chains of the tiers below
+    # wait to start -- as many run as an AIMD window allows -- and are shed
+    # (RESOURCE_EXHAUSTED, a retry hint) once more than `overload_shed_factor` windows'
+    # worth of them wait.
+    # Off by default: it lowers the capacity at SLO (mix 2.04 -> 1.61, research 0.273 ->
+    # 0.206 chains/s: it sheds chains near capacity that would have made it).
+    overload_control: bool = False
     # A realtime chain's SLO is 3x its time alone. On mix its hops' median stretch is
     # ~1.9 at the capacity at SLO and 2.5 past it by a fifth: the lower tiers are held
     # back from 2.25x, and a new chain past one window's worth waiting is shed at once
-    # (waiting longer it misses anyway).
+    # (waiting longer it misses anyway). A single hop past 2.5x says so too: on coding
+    # and research on the 7B profile the median alone reacted too late at 2x the
+    # strongest peer's capacity (realtime 97% / 99%, 88% / 94% on the worst seed); with
+    # it, >= 99% on mix, research and coding (every seed) and research 7B (the median).
+    # A median over 32 hops reacted too late on research (docs/benchmarks.md, "Past
+    # capacity").
     overload_max_stretch: float = 2.25
-    overload_stretch_hops: int = 32
+    overload_stretch_hops: int = 16
+    overload_hop_stretch: float = 2.5
     overload_cooldown_s: float = 5.0
     overload_min_chains: float = 2.0
     overload_shed_factor: float = 1.0
@@ -882,7 +891,7 @@ class ChainAwarePolicy:
         batch, standard = self._window(hop.pool, TIER_BATCH), self._window(hop.pool, TIER_STANDARD)
         batch_active = self._active_count[(hop.pool, TIER_BATCH)]
         standard_active = self._active_count[(hop.pool, TIER_STANDARD)]
-        if typical > config.overload_max_stretch:
+        if typical > config.overload_max_stretch or stretch > config.overload_hop_stretch:
             batch.at_risk(batch_active, now)
             if tier == TIER_REALTIME:
                 standard.at_risk(standard_active, now)
