@@ -175,3 +175,8 @@ def test_a_guard_scale_without_recovery_time_is_back_at_once() -> None:
     assert scale.scale < 1.0
     scale.on_track(0.1)
     assert scale.scale == 1.0
+
+
+def test_an_empty_stretch_window_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="overload_stretch_hops"):
+        ChainAwareConfig(overload_stretch_hops=0)

@@ -238,6 +238,8 @@ class ChainAwareConfig:
             raise ValueError("guard_scale_min must be > 0 and <= guard_scale_max")
         if self.guard_max_stretch <= 1:
             raise ValueError("guard_max_stretch must be > 1 (a hop is never faster than alone)")
+        if self.overload_stretch_hops < 1:
+            raise ValueError("overload_stretch_hops must be at least 1")
 
     def time_scaled(self, factor: float) -> ChainAwareConfig:
         """The same policy on a clock running `factor` times faster."""
