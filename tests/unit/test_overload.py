@@ -94,21 +94,28 @@ def test_realtime_hops_running_stretched_hold_new_batch_chains_back() -> None:
     assert new.worker_id is None
 
 
-def test_realtime_hops_as_spread_as_under_a_moderate_load_hold_nothing_back() -> None:
-    # Half the realtime hops at the engine's speed alone, half 1.5x slower (what a
-    # busy engine below capacity does): nothing is at risk, new batch chains still go.
-    # (Measured against the fastest recent hops, half of them read 1.5x "stretched".)
+def queue_after_realtime_hops(services_s: list[float]) -> DispatchQueue:
+    """Chain-aware with overload control and 8 batch chains under way, after realtime
+    hops of 100 tokens ran one after another taking these times (1 s: the engine's
+    speed alone, 10 ms a token)."""
     q = DispatchQueue(policy=ChainAwarePolicy(ChainAwareConfig(overload_control=True, realtime_guard=False)))
     for i in range(8):
         q.submit("p", f"b{i}", "0", 0.0, HopView("p", f"b{i}", "0", tier=TIER_BATCH, remaining_hops=3))
         q.assign(WORKERS, 0.0)
-    for i in range(64):
+    for i, service in enumerate(services_s):
         now = 1.0 + i
         view = HopView("p", f"rt{i}", "0", tier=TIER_REALTIME, prompt_tokens=500, max_tokens=100)
         hop = q.submit("p", f"rt{i}", "0", now, view)
         q.assign(WORKERS, now)
-        service = 1.5 if i % 2 else 1.0
         q.finished(hop, now + service, context_tokens=600, service_s=service)
+    return q
+
+
+def test_realtime_hops_as_spread_as_under_a_moderate_load_hold_nothing_back() -> None:
+    # Half the realtime hops at the engine's speed alone, half 1.5x slower (what a
+    # busy engine below capacity does): nothing is at risk, new batch chains still go.
+    # (Measured against the fastest recent hops, half of them read 1.5x "stretched".)
+    q = queue_after_realtime_hops([1.0, 1.5] * 32)
     new = q.submit("p", "new", "0", 100.0, HopView("p", "new", "0", tier=TIER_BATCH, remaining_hops=3))
     assert q.assign(WORKERS, 100.0) == [new]
 
@@ -116,17 +123,7 @@ def test_realtime_hops_as_spread_as_under_a_moderate_load_hold_nothing_back() ->
 def test_one_realtime_hop_far_past_its_time_alone_holds_new_batch_chains_back() -> None:
     # The median of the latest hops is on track, but one ran 5x its time alone: past
     # `overload_hop_stretch`, the window shrinks without waiting for the median.
-    q = DispatchQueue(policy=ChainAwarePolicy(ChainAwareConfig(overload_control=True, realtime_guard=False)))
-    for i in range(8):
-        q.submit("p", f"b{i}", "0", 0.0, HopView("p", f"b{i}", "0", tier=TIER_BATCH, remaining_hops=3))
-        q.assign(WORKERS, 0.0)
-    for i in range(32):
-        now = 1.0 + i
-        view = HopView("p", f"rt{i}", "0", tier=TIER_REALTIME, prompt_tokens=500, max_tokens=100)
-        hop = q.submit("p", f"rt{i}", "0", now, view)
-        q.assign(WORKERS, now)
-        service = 5.0 if i == 31 else 1.0
-        q.finished(hop, now + service, context_tokens=600, service_s=service)
+    q = queue_after_realtime_hops([1.0] * 31 + [5.0])
     q.submit("p", "new", "0", 100.0, HopView("p", "new", "0", tier=TIER_BATCH, remaining_hops=3))
     assert q.assign(WORKERS, 100.0) == []  # 8 batch chains under way, the window is 4
 
