@@ -17,7 +17,7 @@ from inferx.errors import InferxError
 
 TIERS = {"realtime": 1, "standard": 2, "batch": 3}
 
-err = Console(stderr=True, highlight=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True)  # a summary line stays one line when piped
 
 
 def read_tools(path: str) -> list[dict[str, Any]]:
