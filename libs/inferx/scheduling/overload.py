@@ -9,8 +9,8 @@ known in advance (it depends on the models, the contexts, the tools), so it is
 learned the way TCP learns a congestion window -- additive increase, multiplicative
 decrease (AIMD) -- from a signal the live system has and that only scheduling moves:
 the protected tier's hops finishing *stretched* (their median queueing + service
-over what they would take alone on the engine more than `max_stretch`, see
-`RecentStretch`) say its tier is at risk. (Slack to the deadline is a poorer signal:
+over what they would take alone on the engine more than a threshold, see
+`RecentStretch`, or one hop far past it) say its tier is at risk. (Slack to the deadline is a poorer signal:
 tool and think times vary far more than the engine does, so it cries wolf on
 workloads with chatty users.) An at-risk hop shrinks the window (at most once per
 `cooldown_s`, the time a change needs to show); a hop on track grows it by about one
@@ -103,7 +103,7 @@ class RecentStretch:
     moves with the load: on mix (Llama-3-8B, 4 workers) realtime's median stretch was
     1.26 at half the capacity, ~1.9 at it and 2.5-3.8 at 1.2-1.8x it."""
 
-    def __init__(self, window: int = 32, min_hops: int = 8) -> None:
+    def __init__(self, window: int, min_hops: int = 8) -> None:
         self._recent: deque[float] = deque(maxlen=window)
         self.min_hops = min(min_hops, window)
 
