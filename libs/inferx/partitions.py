@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -167,6 +168,11 @@ class PartitionElector:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()  # one campaign transaction at a time
+        # When the latest renewal etcd accepted was sent (the lease runs at least a TTL
+        # from then), and when `confirm` last failed to reach etcd.
+        self._renewed_at = 0.0
+        self._confirm_failed_at = -math.inf
+        self._confirm_lock = asyncio.Lock()  # one confirming renewal for every waiting call
         self._first_round = asyncio.Event()  # the first campaign is done
 
     # ----- what the service asks -------------------------------------------------------
@@ -186,6 +192,32 @@ class PartitionElector:
             and owner.instance_id == self.instance_id
             and owner.lease == self._lease
         )
+
+    async def confirm(self, pool: str) -> bool:
+        """`owns`, made sure of with etcd when the lease may have run out by our own
+        clock (no renewal accepted for a TTL: this process stalled, or etcd was slow).
+        A stalled owner wakes with its calls, its watch and its renewal all queued, and
+        another instance may have taken its pools meanwhile; checked here, it refuses
+        before serving beside the new owner (for the memory-pool: two ledgers granting
+        the same room). If etcd cannot be reached the answer stays `owns` (see there),
+        asked again no more than every third of a TTL."""
+        if not self.owns(pool):
+            return False
+        if time.monotonic() - self._renewed_at < self.ttl_s:
+            return True
+        async with self._confirm_lock:
+            now = time.monotonic()
+            lease = self._lease
+            overdue = now - self._renewed_at >= self.ttl_s
+            if lease is not None and overdue and now - self._confirm_failed_at >= self._interval:
+                try:
+                    reply = await asyncio.wait_for(self._client.refresh_lease(lease), self._interval)
+                except etcd.ETCD_DOWN_ERRORS as exc:  # a timeout included
+                    self._confirm_failed_at = time.monotonic()
+                    log.warning("could not confirm the %s partition lease (%s); serving on", self.kind, exc)
+                else:
+                    self._renewed(lease, reply, now)
+        return self.owns(pool)
 
     def owned(self) -> list[str]:
         return sorted(pool for pool in self.table.owners if self.owns(pool))
@@ -250,24 +282,39 @@ class PartitionElector:
         if self._on_change is not None:
             self._on_change()
 
+    @property
+    def _interval(self) -> float:
+        """How often the lease is renewed: three chances per TTL."""
+        return max(self.ttl_s / 3, 0.2)
+
+    def _renewed(self, lease: int, reply, sent: float) -> bool:
+        """Take etcd's answer to a renewal of `lease` sent at `sent`: False (and every
+        partition of the lease lost) when the lease is gone."""
+        if reply is None or reply.TTL <= 0:
+            if self._lease == lease:
+                log.warning("partition lease %x expired: every partition of it is lost", lease)
+                self._lease = None
+                self._changed()
+            return False
+        if self._lease == lease:
+            self._renewed_at = max(self._renewed_at, sent)
+        return True
+
     async def _run(self) -> None:
         await self.table.mirror.wait_synced(30)
-        interval = max(self.ttl_s / 3, 0.2)
+        interval = self._interval
         next_renewal = 0.0
         while True:
             try:
                 now = time.monotonic()
                 if self._lease is None:
+                    sent = time.monotonic()
                     lease = await self._client.lease(self.ttl_s)
-                    self._lease = lease.id
+                    self._lease, self._renewed_at = lease.id, sent
                     next_renewal = time.monotonic() + interval
                 elif now >= next_renewal:
                     sent = time.monotonic()
-                    reply = await self._client.refresh_lease(self._lease)
-                    if reply is None or reply.TTL <= 0:
-                        log.warning("partition lease %x expired: every partition of it is lost", self._lease)
-                        self._lease = None
-                        self._changed()
+                    if not self._renewed(self._lease, await self._client.refresh_lease(self._lease), sent):
                         continue
                     next_renewal = sent + interval
                 todo = pools_to_campaign(self.wanted, self._seen, self.table.owners)

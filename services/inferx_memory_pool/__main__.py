@@ -112,7 +112,7 @@ class MemoryPoolServicer(memory_pool_pb2_grpc.MemoryPoolServicer):
         """Only the elected leader's ledger answers: a reservation and its release must
         meet the same ledger, and two ledgers would each grant the same room."""
         elector = self._elector
-        if elector is None or elector.owns(ALL_POOLS):
+        if elector is None or await elector.confirm(ALL_POOLS):
             return
         if elector.table.owner(ALL_POOLS) is None and await elector.campaign(ALL_POOLS):
             return

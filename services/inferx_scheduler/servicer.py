@@ -212,7 +212,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         load. A hop for a pool nobody owns makes this instance campaign for it (if it
         may serve it); otherwise the answer names the owner, so the router re-resolves."""
         elector = self._partitions
-        if elector is None or elector.owns(pool):
+        if elector is None or await elector.confirm(pool):
             return
         owner = elector.table.owner(pool)
         if owner is None and await elector.campaign(pool):

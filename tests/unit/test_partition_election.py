@@ -4,6 +4,8 @@ instance campaigns for, and how the router treats a hop refused or cut by a sche
 from __future__ import annotations
 
 import asyncio
+import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -11,7 +13,7 @@ import pytest
 from inferx import etcd
 from inferx.discovery import ServiceLocator
 from inferx.errors import OWNER_KEY, SERVICE_STATUS_KEY, NoOwner, NotOwner, from_rpc_error
-from inferx.partitions import Owner, OwnerTable, eligible, parse_owners, pools_to_campaign
+from inferx.partitions import Owner, OwnerTable, PartitionElector, eligible, parse_owners, pools_to_campaign
 from inferx.pools import PoolDirectory
 from inferx.v1 import scheduler_pb2
 from inferx_router.load import PoolLoad, merge_loads
@@ -151,3 +153,76 @@ async def test_after_a_lost_owner_the_hop_waits_for_the_next_one() -> None:
 async def test_a_refusal_naming_the_owner_is_followed() -> None:
     where = targets(owners_table({}), "s1:1", "s2:1")
     assert await where.after("qwen-7b", Failure.NOT_OWNER, "s1:1", "s2:1", 1.0) == "s2:1"
+
+
+class FakeLeaseClient:
+    """Answers lease renewals as etcd would: alive (TTL left), gone (TTL -1) or down."""
+
+    def __init__(self, answer: str, delay_s: float = 0.0) -> None:
+        self.answer = answer
+        self.delay_s = delay_s
+        self.renewals = 0
+
+    async def refresh_lease(self, lease: int):
+        self.renewals += 1
+        await asyncio.sleep(self.delay_s)
+        if self.answer == "down":
+            raise ConnectionError("etcd is not reachable")
+        return SimpleNamespace(ID=lease, TTL=2 if self.answer == "alive" else -1)
+
+
+def owner_under_lease(client: FakeLeaseClient, *, renewed_s_ago: float) -> PartitionElector:
+    """An elector whose table names it owner of pool "p" under lease 7, last renewed
+    `renewed_s_ago` (TTL 2 s); nothing started."""
+    elector = PartitionElector(client, "memory-pool", instance_id="me", address="me:1", ttl_s=2)
+    elector._lease = 7
+    elector._renewed_at = time.monotonic() - renewed_s_ago
+    elector.table.owners = {"p": Owner("me", "me:1", 7)}
+    return elector
+
+
+async def test_an_owner_renewed_within_its_ttl_serves_without_asking_etcd() -> None:
+    client = FakeLeaseClient("gone")
+    elector = owner_under_lease(client, renewed_s_ago=0.5)
+    assert await elector.confirm("p")
+    assert client.renewals == 0
+
+
+async def test_a_stalled_owner_whose_lease_ran_out_refuses_before_its_watch_catches_up() -> None:
+    """The split brain this guards against: a ledger owner stalled past its TTL wakes
+    with a call queued; its table still names it (the watch event is queued too), so
+    `owns` says yes -- but etcd, asked, says the lease is gone: refuse."""
+    client = FakeLeaseClient("gone")
+    elector = owner_under_lease(client, renewed_s_ago=2.5)
+    assert elector.owns("p")
+    assert not await elector.confirm("p")
+    assert client.renewals == 1
+    assert not elector.owns("p") and elector._lease is None
+
+
+async def test_a_stalled_owner_whose_lease_lives_serves_and_counts_the_renewal() -> None:
+    client = FakeLeaseClient("alive")
+    elector = owner_under_lease(client, renewed_s_ago=2.5)
+    calls = await asyncio.gather(*(elector.confirm("p") for _ in range(5)))
+    assert all(calls)
+    assert client.renewals == 1  # the waiting calls share one renewal
+    assert await elector.confirm("p") and client.renewals == 1  # renewed: not asked again
+
+
+async def test_with_etcd_unreachable_an_owner_serves_on_and_asks_again_only_later() -> None:
+    client = FakeLeaseClient("down")
+    elector = owner_under_lease(client, renewed_s_ago=2.5)
+    assert await elector.confirm("p")  # nobody can be elected in its place either
+    assert await elector.confirm("p")
+    assert client.renewals == 1  # not one failed round trip per call
+    elector._confirm_failed_at -= elector._interval
+    assert await elector.confirm("p") and client.renewals == 2
+
+
+async def test_an_etcd_that_hangs_delays_a_call_by_a_third_of_the_ttl_at_most() -> None:
+    client = FakeLeaseClient("alive", delay_s=30)
+    elector = owner_under_lease(client, renewed_s_ago=2.5)
+    started_at = time.monotonic()
+    assert await elector.confirm("p")
+    assert time.monotonic() - started_at < 5
+    assert elector._confirm_failed_at > started_at
