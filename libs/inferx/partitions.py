@@ -184,7 +184,8 @@ class PartitionElector:
         with what they hold, as they do for everything else during an etcd outage.
         The price, only when this instance alone is cut off from an etcd the others
         reach: it serves its pools alongside their new owner until it reaches etcd
-        again (for schedulers, affinity split for that time, never a wrong result)."""
+        again (for schedulers, affinity split for that time, never a wrong result).
+        What the services check before serving a call is `confirm`."""
         owner = self.table.owner(pool)
         return (
             owner is not None
