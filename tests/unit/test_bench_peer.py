@@ -8,7 +8,9 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import socket
+import threading
 from typing import Any
 
 import httpx
@@ -450,6 +452,32 @@ def test_a_probe_reports_the_realtime_tiers_own_tail() -> None:
     assert probe.realtime_ttft_p99_s == 0.1 and probe.realtime_p99_latency_s == 2.0
     no_realtime = peer.summarize_probe("f", 1.0, 0, records[10:], peer_stats(), 1.0)
     assert no_realtime.realtime_ttft_p99_s is None and no_realtime.realtime_p99_latency_s is None
+
+
+def test_each_probe_reports_the_boxs_load_and_says_when_the_cpus_were_saturated() -> None:
+    from inferx.cli import peer as cli_peer
+
+    readings: list[float | None] = [3.0, 5.0, None, 4.0]
+    all_read = threading.Event()
+
+    def read() -> float | None:
+        if not readings:
+            all_read.set()
+            return None
+        return readings.pop(0)
+
+    with peer.LoadSampler(interval_s=0.001, read=read) as load:
+        assert all_read.wait(10)
+    assert load.mean == 4.0  # the OS's missing readings are skipped, not counted as 0
+    assert peer.LoadSampler(read=lambda: None).mean is None
+    assert peer.load_note(3.9, cpus=2) == "load 3.9 on 2 CPUs: saturated, figures read low"
+    assert peer.load_note(1.3, cpus=2) == "load 1.3 on 2 CPUs"
+
+    quiet, busy = probe(True, 0, 0.5), probe(False, 1, 0.6)
+    busy.load_avg = 2 * (os.cpu_count() or 1) + 1
+    fronts = [peer.FrontCapacity("inferx", 0.5, 0.6, [quiet, busy])]
+    (line,) = cli_peer.probes_lines({"fronts": fronts})
+    assert "saturated" in line and line.count("load") == 1  # only the probe that was measured
 
 
 def peer_stats():

@@ -47,6 +47,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -450,6 +451,60 @@ class Probe:
     # their SLO) to keep realtime calls fast, which the all-tier figures above hide.
     realtime_p99_latency_s: float | None = None
     realtime_ttft_p99_s: float | None = None
+    # The box's mean 1-minute load average over the probe (None where the OS has none):
+    # over its CPU count, the fronts, the sim workers and the load generator fought for
+    # the CPUs, and the probe's figures read low.
+    load_avg: float | None = None
+
+
+def _one_minute_load() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # not every platform keeps one
+        return None
+
+
+class LoadSampler:
+    """The box's load average, read every `interval_s` on a thread while a probe runs.
+    Live probes share the box's CPUs among the front's services, the sim workers (which
+    must keep x`speed` real time) and the load generator; a probe that saturated them is
+    reported as such rather than read as the front's capacity."""
+
+    def __init__(self, interval_s: float = 10.0, read: Callable[[], float | None] = _one_minute_load) -> None:
+        self._interval_s = interval_s
+        self._read = read
+        self._samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="load-sampler", daemon=True)
+
+    def __enter__(self) -> LoadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            value = self._read()
+            if value is not None:
+                self._samples.append(value)
+            if self._stop.wait(self._interval_s):
+                return
+
+    @property
+    def mean(self) -> float | None:
+        return sum(self._samples) / len(self._samples) if self._samples else None
+
+
+def load_note(load_avg: float | None, cpus: int | None = None) -> str:
+    """`load 3.9 on 2 CPUs: saturated, figures read low` / `load 1.2 on 2 CPUs` / ``."""
+    if load_avg is None:
+        return ""
+    cpus = cpus or os.cpu_count() or 1
+    saturated = ": saturated, figures read low" if load_avg > cpus else ""
+    return f"load {load_avg:.1f} on {cpus} CPUs{saturated}"
 
 
 def summarize_probe(
@@ -460,6 +515,7 @@ def summarize_probe(
     stats,
     wall_s: float,
     measured: frozenset[str] | None = None,
+    load_avg: float | None = None,
 ) -> Probe:
     """The probe's figures over the chains it counts (`measured`; None: all of them)."""
     replayed = len(records)
@@ -503,6 +559,7 @@ def summarize_probe(
         replayed=replayed,
         realtime_p99_latency_s=pct(latencies(realtime), 99),
         realtime_ttft_p99_s=pct(ttfts(realtime), 99),
+        load_avg=load_avg,
     )
 
 
@@ -795,20 +852,20 @@ async def _capacity_for_trace(
                 MODEL,
             )
             started = time.perf_counter()
-            with progress(
-                f"{label} at {rate:.3f} chains/s (x{options.speed:g})", len(probe_chains.chains)
-            ) as advance:
+            title = f"{label} at {rate:.3f} chains/s (x{options.speed:g})"
+            with LoadSampler() as load, progress(title, len(probe_chains.chains)) as advance:
                 records = asyncio.run_coroutine_threadsafe(replay.run(timeout_s, advance), loop).result()
             wall = time.perf_counter() - started
         finally:
             env.stop()
-        probe = summarize_probe(label, rate, index, records, replay.stats, wall, measured)
+        probe = summarize_probe(label, rate, index, records, replay.stats, wall, measured, load.mean)
         on_probe(probe, records)
         verdict = "meets the SLO" if probe.meets else "misses the SLO"
         realtime = "-" if probe.realtime is None else f"{probe.realtime:.0%}"
         note(
             f"  {label} at {rate:.3f}/s: {verdict} (all {probe.overall:.0%}, realtime {realtime}, "
-            f"P99 {_s(probe.p99_latency_s)}, {wall:.0f} s wall)"
+            f"P99 {_s(probe.p99_latency_s)}, {wall:.0f} s wall"
+            f"{', ' + load_note(probe.load_avg) if probe.load_avg is not None else ''})"
         )
         return probe
 

@@ -177,13 +177,15 @@ def diagnostic_line(probe: Any) -> Text:
 
 
 def probes_lines(seed: dict[str, Any]) -> list[str]:
-    """Every probe: rate, met (+) or missed (x), realtime and overall attainment, and
-    how many chains were counted."""
+    """Every probe: rate, met (+) or missed (x), realtime and overall attainment, how
+    many chains were counted, and the box's load while it ran."""
+    from inferx.bench.peer import load_note
+
     lines = []
     for result in seed["fronts"]:
         probes = ", ".join(
             f"{p.rate_per_s:.3f}{'+' if p.meets else 'x'} ({_pct(p.realtime)} rt, {_pct(p.overall)} all "
-            f"of {p.chains})"
+            f"of {p.chains}{'; ' + load_note(p.load_avg) if p.load_avg is not None else ''})"
             for p in result.probes
         )
         lines.append(f"  {_short(result.front)}: {probes}")
