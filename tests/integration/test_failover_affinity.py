@@ -34,7 +34,11 @@ from tests.conftest import EXAMPLES, make_stack, started, wait_workers_routed
 pytestmark = pytest.mark.integration
 
 POOL = "tiny-llama"
-LEASE_TTL_S = 2
+# Short enough that failover tests wait little, long enough that a loaded 2-core CI box
+# does not end every lease of the stack: with 2 s, a stall of etcd or the box (a vLLM
+# test starting beside it) once expired them all at once, and the pool legitimately
+# moved to the second scheduler mid-test.
+LEASE_TTL_S = 4
 CHAINS = 18  # 6 per worker: each has room for its chains' hops (affinity never has to give way)
 TOOL_S = 0.4
 CHAIN = "failover_affinity"

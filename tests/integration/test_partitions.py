@@ -47,7 +47,11 @@ from tests.polling import poll_until
 pytestmark = pytest.mark.integration
 
 POOL = "tiny-llama"
-LEASE_TTL_S = 2
+# Short enough that failover tests wait little, long enough that a loaded 2-core CI box
+# does not end every lease of the stack: with 2 s, a stall of etcd or the box (a vLLM
+# test starting beside it) once expired them all at once, and the pool legitimately
+# moved to the second scheduler mid-test.
+LEASE_TTL_S = 4
 CHAIN = "partition_chain"
 # Three model hops in a row: two chances per chain to switch workers. Timeouts are
 # generous: a hop caught by a scheduler's death waits for the partition to move.
