@@ -498,10 +498,8 @@ class LoadSampler:
         return sum(self._samples) / len(self._samples) if self._samples else None
 
 
-def load_note(load_avg: float | None, cpus: int | None = None) -> str:
-    """`load 3.9 on 2 CPUs: saturated, figures read low` / `load 1.2 on 2 CPUs` / ``."""
-    if load_avg is None:
-        return ""
+def load_note(load_avg: float, cpus: int | None = None) -> str:
+    """`load 3.9 on 2 CPUs: saturated, figures read low` / `load 1.2 on 2 CPUs`."""
     cpus = cpus or os.cpu_count() or 1
     saturated = ": saturated, figures read low" if load_avg > cpus else ""
     return f"load {load_avg:.1f} on {cpus} CPUs{saturated}"
