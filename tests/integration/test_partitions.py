@@ -306,9 +306,10 @@ async def ledger_owner(client: aetcd.Client) -> Owner | None:
 
 
 async def follower_refuses_the_ledger_calls(stack: LocalStack, client: aetcd.Client) -> bool:
-    """True if the memory-pool etcd does not name refuses both ledger calls, naming the
-    owner; False if it accepted because the ledger legitimately moved to it meanwhile (a
-    2-core box stalled the owner past its lease). Fails if it served beside a live owner."""
+    """Call both ledger methods on the memory-pool that etcd does not name as owner.
+    True if it refused both, naming the owner; False if it accepted because the ledger
+    legitimately moved to it meanwhile (a 2-core box stalled the owner past its lease).
+    Fails if it served while etcd named another owner."""
     leader = await ledger_owner(client)
     assert leader is not None
     follower = next(
