@@ -4,6 +4,8 @@ engines feeding it, and the policies reading it (`exact_prefix`)."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from inferx.scheduling.chain_aware import ChainAwareConfig, ChainAwarePolicy
 from inferx.scheduling.peers.prefix_aware import PrefixAwarePolicy
@@ -58,6 +60,42 @@ def test_match_counts_the_leading_run_of_held_blocks() -> None:
     index.forget("w0")
     assert not index.knows("w0") and index.holders("a") == frozenset()
     index.removed("w3", ["zzz"])  # a removal of what was never stored: harmless
+
+
+_KEYS = st.sampled_from("abcdef")
+_EVENTS = st.lists(
+    st.tuples(
+        st.sampled_from(["w0", "w1"]),
+        st.one_of(
+            st.tuples(st.just(STORED), st.lists(st.tuples(_KEYS, st.sampled_from([8, 16])), max_size=4)),
+            st.tuples(st.just(REMOVED), st.lists(st.tuples(_KEYS, st.just(0)), max_size=4)),
+            st.tuples(st.just(CLEARED), st.just([])),
+        ),
+    ),
+    max_size=40,
+)
+
+
+@given(_EVENTS)
+def test_a_workers_token_total_is_what_its_held_blocks_add_up_to(events) -> None:
+    """`tokens_of` is kept as events arrive (the status asks it twice a second for every
+    worker): after any sequence of stores (again, or of a key another worker holds),
+    removals (of what is not held too) and clears, it is the sum of the sizes of the
+    blocks the worker holds, each counted once."""
+    index = PrefixIndex()
+    held: dict[str, dict[str, int]] = {"w0": {}, "w1": {}}  # the reference: key -> size
+    for worker, (kind, blocks) in events:
+        index.apply(worker, KvEvent(kind, tuple(blocks)))
+        if kind == STORED:
+            held[worker].update(blocks)
+        elif kind == REMOVED:
+            for key, _ in blocks:
+                held[worker].pop(key, None)
+        else:
+            held[worker].clear()
+        for name, blocks_held in held.items():
+            assert index.tokens_of(name) == sum(blocks_held.values())
+            assert index.blocks_of(name) == len(blocks_held)
 
 
 def test_engine_key_map_rekeys_vllm_style_events_by_token_ids() -> None:

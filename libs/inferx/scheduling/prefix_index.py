@@ -64,7 +64,13 @@ def chain_keys(token_ids: Sequence[int], block_size: int, parent: str | None = N
 
 @dataclass
 class _WorkerBlocks:
-    keys: set[str] = field(default_factory=set)
+    """A worker's blocks and their sizes, with the running total of their tokens: the
+    scheduler's status reports it for every worker, twice a second (the router's load
+    poll), so it is kept as events arrive rather than summed over every block held
+    (tens of thousands per engine) at each ask."""
+
+    keys: dict[str, int] = field(default_factory=dict)  # key -> tokens
+    tokens: int = 0
 
 
 class PrefixIndex:
@@ -72,7 +78,6 @@ class PrefixIndex:
 
     def __init__(self) -> None:
         self._holders: dict[str, set[str]] = {}
-        self._tokens: dict[str, int] = {}
         self._workers: dict[str, _WorkerBlocks] = {}
         self.events = 0  # applied so far (observability, tests)
 
@@ -90,17 +95,20 @@ class PrefixIndex:
             raise ValueError(f"unknown KV event kind {event.kind!r}")
 
     def stored(self, worker_id: str, blocks: Iterable[Block]) -> None:
-        held = self._worker(worker_id).keys
+        worker = self._worker(worker_id)
+        held = worker.keys
         for key, tokens in blocks:
-            held.add(key)
+            worker.tokens += tokens - held.get(key, 0)  # stored again: counted once
+            held[key] = tokens
             self._holders.setdefault(key, set()).add(worker_id)
-            self._tokens[key] = tokens
 
     def removed(self, worker_id: str, keys: Iterable[str]) -> None:
-        held = self._worker(worker_id).keys
+        worker = self._worker(worker_id)
+        held = worker.keys
         for key in keys:
-            if key in held:
-                held.discard(key)
+            tokens = held.pop(key, None)
+            if tokens is not None:
+                worker.tokens -= tokens
                 self._drop(key, worker_id)
 
     def cleared(self, worker_id: str) -> None:
@@ -109,7 +117,8 @@ class PrefixIndex:
         blocks = self._worker(worker_id)
         for key in blocks.keys:
             self._drop(key, worker_id)
-        blocks.keys = set()
+        blocks.keys = {}
+        blocks.tokens = 0
 
     def forget(self, worker_id: str) -> None:
         """The worker's event stream is gone: what it holds is unknown again (policies
@@ -146,7 +155,7 @@ class PrefixIndex:
 
     def tokens_of(self, worker_id: str) -> int:
         held = self._workers.get(worker_id)
-        return sum(self._tokens.get(key, 0) for key in held.keys) if held is not None else 0
+        return held.tokens if held is not None else 0
 
     # ----- internals --------------------------------------------------------------------
 
@@ -163,7 +172,6 @@ class PrefixIndex:
         holders.discard(worker_id)
         if not holders:
             del self._holders[key]
-            self._tokens.pop(key, None)
 
 
 class EngineKeyMap:
