@@ -11,6 +11,7 @@ import math
 import os
 import socket
 import threading
+import time
 from typing import Any
 
 import httpx
@@ -478,6 +479,59 @@ def test_each_probe_reports_the_boxs_load_and_says_when_the_cpus_were_saturated(
     fronts = [peer.FrontCapacity("inferx", 0.5, 0.6, [quiet, busy])]
     (line,) = cli_peer.probes_lines({"fronts": fronts})
     assert "saturated" in line and line.count("load") == 1  # only the probe that was measured
+
+
+def test_a_probe_reports_what_the_fronts_own_processes_cost_in_cpu() -> None:
+    """`FrontCpu` counts the CPU the given processes use from its start (a child that
+    burns ~0.3 s of CPU after it is read first), ignores a pid that is gone, and the
+    probe reports it per call; the report's probe line says it."""
+    import subprocess
+    import sys
+
+    from inferx.cli import peer as cli_peer
+
+    burner = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nsys.stdin.readline()\nt = time.process_time()\n"
+            "while time.process_time() - t < 0.3: pass\nsys.stdin.readline()",
+        ],
+        stdin=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        missing = subprocess.Popen([sys.executable, "-c", "pass"])
+        missing.wait()
+        cpu = peer.FrontCpu([burner.pid, missing.pid])
+        idle = cpu.used_s()
+        assert burner.stdin is not None
+        burner.stdin.write("go\n")
+        burner.stdin.flush()
+        deadline = time.monotonic() + 30
+        while cpu.used_s() < 0.25 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        used = cpu.used_s()
+    finally:
+        burner.kill()
+        burner.wait()
+    assert idle < 0.1  # what it used before `FrontCpu` started is not counted
+    assert 0.25 <= used < 5.0
+
+    from inferx.sim.records import ChainRecord
+
+    stats = peer_stats()
+    stats.calls = 400
+    records = [
+        ChainRecord(f"c{i}", "chat", "standard", 0.0, 10.0, 1.0, status="ok", latency_s=1.0)
+        for i in range(10)
+    ]
+    probed = peer.summarize_probe("f", 1.0, 0, records, stats, 1.0, front_cpu_s=0.8)
+    assert probed.front_cpu_s == 0.8 and probed.front_cpu_ms_per_call == pytest.approx(2.0)
+    no_calls = peer.summarize_probe("f", 1.0, 0, records, peer_stats(), 1.0, front_cpu_s=0.8)
+    assert no_calls.front_cpu_ms_per_call is None  # no calls: no figure per call
+    (line,) = cli_peer.probes_lines({"fronts": [peer.FrontCapacity("inferx", 1.0, None, [probed])]})
+    assert "front CPU 2.0 ms/call" in line
 
 
 def peer_stats():

@@ -38,6 +38,7 @@ InferX's scheduler runs with `--time-scale speed`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -56,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from inferx.bench.agent_http import DIAGNOSTICS, Front, HttpAgentReplay, Identity, http_client, identity
 from inferx.bench.runner import ProgressFactory
@@ -190,6 +192,12 @@ class Environment:
         for proc in self.routers:
             proc.stop()
         self.stack.stop()
+
+    def front_pids(self) -> list[int]:
+        """The processes of the front under test: InferX's services (router, scheduler,
+        memory-pool, cache) or the vllm-router processes -- not the sim workers, etcd or
+        the load generator, which both fronts share."""
+        return [proc.pid for proc in (*self.stack.services.values(), *self.routers) if proc.alive()]
 
 
 @dataclass(frozen=True)
@@ -455,6 +463,10 @@ class Probe:
     # over its CPU count, the fronts, the sim workers and the load generator fought for
     # the CPUs, and the probe's figures read low.
     load_avg: float | None = None
+    # CPU time (user + system) of the front's own processes over the probe, and per call
+    # made (`FrontCpu`): what the front costs to run, beside what it serves.
+    front_cpu_s: float | None = None
+    front_cpu_ms_per_call: float | None = None
 
 
 def _one_minute_load() -> float | None:
@@ -498,6 +510,35 @@ class LoadSampler:
         return sum(self._samples) / len(self._samples) if self._samples else None
 
 
+class FrontCpu:
+    """CPU seconds (user + system, their children's included) that a set of processes
+    use from now on: the front's services over a probe (`Environment.front_pids`). A
+    process gone before `used_s` counts what it had used when last read."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self._processes: list[psutil.Process] = []
+        for pid in pids:
+            with contextlib.suppress(psutil.Error):
+                self._processes.append(psutil.Process(pid))
+        self._last = {process.pid: self._read(process) for process in self._processes}
+        self._start = sum(value for value in self._last.values() if value is not None)
+
+    @staticmethod
+    def _read(process: psutil.Process) -> float | None:
+        try:
+            t = process.cpu_times()
+        except psutil.Error:
+            return None
+        return t.user + t.system + t.children_user + t.children_system
+
+    def used_s(self) -> float:
+        for process in self._processes:
+            value = self._read(process)
+            if value is not None:
+                self._last[process.pid] = value
+        return sum(value for value in self._last.values() if value is not None) - self._start
+
+
 def load_note(load_avg: float, cpus: int | None = None) -> str:
     """`load 3.9 on 2 CPUs: saturated, figures read low` / `load 1.2 on 2 CPUs`."""
     cpus = cpus or os.cpu_count() or 1
@@ -514,6 +555,7 @@ def summarize_probe(
     wall_s: float,
     measured: frozenset[str] | None = None,
     load_avg: float | None = None,
+    front_cpu_s: float | None = None,
 ) -> Probe:
     """The probe's figures over the chains it counts (`measured`; None: all of them)."""
     replayed = len(records)
@@ -558,6 +600,10 @@ def summarize_probe(
         realtime_p99_latency_s=pct(latencies(realtime), 99),
         realtime_ttft_p99_s=pct(ttfts(realtime), 99),
         load_avg=load_avg,
+        front_cpu_s=front_cpu_s,
+        front_cpu_ms_per_call=1000 * front_cpu_s / stats.calls
+        if front_cpu_s is not None and stats.calls
+        else None,
     )
 
 
@@ -851,18 +897,23 @@ async def _capacity_for_trace(
             )
             started = time.perf_counter()
             title = f"{label} at {rate:.3f} chains/s (x{options.speed:g})"
+            cpu = FrontCpu(env.front_pids())
             with LoadSampler() as load, progress(title, len(probe_chains.chains)) as advance:
                 records = asyncio.run_coroutine_threadsafe(replay.run(timeout_s, advance), loop).result()
             wall = time.perf_counter() - started
+            front_cpu_s = cpu.used_s()
         finally:
             env.stop()
-        probe = summarize_probe(label, rate, index, records, replay.stats, wall, measured, load.mean)
+        probe = summarize_probe(
+            label, rate, index, records, replay.stats, wall, measured, load.mean, front_cpu_s
+        )
         on_probe(probe, records)
         verdict = "meets the SLO" if probe.meets else "misses the SLO"
         realtime = "-" if probe.realtime is None else f"{probe.realtime:.0%}"
         note(
             f"  {label} at {rate:.3f}/s: {verdict} (all {probe.overall:.0%}, realtime {realtime}, "
             f"P99 {_s(probe.p99_latency_s)}, {wall:.0f} s wall"
+            f"{_cpu_note(probe.front_cpu_ms_per_call)}"
             f"{', ' + load_note(probe.load_avg) if probe.load_avg is not None else ''})"
         )
         return probe
@@ -882,6 +933,10 @@ async def _capacity_for_trace(
         f"rates {ladder.start_rate:.3f} x {ladder.step:.3f}^i, at most {ladder.max_probes} probes per front"
     )
     return await asyncio.to_thread(ladder_walk)
+
+
+def _cpu_note(ms_per_call: float | None) -> str:
+    return "" if ms_per_call is None else f", front CPU {ms_per_call:.1f} ms per call"
 
 
 def _s(value: float | None) -> str:

@@ -178,14 +178,23 @@ def diagnostic_line(probe: Any) -> Text:
 
 def probes_lines(seed: dict[str, Any]) -> list[str]:
     """Every probe: rate, met (+) or missed (x), realtime and overall attainment, how
-    many chains were counted, and the box's load while it ran."""
+    many chains were counted, the front's own CPU per call and the box's load while it
+    ran."""
     from inferx.bench.peer import load_note
+
+    def extra(p) -> str:
+        notes = []
+        if p.front_cpu_ms_per_call is not None:
+            notes.append(f"front CPU {p.front_cpu_ms_per_call:.1f} ms/call")
+        if p.load_avg is not None:
+            notes.append(load_note(p.load_avg))
+        return "".join(f"; {note}" for note in notes)
 
     lines = []
     for result in seed["fronts"]:
         probes = ", ".join(
             f"{p.rate_per_s:.3f}{'+' if p.meets else 'x'} ({_pct(p.realtime)} rt, {_pct(p.overall)} all "
-            f"of {p.chains}{'; ' + load_note(p.load_avg) if p.load_avg is not None else ''})"
+            f"of {p.chains}{extra(p)})"
             for p in result.probes
         )
         lines.append(f"  {_short(result.front)}: {probes}")
