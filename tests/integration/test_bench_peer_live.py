@@ -64,6 +64,8 @@ def test_peer_bench_runs_both_fronts_on_a_tiny_trace(vllm_router: str, tmp_path:
         assert probe["p99_latency_s"] is not None  # every chain finished (in SLO or not: no timing here)
         assert probe["cached_ratio"] > 0.3  # each program's calls found its prefix on their worker
         assert probe["ttft_p50_s"] is not None
+        # the front's own processes (InferX's services, or the vllm-router process) ran
+        assert probe["front_cpu_s"] > 0 and probe["front_cpu_ms_per_call"] > 0, probe
     comparison = seed["comparison"]
     assert set(comparison) >= {"capacity_ratio", "added_latency_gap_p50_ms", "best_peer"}
     saved = json.loads(results.read_text())

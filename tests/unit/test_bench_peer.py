@@ -482,21 +482,22 @@ def test_each_probe_reports_the_boxs_load_and_says_when_the_cpus_were_saturated(
 
 
 def test_a_probe_reports_what_the_fronts_own_processes_cost_in_cpu() -> None:
-    """`FrontCpu` counts the CPU the given processes use from its start (a child that
-    burns ~0.3 s of CPU after it is read first), ignores a pid that is gone, and the
-    probe reports it per call; the report's probe line says it."""
+    """`FrontCpu` counts the CPU the given processes and their descendants use from its
+    start (a child that burns ~0.3 s of CPU after it is read first), ignores a pid that
+    is gone, and the probe reports it per call; the report's probe line says it."""
     import subprocess
     import sys
 
     from inferx.cli import peer as cli_peer
 
+    burn = (
+        "import sys, time\nsys.stdin.readline()\nt = time.process_time()\n"
+        "while time.process_time() - t < 0.3: pass\nsys.stdin.readline()"
+    )
+    # The burner runs as the child of a launcher (as vllm-router's Python launcher could
+    # run its Rust router): the launcher's pid is the one given.
     burner = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, time\nsys.stdin.readline()\nt = time.process_time()\n"
-            "while time.process_time() - t < 0.3: pass\nsys.stdin.readline()",
-        ],
+        [sys.executable, "-c", f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {burn!r}])"],
         stdin=subprocess.PIPE,
         text=True,
     )

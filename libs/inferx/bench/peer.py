@@ -525,11 +525,19 @@ class FrontCpu:
 
     @staticmethod
     def _read(process: psutil.Process) -> float | None:
+        """The process's CPU time, its reaped children's and its live descendants'
+        (a launcher may run the front in a child, as vLLM runs its engine core)."""
         try:
             t = process.cpu_times()
+            descendants = process.children(recursive=True)
         except psutil.Error:
             return None
-        return t.user + t.system + t.children_user + t.children_system
+        total = t.user + t.system + t.children_user + t.children_system
+        for child in descendants:
+            with contextlib.suppress(psutil.Error):
+                c = child.cpu_times()
+                total += c.user + c.system
+        return total
 
     def used_s(self) -> float:
         for process in self._processes:
