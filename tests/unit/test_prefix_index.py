@@ -15,6 +15,7 @@ from inferx.scheduling.prefix_index import (
     STORED,
     ChainContexts,
     EngineKeyMap,
+    EventKind,
     KvEvent,
     PrefixIndex,
     WorkerFeed,
@@ -63,7 +64,8 @@ def test_match_counts_the_leading_run_of_held_blocks() -> None:
 
 
 _KEYS = st.sampled_from("abcdef")
-_EVENTS = st.lists(
+_Event = tuple[str, tuple[EventKind, list[tuple[str, int]]]]  # (worker, (kind, blocks))
+_EVENTS: st.SearchStrategy[list[_Event]] = st.lists(
     st.tuples(
         st.sampled_from(["w0", "w1"]),
         st.one_of(
@@ -77,7 +79,7 @@ _EVENTS = st.lists(
 
 
 @given(_EVENTS)
-def test_a_workers_token_total_is_what_its_held_blocks_add_up_to(events) -> None:
+def test_a_workers_token_total_is_what_its_held_blocks_add_up_to(events: list[_Event]) -> None:
     """`tokens_of` is kept as events arrive (the status asks it twice a second for every
     worker): after any sequence of stores (again, or of a key another worker holds),
     removals (of what is not held too) and clears, it is the sum of the sizes of the
