@@ -520,8 +520,8 @@ class FrontCpu:
         for pid in pids:
             with contextlib.suppress(psutil.Error):
                 self._processes.append(psutil.Process(pid))
-        self._last = {process.pid: self._read(process) for process in self._processes}
-        self._start = sum(value for value in self._last.values() if value is not None)
+        self._last: dict[int, float] = {}  # pid -> its latest reading
+        self._start = self._total()
 
     @staticmethod
     def _read(process: psutil.Process) -> float | None:
@@ -539,12 +539,15 @@ class FrontCpu:
                 total += c.user + c.system
         return total
 
-    def used_s(self) -> float:
+    def _total(self) -> float:
         for process in self._processes:
             value = self._read(process)
             if value is not None:
                 self._last[process.pid] = value
-        return sum(value for value in self._last.values() if value is not None) - self._start
+        return sum(self._last.values())
+
+    def used_s(self) -> float:
+        return self._total() - self._start
 
 
 def load_note(load_avg: float, cpus: int | None = None) -> str:
@@ -552,6 +555,17 @@ def load_note(load_avg: float, cpus: int | None = None) -> str:
     cpus = cpus or os.cpu_count() or 1
     saturated = ": saturated, figures read low" if load_avg > cpus else ""
     return f"load {load_avg:.1f} on {cpus} CPUs{saturated}"
+
+
+def probe_notes(probe: Probe) -> list[str]:
+    """What a probe's lines say besides its attainment: the front's own CPU per call and
+    the box's load while it ran (each where measured)."""
+    notes = []
+    if probe.front_cpu_ms_per_call is not None:
+        notes.append(f"front CPU {probe.front_cpu_ms_per_call:.1f} ms/call")
+    if probe.load_avg is not None:
+        notes.append(load_note(probe.load_avg))
+    return notes
 
 
 def summarize_probe(
@@ -920,9 +934,7 @@ async def _capacity_for_trace(
         realtime = "-" if probe.realtime is None else f"{probe.realtime:.0%}"
         note(
             f"  {label} at {rate:.3f}/s: {verdict} (all {probe.overall:.0%}, realtime {realtime}, "
-            f"P99 {_s(probe.p99_latency_s)}, {wall:.0f} s wall"
-            f"{_cpu_note(probe.front_cpu_ms_per_call)}"
-            f"{', ' + load_note(probe.load_avg) if probe.load_avg is not None else ''})"
+            f"P99 {_s(probe.p99_latency_s)}, {', '.join([f'{wall:.0f} s wall', *probe_notes(probe)])})"
         )
         return probe
 
@@ -941,10 +953,6 @@ async def _capacity_for_trace(
         f"rates {ladder.start_rate:.3f} x {ladder.step:.3f}^i, at most {ladder.max_probes} probes per front"
     )
     return await asyncio.to_thread(ladder_walk)
-
-
-def _cpu_note(ms_per_call: float | None) -> str:
-    return "" if ms_per_call is None else f", front CPU {ms_per_call:.1f} ms per call"
 
 
 def _s(value: float | None) -> str:

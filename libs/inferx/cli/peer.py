@@ -180,15 +180,10 @@ def probes_lines(seed: dict[str, Any]) -> list[str]:
     """Every probe: rate, met (+) or missed (x), realtime and overall attainment, how
     many chains were counted, the front's own CPU per call and the box's load while it
     ran."""
-    from inferx.bench.peer import load_note
+    from inferx.bench.peer import probe_notes
 
     def extra(p) -> str:
-        notes = []
-        if p.front_cpu_ms_per_call is not None:
-            notes.append(f"front CPU {p.front_cpu_ms_per_call:.1f} ms/call")
-        if p.load_avg is not None:
-            notes.append(load_note(p.load_avg))
-        return "".join(f"; {note}" for note in notes)
+        return "".join(f"; {note}" for note in probe_notes(p))
 
     lines = []
     for result in seed["fronts"]:
