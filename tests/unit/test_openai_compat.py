@@ -335,6 +335,20 @@ def test_usage_reports_cached_prompt_tokens() -> None:
 
 
 @pytest.mark.parametrize(
+    "text",
+    ["plain", "caf\u00e9 \u4f60\u597d \U0001f600", 'quote " backslash \\ newline \n tab \t', "\ud800 lone"],
+)
+def test_a_streamed_chunk_carries_any_text_exactly(text: str) -> None:
+    """Every streamed token is written by `sse` (orjson where it writes what json
+    would): a client reading the event as JSON gets the model's text back unchanged,
+    non-ASCII, escapes and a lone surrogate (which orjson refuses) included."""
+    payload = schema.chat_chunk("id", 1, "m", {"content": text}, None)
+    event = schema.sse(payload)
+    assert event.startswith("data: ") and event.endswith("\n\n") and "\n" not in event[:-2]
+    assert json.loads(event.encode()[len("data: ") : -2]) == payload  # sent as UTF-8
+
+
+@pytest.mark.parametrize(
     ("error", "status", "type_"),
     [
         (InvalidArgument("bad"), 400, "invalid_request_error"),
