@@ -11,7 +11,7 @@ import pytest
 from inferx.sim.profile import EngineProfile, load_profile
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-PROFILES = sorted(p for p in BENCHMARKS.glob("*.yaml"))
+PROFILES = sorted(BENCHMARKS.glob("*.yaml"))
 
 
 def test_the_profiles_are_found() -> None:
@@ -28,7 +28,5 @@ def test_each_shipped_profile_is_its_own_engine() -> None:
     profiles = [load_profile(p) for p in PROFILES]
     names = [p.name for p in profiles]
     assert len(set(names)) == len(names)
-    engines = {p.model_dump(exclude={"name"}).__repr__() for p in profiles} | {
-        EngineProfile().model_dump(exclude={"name"}).__repr__()
-    }
+    engines = {repr(p.model_dump(exclude={"name"})) for p in [*profiles, EngineProfile()]}
     assert len(engines) == len(profiles) + 1

@@ -65,10 +65,12 @@ def loads(text: bytes | str) -> Any:
     return value
 
 
-def dumps(value: Any) -> str:
+def dumps(value: Any, *, sendable: bool = False) -> str:
     """Compact JSON text of a value `loads` returned (or built of such values), as
-    `json.dumps(value, separators=(",", ":"), ensure_ascii=False)` writes it."""
+    `json.dumps(value, separators=(",", ":"), ensure_ascii=False)` writes it. With
+    `sendable`, what orjson refuses is written with ASCII escapes instead, so that a lone
+    surrogate still encodes as UTF-8 (text going out on the wire)."""
     try:
         return orjson.dumps(value).decode()
     except TypeError:  # an integer past 64 bits, a lone surrogate, a key that is not a str
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=sendable)

@@ -7,7 +7,6 @@ import json
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
-import orjson
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -796,10 +795,7 @@ def sse(payload: dict[str, Any]) -> str:
     """One server-sent event carrying a JSON payload (UTF-8, not ASCII escapes, as vLLM
     writes it). Every streamed token goes through here: orjson writes a chunk in a tenth
     of the standard library's time."""
-    try:
-        body = orjson.dumps(payload).decode()
-    except TypeError:  # a lone surrogate or a huge integer: ASCII escapes keep it sendable as UTF-8
-        body = json.dumps(payload, separators=(",", ":"))
+    body = json_text.dumps(payload, sendable=True)
     return f"data: {body}\n\n"
 
 
