@@ -187,6 +187,15 @@ def running_sim_stack(
         yield stack
 
 
+@pytest.fixture
+def etcd_only(tmp_path: Path) -> Iterator[LocalStack]:
+    """A real etcd and nothing else, for one test."""
+    stack = make_stack(tmp_path)
+    stack.start_etcd()
+    yield stack
+    stack.stop()
+
+
 @pytest.fixture(scope="module")
 def sim_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     """Shared by a module's tests: etcd, all services, two sim workers."""

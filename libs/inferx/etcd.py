@@ -323,6 +323,7 @@ class PrefixMirror:
         self._on_event = on_event
         self._task: asyncio.Task[None] | None = None
         self._synced = asyncio.Event()
+        self._updated = asyncio.Event()  # set (and replaced) on each change
 
     def start(self) -> None:
         if self._task is None:
@@ -334,6 +335,17 @@ class PrefixMirror:
             return True
         except TimeoutError:
             return False
+
+    async def wait_value(self, key: str, value: bytes, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` until the mirror holds `value` at `key`: a writer's own
+        write is then what its next mirrored read sees (read-your-writes). True once seen;
+        False on time out, or at once when the mirror is not watching."""
+        if self._task is None:
+            return False
+        seen = await wait_watched(
+            lambda: True if self.items.get(key) == value else None, lambda: self._updated, timeout_s
+        )
+        return bool(seen)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -352,6 +364,8 @@ class PrefixMirror:
                 log.exception("listener of %s failed", self.prefix)
 
     def _changed(self) -> None:
+        self._updated.set()
+        self._updated = asyncio.Event()
         if self._on_change is not None:
             try:
                 self._on_change(dict(self.items))

@@ -38,6 +38,9 @@ from inferx.limits import MAX_STORED_CHAIN_BYTES, RequestLimits, describe_excess
 log = logging.getLogger("inferx.router.chains")
 
 MAX_PUT_ATTEMPTS = 20
+# How long a write waits for this router's own mirror to show it, so the caller's next
+# read or run through the same router sees what it just wrote (the watch takes ms).
+READ_YOUR_WRITES_S = 2.0
 CHAIN_NAME = re.compile(NODE_ID_RE)
 LABEL = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,62}$")
 
@@ -130,6 +133,8 @@ class ChainStore:
                 self._client.transaction(compare=[guard], success=ops, failure=[])
             )
             if succeeded:
+                # The last key the transaction wrote: once mirrored, so are the others.
+                await self._mirrored(_key(tenant, config.name, "active" if activate else "latest"), version)
                 stored = StoredVersion(
                     tenant,
                     config.name,
@@ -245,6 +250,7 @@ class ChainStore:
         )
         if not ok:
             raise NotFound(f"chain '{name}' has no version {version}")
+        await self._mirrored(key.decode(), version)
         return int(previous.value) if previous is not None else 0
 
     async def rollback(self, tenant: str, name: str, to_version: int = 0) -> tuple[int, int]:
@@ -270,7 +276,14 @@ class ChainStore:
         )
         if not ok:
             raise FailedPrecondition(f"chain '{name}': the active version changed meanwhile; retry")
+        await self._mirrored(key.decode(), target)
         return active, target
+
+    async def _mirrored(self, key: str, version: int) -> None:
+        """Wait (bounded) until the mirror shows the pointer just written, so reads that
+        come from it (a get or a run right after a put, label or rollback) see the write.
+        A slow watch only delays the reply; the write itself has succeeded."""
+        await self.mirror.wait_value(key, str(version).encode(), READ_YOUR_WRITES_S)
 
     def names(self, tenant: str) -> list[str]:
         """The tenant's chain names."""

@@ -15,7 +15,7 @@ from inferx.client import InferxClient
 from inferx.devstack import LocalStack
 from inferx.errors import Unavailable
 from inferx.etcd import LeaseKeeper, PrefixMirror, make_client
-from tests.conftest import TEST_LEASE_TTL_S, make_stack, running_sim_stack
+from tests.conftest import TEST_LEASE_TTL_S, running_sim_stack
 from tests.polling import poll_until
 
 pytestmark = pytest.mark.integration
@@ -83,14 +83,6 @@ async def test_sigterm_worker_deregisters_at_once(two_worker_stack: LocalStack) 
 
 async def _has(coro, count: int) -> bool:
     return len(await coro) == count
-
-
-@pytest.fixture
-def etcd_only(tmp_path: Path):
-    stack = make_stack(tmp_path)
-    stack.start_etcd()
-    yield stack
-    stack.stop()
 
 
 async def test_lease_lost_is_regranted_and_keys_reput(etcd_only: LocalStack) -> None:

@@ -5,27 +5,15 @@ limits what an instance takes."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
 from inferx import etcd
 from inferx.devstack import LocalStack
 from inferx.etcd import make_client
 from inferx.partitions import PartitionElector
-from tests.conftest import make_stack
 from tests.polling import poll_until
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def etcd_only(tmp_path: Path) -> Iterator[LocalStack]:
-    stack = make_stack(tmp_path)
-    stack.start_etcd()
-    yield stack
-    stack.stop()
 
 
 def elector(stack: LocalStack, name: str, wanted: frozenset[str] | None = None) -> PartitionElector:
