@@ -49,6 +49,8 @@ def pytest_configure(config: pytest.Config) -> None:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...
     if worker.startswith("gw"):
         devstack.port_slice = (int(worker[2:]), int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+        # ... and so do the stacks its tests' CLI processes start
+        os.environ[devstack.PORT_SLICE_ENV] = "{}/{}".format(*devstack.port_slice)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

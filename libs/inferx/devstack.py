@@ -75,10 +75,25 @@ def _terminated_with_parent(parent_pid: int) -> Callable[[], None] | None:
 
 #: ports this process has handed out, so two services of one stack never get the same one
 _handed_out: set[int] = set()
+#: names the slice "index/count" for this process and the processes it starts (a test's
+#: `inferx bench` or `inferx dev` starts a stack of its own: in the whole range, it could
+#: take a port another test process has just chosen and not yet bound)
+PORT_SLICE_ENV = "INFERX_PORT_SLICE"
+
+
+def _port_slice_from_env() -> tuple[int, int]:
+    index, _, count = os.environ.get(PORT_SLICE_ENV, "0/1").partition("/")
+    try:
+        parsed = int(index), int(count)
+    except ValueError:
+        parsed = (0, 1)
+    return parsed if 0 <= parsed[0] < parsed[1] else (0, 1)
+
+
 #: (index, count): this process hands out ports from slice `index` of `count` equal slices
 #: of free_port's range only, so that processes choosing ports at the same time (parallel
 #: test processes: pytest-xdist's workers) never choose the same one before it is bound
-port_slice: tuple[int, int] = (0, 1)
+port_slice: tuple[int, int] = _port_slice_from_env()
 
 
 def _ephemeral_range() -> tuple[int, int]:

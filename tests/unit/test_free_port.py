@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 
 from inferx import devstack
 from inferx.devstack import free_port
@@ -51,3 +54,15 @@ def test_each_slice_hands_out_ports_of_its_own_part_of_the_range(monkeypatch) ->
         halves.append({free_port() for _ in range(50)})
     assert all(20000 <= port < 26384 for port in halves[0])
     assert all(26384 <= port < 32768 for port in halves[1])
+
+
+def test_processes_started_by_a_test_keep_its_slice() -> None:
+    """A test's `inferx bench` starts a stack of its own: it must choose in the test
+    process's slice, not the whole range where another test process chooses too."""
+    show = "from inferx import devstack; print(*devstack.port_slice)"
+    for value, expected in (("1/2", "1 2"), ("", "0 1"), ("2/2", "0 1"), ("x/y", "0 1")):
+        env = {**os.environ, devstack.PORT_SLICE_ENV: value}
+        shown = subprocess.run(
+            [sys.executable, "-c", show], env=env, capture_output=True, text=True, check=True
+        )
+        assert shown.stdout.split() == expected.split(), value
