@@ -169,3 +169,33 @@ def test_nonsensical_adaptive_guard_options_are_refused_by_name() -> None:
     for option, value in (("guard_scale_min", 0.0), ("guard_scale_min", 2.0), ("guard_max_stretch", 0.5)):
         with pytest.raises(ValueError, match=option):
             make_policy("chain-aware", **{option: value})
+
+
+def test_other_tiers_new_chains_go_where_realtime_runs_least() -> None:
+    """`realtime_apart`: placing a chain of another tier, a worker's room score loses
+    that much times the share of the pool's hops in flight that are realtime hops there,
+    so other tiers' contexts gather away from realtime decodes (which read every context
+    in their batch). Off (0), the worker with the most room wins."""
+
+    def batch_lands_on(**apart: float) -> str:
+        q = queue(realtime_guard=False, **apart)
+        workers = {"p": [WorkerSlots("a", 64, CAPACITY), WorkerSlots("b", 64, CAPACITY)]}
+        submit(q, "rt", 0.0, tier=TIER_REALTIME, prompt_tokens=500, max_tokens=100)
+        (rt,) = q.assign(workers, now=0.0)
+        other = "b" if rt.worker_id == "a" else "a"
+        # The other worker runs a batch chain's 10k tokens: less room than where the
+        # realtime hop (600 tokens) runs.
+        submit(q, "std", 0.1, tier=TIER_BATCH, prompt_tokens=10_000, max_tokens=100)
+        (std,) = q.assign({"p": [w for w in workers["p"] if w.worker_id == other]}, now=0.1)
+        assert std.worker_id == other
+        submit(q, "new", 0.2, tier=TIER_BATCH, prompt_tokens=2_000, max_tokens=100)
+        (new,) = q.assign(workers, now=0.2)
+        return "realtime's" if new.worker_id == rt.worker_id else "other"
+
+    # Room: 98.4% where the realtime hop runs (a slot of 64), 90% on the other (10k of
+    # 100k tokens of KV). One of the two hops in flight is realtime, there: the default
+    # 2.0 takes 1.0 off that worker's score, 0.05 would take 0.025 (less than the 8.4
+    # points of room between them).
+    assert batch_lands_on() == "other"
+    assert batch_lands_on(realtime_apart=0.05) == "realtime's"
+    assert batch_lands_on(realtime_apart=0.0) == "realtime's"

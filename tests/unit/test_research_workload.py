@@ -344,10 +344,16 @@ def test_the_default_trace_replays_exactly_as_before() -> None:
     """Pinned before DAG support (commit 7f180ac): the first 60 s of the default trace
     under chain-aware on 4 workers. Sequential chains take the same path through the new
     code, so nothing may move; if the engine model itself changes, recompute these. (The
-    realtime guard and priced, tiered KV holds came after the pin, so they are off: this
-    pins the replay, not the policy.)"""
+    realtime guard, priced, tiered KV holds and placing other tiers apart from realtime
+    came after the pin, so they are off: this pins the replay, not the policy.)"""
     trace = read_trace(ROOT / "benchmarks" / "default_trace.jsonl").head(60)
-    spy = Spy(realtime_guard=False, kv_retention="fixed", tiered_holds=False, overload_control=False)
+    spy = Spy(
+        realtime_guard=False,
+        kv_retention="fixed",
+        tiered_holds=False,
+        overload_control=False,
+        realtime_apart=0.0,
+    )
     run = ClusterSim(trace, spy.policy, EngineProfile(), workers=4).run()
     latencies = sorted(c.latency_s or 0.0 for c in run.chains)
     assert len(latencies) == 69 and all(c.status == "ok" for c in run.chains)

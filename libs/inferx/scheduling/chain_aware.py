@@ -221,23 +221,19 @@ class ChainAwareConfig:
     guard_scale_max: float = 1.0
     guard_cooldown_s: float = 5.0
     guard_recover_s: float = 60.0
-    # What says realtime is at risk: "stretch" (a finished realtime hop ran more than
-    # `guard_max_stretch` times slower than alone) or "slack" (a realtime hop arrives
-    # with less time to its chain's deadline than `1 + guard_slack_margin` times the
-    # chain's remaining path as learned at the current load); "slack" falls back to
-    # "stretch" where the remaining path is unknown.
-    guard_trigger: Literal["stretch", "slack"] = "stretch"
-    guard_slack_margin: float = 0.5
     guard_max_wait_s: float = 30.0  # ... while their chains have slack, for at most this long
     # ... and only while the chain's hops have waited, in all, less than this share of
     # the slack it had when it arrived (its deadline - arrival - expected path): a
     # chain of many hops gives way on each of them, so the bound is per chain.
     guard_slack_share: float = 0.5
     realtime_move_margin_s: float = 0.2  # a realtime hop moves when that saves this much prefill wait
-    # Placing a chain of another tier, a worker loses up to this much of its room score
-    # by its share of the pool's realtime hops in flight: other tiers' contexts gather
-    # where realtime runs least, so realtime decodes read less of them (0: placed by room).
-    realtime_apart: float = 0.0
+    # Placing a chain of another tier, a worker's room score (its free share of KV and
+    # slots) loses this times the share of the pool's hops in flight that are realtime
+    # hops running there: other tiers' contexts gather where realtime runs least, so
+    # realtime decodes read less of them. Weighed by all hops in flight, it is small
+    # where realtime is a small part of the load (which then stays balanced) and
+    # large where realtime is much of it. 0: placed by room alone.
+    realtime_apart: float = 2.0
     kv_read_s_per_token: float = 0.08e-6  # a decode step's cost per context token in the batch
     decode_step_s: float = 0.010  # a decode step with no KV to read (the weights'; Llama-3-8B, A100)
     # Learn the two engine figures above per pool from what its workers report of each
@@ -739,13 +735,6 @@ class ChainAwarePolicy:
         state = self._touch(self._key(hop), now)
         if state.initial_slack_s is None and hop.deadline is not None:
             state.initial_slack_s = hop.deadline - now - hop.remaining_critical_path_s
-        if self._guard_reads_slack(hop):
-            assert hop.deadline is not None
-            scale = self._guard_scale(hop.pool)
-            if hop.deadline - now < (1 + self.config.guard_slack_margin) * hop.remaining_critical_path_s:
-                scale.at_risk(now)
-            else:
-                scale.on_track(now)
         if state.worker_id is None and hop.last_worker_id and self.config.worker_hints:
             self._adopt_hint(state, hop, workers)
         refusal = self._overload_refusal(hop, queued)
@@ -863,19 +852,6 @@ class ChainAwarePolicy:
         config = self.config
         return config.overload_control or (config.realtime_guard and config.guard_adaptive)
 
-    def _guard_reads_slack(self, hop: HopView) -> bool:
-        """Whether this realtime hop's chain slack (not its hop's stretch) tells the
-        adaptive guard whether realtime is at risk."""
-        config = self.config
-        return (
-            config.guard_trigger == "slack"
-            and config.realtime_guard
-            and config.guard_adaptive
-            and hop.tier_rank == TIER_REALTIME
-            and hop.deadline is not None
-            and hop.remaining_critical_path_s > 0
-        )
-
     def _observe_stretch(self, queued: QueuedHop, now: float, context_tokens: int, service_s: float) -> None:
         """A finished hop of a protected tier says whether its tier is still served well.
         Realtime stretched shrinks the realtime guard's KV cap (`guard_adaptive`) and,
@@ -907,7 +883,7 @@ class ChainAwarePolicy:
         alone = prefill_s + output * per_token
         waited = max(now - service_s - queued.enqueued_at, 0.0)
         stretch = (waited + service_s) / alone if alone > 0 else 1.0
-        if guard and not self._guard_reads_slack(hop):
+        if guard:
             scale = self._guard_scale(hop.pool)
             if stretch > config.guard_max_stretch:
                 scale.at_risk(now)
@@ -1018,15 +994,15 @@ class ChainAwarePolicy:
             return 1 - max(used / worker.kv_capacity_tokens, worker.slot_load)
         return 1 - worker.slot_load
 
-    def _apart(self, hop: HopView, worker: WorkerView) -> float:
+    def _apart(self, hop: HopView, worker: WorkerView, in_flight: int) -> float:
         """What placing a non-realtime hop on `worker` loses of its room score for the
-        realtime hops running there (`realtime_apart`)."""
+        realtime hops running there, out of the pool's `in_flight` (`realtime_apart`)."""
         if hop.tier_rank == TIER_REALTIME or not self.config.realtime_apart:
             return 0.0
         here = self._realtime_running.get(worker.worker_id, 0)
         if not here:
             return 0.0
-        return self.config.realtime_apart * here / max(sum(self._realtime_running.values()), 1)
+        return self.config.realtime_apart * here / max(in_flight, 1)
 
     def _patience(self, state: ChainState, hop: HopView) -> float:
         cached = self._exact_cached(hop, state.worker_id)
@@ -1191,6 +1167,9 @@ class ChainAwarePolicy:
         margin = self.config.rebalance_margin
         exact = self._exact_known(hop)
 
+        pooled = isinstance(workers, PoolWorkers)
+        in_flight = workers.in_flight if pooled else sum(w.in_flight for w in workers)
+
         def score(worker: WorkerView) -> tuple:
             # Past its reuse window a chain is placed by load, but its own worker (which
             # holds its prefix) wins unless another has clearly more room. Known exactly,
@@ -1200,7 +1179,11 @@ class ChainAwarePolicy:
                 bonus = margin * cached / hop.prompt_tokens
             else:
                 bonus = margin if home is not None and worker is home else 0.0
-            room = self._headroom(worker, self._own_held(state, worker)) + bonus - self._apart(hop, worker)
+            room = (
+                self._headroom(worker, self._own_held(state, worker))
+                + bonus
+                - self._apart(hop, worker, in_flight)
+            )
             return (room, -worker.in_flight, worker.worker_id)
 
         if isinstance(workers, PoolWorkers) and not exact:
@@ -1238,7 +1221,7 @@ class ChainAwarePolicy:
             if worker is not None and self._fits(worker, hop, True):
                 if not apart:
                     return worker
-                score = -negated_room - self._apart(hop, worker)
+                score = -negated_room - self._apart(hop, worker, pool.in_flight)
                 if best is None or score > best[0]:
                     best = (score, worker)
         if best is not None:
