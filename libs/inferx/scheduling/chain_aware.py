@@ -1167,8 +1167,10 @@ class ChainAwarePolicy:
         margin = self.config.rebalance_margin
         exact = self._exact_known(hop)
 
-        pooled = isinstance(workers, PoolWorkers)
-        in_flight = workers.in_flight if pooled else sum(w.in_flight for w in workers)
+        if isinstance(workers, PoolWorkers):
+            in_flight = workers.in_flight
+        else:
+            in_flight = sum(w.in_flight for w in workers)
 
         def score(worker: WorkerView) -> tuple:
             # Past its reuse window a chain is placed by load, but its own worker (which
