@@ -1213,10 +1213,14 @@ class ChainAwarePolicy:
             return None
         home_id = home.worker_id if home is not None else None
         apart = self.config.realtime_apart if hop.tier_rank != TIER_REALTIME else 0.0
-        best: tuple[float, WorkerView] | None = None
-        for negated_room, _, _, worker_id in index.by_room:
-            if best is not None and -negated_room <= best[0]:
-                break  # the penalty is >= 0: no later worker scores higher
+        # With `realtime_apart`, the best score (`_choose`'s: room less the penalty, then
+        # fewer hops in flight, then the id) among the workers that fit. The index runs
+        # in that order without the penalty, which only lowers a score: once a worker's
+        # unpenalised key is no better than the best found, none after it can be.
+        best: tuple[tuple[float, int, str], WorkerView] | None = None
+        for negated_room, in_flight, _, worker_id in index.by_room:
+            if best is not None and (-negated_room, -in_flight, worker_id) <= best[0]:
+                break
             if worker_id == home_id:
                 continue
             worker = pool.get(worker_id)
@@ -1224,8 +1228,9 @@ class ChainAwarePolicy:
                 if not apart:
                     return worker
                 score = -negated_room - self._apart(hop, worker, pool.in_flight)
-                if best is None or score > best[0]:
-                    best = (score, worker)
+                key = (score, -in_flight, worker_id)
+                if best is None or key > best[0]:
+                    best = (key, worker)
         if best is not None:
             return best[1]
         if home is None or not self._fits(home, hop, True):
