@@ -166,7 +166,12 @@ def test_stretched_realtime_hops_shrink_the_kv_cap_and_time_on_track_restores_it
 
 
 def test_nonsensical_adaptive_guard_options_are_refused_by_name() -> None:
-    for option, value in (("guard_scale_min", 0.0), ("guard_scale_min", 2.0), ("guard_max_stretch", 0.5)):
+    for option, value in (
+        ("guard_scale_min", 0.0),
+        ("guard_scale_min", 2.0),
+        ("guard_max_stretch", 0.5),
+        ("realtime_apart", -1.0),
+    ):
         with pytest.raises(ValueError, match=option):
             make_policy("chain-aware", **{option: value})
 

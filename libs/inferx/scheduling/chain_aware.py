@@ -245,6 +245,8 @@ class ChainAwareConfig:
             raise ValueError("guard_scale_min must be > 0 and <= guard_scale_max")
         if self.guard_max_stretch <= 1:
             raise ValueError("guard_max_stretch must be > 1 (a hop is never faster than alone)")
+        if self.realtime_apart < 0:
+            raise ValueError("realtime_apart must be >= 0 (0: placed by room alone)")
         if self.overload_stretch_hops < 1:
             raise ValueError("overload_stretch_hops must be at least 1")
 
