@@ -64,7 +64,9 @@ def test_a_learned_estimate_is_within_a_token_of_the_engines_count(cpt: float, c
     ratio = TokenRatio(min_samples=1)
     ratio.observe(1_000_000, round(1_000_000 / cpt))
     engine = chars / cpt
-    assert abs(ratio.estimate("y" * chars) - engine) <= 1 + 1e-6 * engine
+    # Within a token, plus what rounding the observed count to whole tokens (half a token
+    # of 1e6 / cpt) makes the learned ratio off by, relatively (CI: cpt 5.84, 38,277 chars).
+    assert abs(ratio.estimate("y" * chars) - engine) <= 1 + engine * (0.5 * cpt / 1_000_000 + 1e-9)
 
 
 def test_the_codec_sizes_a_hop_by_its_pools_ratio() -> None:
