@@ -1,7 +1,8 @@
 """What chain-aware learns of an engine it was not told (`git show
-afbf7ed:docs/benchmarks.md`, "The engine's figures, learned from finished hops"): one simulated replay of a workload on a
-profile's engines, the policy started from Llama-3-8B's figures and learning, then the
-figures it priced with at the end against the profile's.
+afbf7ed:docs/benchmarks.md`, "The engine's figures, learned from finished hops"): one
+simulated replay of a workload on a profile's engines, the policy started from
+Llama-3-8B's figures and learning, then the figures it priced with at the end against
+the profile's.
 
     python benchmarks/engine_fit.py [--profile FILE] [--workload mix|coding|research] \\
         [--rate R] [--seed N] [--workers 4] [--json]

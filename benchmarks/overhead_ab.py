@@ -209,7 +209,8 @@ async def measure(stacks: list[LocalStack], sides: list[SideResult], args: argpa
             plan = {DIRECT: (1, direct_call(worker_pb2_grpc.ModelWorkerStub(worker)))}
             for n in sorted({1, args.hops}):
                 stub = router_pb2_grpc.RouterStub(router)
-                plan[path_name(n)] = (n, chain_call(stub, n, metadata, final_only=final_only, batched=batched))
+                chain = chain_call(stub, n, metadata, final_only=final_only, batched=batched)
+                plan[path_name(n)] = (n, chain)
             calls.append(plan)
         for plan in calls:
             for _, call in plan.values():

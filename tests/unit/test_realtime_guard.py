@@ -89,8 +89,9 @@ def test_on_a_large_memory_the_cap_is_what_reading_the_kv_adds_to_a_decode_step(
         assert [h.run_id for h in q.assign(big, now=1.0)] == (["batch"] if goes else []), (prompt, steps)
 
 
-def test_a_realtime_hop_moves_away_from_a_prefill_backlog_when_its_context_is_small() -> None:
-    q = queue()
+@pytest.mark.parametrize("moves", [True, False], ids=["realtime_moves", "default"])
+def test_a_realtime_hop_moves_away_from_a_prefill_backlog_only_with_realtime_moves(moves: bool) -> None:
+    q = queue(realtime_moves=moves)
     big = {w: WorkerSlots(w, 8, 1_000_000) for w in ("a", "b")}
     # The realtime chain ran once on its home worker: affinity says home.
     submit(q, "chat", 0.0, tier=TIER_REALTIME, prompt_tokens=600, max_tokens=100)
@@ -105,12 +106,13 @@ def test_a_realtime_hop_moves_away_from_a_prefill_backlog_when_its_context_is_sm
     # The chat's next turn: re-prefilling its 800 tokens elsewhere costs 0.05 s, waiting
     # behind 4 s of prefill at home much more.
     submit(q, "chat", 2.0, "1", tier=TIER_REALTIME, prompt_tokens=800, max_tokens=100, hop_index=1)
+    # By default it stays where its context is cached.
     (second,) = q.assign({"p": list(big.values())}, now=2.0)
-    assert second.worker_id == other
+    assert second.worker_id == (other if moves else home)
 
 
 def test_a_realtime_hop_keeps_its_worker_when_moving_would_cost_more() -> None:
-    q = queue()
+    q = queue(realtime_moves=True)
     submit(q, "chat", 0.0, tier=TIER_REALTIME, prompt_tokens=30_000, max_tokens=100)
     (first,) = q.assign(TWO, now=0.0)
     q.finished(first, 3.0, context_tokens=30_100, service_s=3.0)

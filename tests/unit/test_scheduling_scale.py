@@ -90,8 +90,9 @@ def replay_log(
         {},
         {"tiered_holds": True, "overload_control": True},
         {"strict_holds": True, "progress": "attained", "kv_retention": "fixed"},
+        {"realtime_moves": True},
     ],
-    ids=["default", "tiered-overload", "strict-attained"],
+    ids=["default", "tiered-overload", "strict-attained", "realtime-moves"],
 )
 def test_indexed_policy_decides_exactly_as_the_scan_over_the_pool(options: dict) -> None:
     indexed = replay_log(True, options)
@@ -199,7 +200,7 @@ def _view(rng: random.Random, pool: str, chain: int, hop: int, now: float) -> Ho
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 2**32 - 1),
-    options=st.sampled_from([{}, {"tiered_holds": True, "strict_holds": True}]),
+    options=st.sampled_from([{}, {"tiered_holds": True, "strict_holds": True}, {"realtime_moves": True}]),
 )
 def test_random_operations_give_identical_decisions_and_views(seed: int, options: dict) -> None:
     rng = random.Random(seed)

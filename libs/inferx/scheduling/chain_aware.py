@@ -36,10 +36,7 @@ until the hop arrives or the hold expires; the scheduler mirrors the hold with a
 memory-pool reservation under a lease.
 Realtime guard (`realtime_guard`): a continuous-batching engine runs every admitted
 sequence in each step, so a realtime hop's every token waits for the prefill chunks
-admitted with it and for reading the KV of every running sequence. So a realtime hop
-goes where it loses least (admitted prefill still to run + the re-prefill of what the
-worker lacks of its context + reading the others' KV), which moves short chats off a
-worker busy with a long prefill but keeps a long context where it is; and next to
+admitted with it and for reading the KV of every running sequence. So next to
 running realtime hops, a heavy prefill of another tier waits (at most `guard_wait_s`)
 and other tiers' running KV stays under `guard_kv_share` of the worker, and under
 what adds `guard_kv_read_steps` bare decode steps to each step there -- a cap scaled
@@ -48,7 +45,10 @@ realtime token can afford to read depends on what else slows it, which grows wit
 load) and back up with time on track -- while their chains still have slack (at
 most `guard_max_wait_s` per hop, and at most `guard_slack_share` of the chain's slack
 on arrival over all its hops). Tiers with slack give way, but a chain of many hops
-does not give way on every one of them.
+does not give way on every one of them. With `realtime_moves` (off by default) a
+realtime hop also goes where it loses least (admitted prefill still to run + the
+re-prefill of what the worker lacks of its context + reading the others' KV), which
+moves short chats off a worker busy with a long prefill.
 Admission: new batch chains wait while the pool is loaded past `batch_wait_load`
 (new standard chains past `standard_wait_load`), and are shed (RESOURCE_EXHAUSTED,
 with a retry hint) when the load is past `shed_load` and `shed_queue` batch hops per
@@ -226,7 +226,17 @@ class ChainAwareConfig:
     # the slack it had when it arrived (its deadline - arrival - expected path): a
     # chain of many hops gives way on each of them, so the bound is per chain.
     guard_slack_share: float = 0.5
-    realtime_move_margin_s: float = 0.2  # a realtime hop moves when that saves this much prefill wait
+    # A realtime hop moves off its chain's worker when another costs it less by
+    # `realtime_move_margin_s` (`_least_stalled`: prefill admitted ahead of it, the
+    # re-prefill of what that worker lacks of its context, reading the KV there for the
+    # request's max_tokens). Off by default: in steady state the moves cost more than
+    # they saved (3 seeds, docs/benchmarks.md "Realtime hops stay on their worker":
+    # mix 2.134 -> 2.278 chains/s without them, research 7B 0.0998 -> 0.107, H100 mix
+    # and the held-out h1 / h4 up too; the KV read is counted at max_tokens, several
+    # times a chat's reply, so chats left their cached contexts for workers that only
+    # looked less loaded).
+    realtime_moves: bool = False
+    realtime_move_margin_s: float = 0.2
     # Placing a chain of another tier, a worker's room score (its free share of KV and
     # slots) loses this times the share of the pool's hops in flight that are realtime
     # hops running there: other tiers' contexts gather where realtime runs least, so
@@ -1030,7 +1040,7 @@ class ChainAwarePolicy:
         if chosen is None or not self.config.realtime_guard:
             return chosen
         if hop.tier_rank == TIER_REALTIME:
-            return self._least_stalled(hop, workers, chosen, now)
+            return self._least_stalled(hop, workers, chosen, now) if self.config.realtime_moves else chosen
         if self._realtime_running.get(chosen):
             waited = now - queued.enqueued_at
             if (
