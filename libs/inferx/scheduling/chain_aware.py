@@ -231,10 +231,10 @@ class ChainAwareConfig:
     # re-prefill of what that worker lacks of its context, reading the KV there for the
     # request's max_tokens). Off by default: in steady state the moves cost more than
     # they saved (3 seeds, docs/benchmarks.md "Realtime hops stay on their worker":
-    # mix 2.134 -> 2.278 chains/s without them, research 7B 0.0998 -> 0.107, H100 mix
-    # and the held-out h1 / h4 up too; the KV read is counted at max_tokens, several
-    # times a chat's reply, so chats left their cached contexts for workers that only
-    # looked less loaded).
+    # mix 2.134 -> 2.278 chains/s without them, research 7B 0.0998 -> 0.107, coding
+    # 0.0231 -> 0.0242; mix 7B and the held-out h3 one bisection step down, the rest
+    # level). The KV read is counted at max_tokens, several times a chat's reply, so
+    # chats left their cached contexts for workers that only looked less loaded.
     realtime_moves: bool = False
     realtime_move_margin_s: float = 0.2
     # Placing a chain of another tier, a worker's room score (its free share of KV and
