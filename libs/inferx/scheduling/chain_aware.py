@@ -1049,8 +1049,10 @@ class ChainAwarePolicy:
             return self._least_stalled(hop, workers, chosen, now) if self.config.realtime_moves else chosen
         if self._realtime_running.get(chosen):
             waited = now - queued.enqueued_at
-            heavy_tokens = self.config.heavy_prefill_s * self._prefill_rate(hop.pool)
-            if self._prefill_estimate(hop, chosen) > heavy_tokens and waited < self.config.guard_wait_s:
+            if (
+                self._prefill_estimate(hop, chosen) > self.config.heavy_prefill_s * self._prefill_rate(hop.pool)
+                and waited < self.config.guard_wait_s
+            ):
                 return None  # its prefill would stall the realtime decodes there: wait for them
             worker = self._find(workers, chosen)
             assert worker is not None
