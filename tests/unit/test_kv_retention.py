@@ -254,7 +254,7 @@ def test_without_tiered_holds_realtime_waits_for_the_batch_hold_too() -> None:
 
 def guarded_queue(**config) -> DispatchQueue:
     q = DispatchQueue(
-        policy=ChainAwarePolicy(ChainAwareConfig(guard_kv_share=0.25, heavy_prefill_s=1e9, **config))
+        policy=ChainAwarePolicy(ChainAwareConfig(guard_kv_share=0.25, heavy_prefill_tokens=10**9, **config))
     )
     submit(q, "rt", 0.0, tier=TIER_REALTIME, prompt_tokens=500, max_tokens=100)
     q.assign(ONE, now=0.0)  # a realtime hop runs on "a" throughout

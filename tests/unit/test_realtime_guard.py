@@ -45,16 +45,6 @@ def test_a_long_prefill_waits_while_a_realtime_hop_decodes_there() -> None:
     assert [h.run_id for h in q.assign(ONE, now=4.1)] == ["big"]
 
 
-@pytest.mark.parametrize(("prefill_rate", "waits"), [(15_000, True), (60_000, False)])
-def test_heavy_is_a_prefill_time_not_a_token_count(prefill_rate: float, waits: bool) -> None:
-    """5,000 prompt tokens take 0.33 s on an engine prefilling 15k tokens/s (heavy: over
-    the 0.137 s that 2,048 tokens take there) and 0.08 s on one four times faster."""
-    q = queue(guard_wait_s=3.0, prefill_tokens_per_s=prefill_rate)
-    realtime_running_on_a(q)
-    submit(q, "big", 1.0, tier=TIER_BATCH, prompt_tokens=5_000, max_tokens=100)
-    assert [h.run_id for h in q.assign(ONE, now=1.0)] == ([] if waits else ["big"])
-
-
 def test_the_long_prefill_goes_as_soon_as_the_realtime_hop_is_done() -> None:
     q = queue()
     submit(q, "rt", 0.0, tier=TIER_REALTIME, prompt_tokens=500, max_tokens=100)
@@ -66,7 +56,7 @@ def test_the_long_prefill_goes_as_soon_as_the_realtime_hop_is_done() -> None:
 
 
 def test_other_tiers_kv_next_to_realtime_stays_under_its_share_while_they_have_slack() -> None:
-    q = queue(guard_kv_share=0.25, heavy_prefill_s=1e6)  # only the KV rule here
+    q = queue(guard_kv_share=0.25, heavy_prefill_tokens=1_000_000)  # only the KV rule here
     realtime_running_on_a(q)
     # 30k tokens of KV next to the realtime hop: over 25% of 100k.
     submit(q, "slack", 1.0, tier=TIER_BATCH, prompt_tokens=29_000, max_tokens=1_000, deadline=100.0)
@@ -90,7 +80,7 @@ def test_on_a_large_memory_the_cap_is_what_reading_the_kv_adds_to_a_decode_step(
     hop, 20 ms of reading added to a 10 ms step at 8e-8 s per token; one bare step's
     worth (0.010 / 8e-8 = 125k tokens) is the cap."""
     big = {"p": [WorkerSlots("a", 8, 1_000_000)]}
-    config = {"guard_kv_share": 0.25, "heavy_prefill_s": 1e9, "kv_read_s_per_token": 8e-8}
+    config = {"guard_kv_share": 0.25, "heavy_prefill_tokens": 10**9, "kv_read_s_per_token": 8e-8}
     for prompt, steps, goes in ((150_000, 1.0, False), (100_000, 1.0, True), (150_000, 2.0, True)):
         q = queue(decode_step_s=0.010, guard_kv_read_steps=steps, **config)
         submit(q, "rt", 0.0, tier=TIER_REALTIME, prompt_tokens=500, max_tokens=100)
@@ -151,7 +141,7 @@ def test_stretched_realtime_hops_shrink_the_kv_cap_and_time_on_track_restores_it
         q.finished(hop, start + took, context_tokens=600, service_s=took)
 
     def batch_goes_after(*took: float, adaptive: bool = True, recovered_at: float | None = None) -> bool:
-        q = queue(guard_kv_share=0.25, heavy_prefill_s=1e9, guard_adaptive=adaptive)  # cap 25k of 100k
+        q = queue(guard_kv_share=0.25, heavy_prefill_tokens=10**9, guard_adaptive=adaptive)  # cap 25k of 100k
         now = 0.0
         for seconds in took:  # realtime hops one after another, 100 tokens each
             realtime_hop(q, f"rt{now}", now, seconds)

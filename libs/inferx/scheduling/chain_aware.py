@@ -198,13 +198,7 @@ class ChainAwareConfig:
     # Realtime guard: a decode step carries the prefill chunks of everything admitted with
     # it, so a long prefill next to a realtime hop stalls every one of its tokens.
     realtime_guard: bool = True
-    # A non-realtime hop whose prefill takes longer than this is "heavy" (at the pool's
-    # prefill rate, as learned): 2,048 tokens on Llama-3-8B / A100 (15k tokens/s). In
-    # seconds, not tokens: what a realtime decode loses is the time the prefill's chunks
-    # ride in its steps, and a faster engine prefills more tokens in that time (a fixed
-    # 2,048 tokens on the H100 profile held back prefills that cost realtime little:
-    # docs/benchmarks.md, "A held-out engine").
-    heavy_prefill_s: float = 2048 / 15_000
+    heavy_prefill_tokens: int = 2048  # a non-realtime hop prefilling more than this is "heavy"
     guard_wait_s: float = 3.0  # a heavy hop waits this long at most for its worker's realtime hops
     # Every decode step reads the KV of every running sequence: next to realtime hops,
     # other tiers' running KV stays under this share of the worker's capacity (room for
@@ -1050,7 +1044,7 @@ class ChainAwarePolicy:
         if self._realtime_running.get(chosen):
             waited = now - queued.enqueued_at
             if (
-                self._prefill_estimate(hop, chosen) > self.config.heavy_prefill_s * self._prefill_rate(hop.pool)
+                self._prefill_estimate(hop, chosen) > self.config.heavy_prefill_tokens
                 and waited < self.config.guard_wait_s
             ):
                 return None  # its prefill would stall the realtime decodes there: wait for them
