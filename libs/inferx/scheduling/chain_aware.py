@@ -233,8 +233,10 @@ class ChainAwareConfig:
     # they saved (3 seeds, docs/benchmarks.md "Realtime hops stay on their worker":
     # mix 2.134 -> 2.278 chains/s without them, research 7B 0.0998 -> 0.107, coding
     # 0.0231 -> 0.0242; mix 7B and the held-out h3 one bisection step down, the rest
-    # level). The KV read is counted at max_tokens, several times a chat's reply, so
-    # chats left their cached contexts for workers that only looked less loaded.
+    # level): chats left their cached contexts for workers that only looked less
+    # loaded. Not only because the KV read is counted at max_tokens (several times a
+    # chat's reply): priced at a learned reply length the moves still lost (mix seed 1
+    # 2.484 against 2.594, research 7B median 0.0927 against 0.107).
     realtime_moves: bool = False
     realtime_move_margin_s: float = 0.2
     # Placing a chain of another tier, a worker's room score (its free share of KV and
